@@ -1,0 +1,60 @@
+"""Which implementation runs an op: Triton kernels or the pure-torch reference (DESIGN.md).
+
+Kernels run on CUDA devices of compute capability >= 9.0; everything else, and any run with
+`QMOE_BACKEND=reference`, uses `qmoe.reference`. The environment is read per call, so tests
+and users can switch backends without re-importing.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+
+import torch
+
+
+def backend_override() -> str | None:
+    v = os.environ.get("QMOE_BACKEND", "").strip().lower()
+    if v in ("", "auto"):
+        return None
+    if v not in ("reference", "triton"):
+        raise ValueError(f"QMOE_BACKEND={v!r} is not a backend; use 'reference', 'triton' or leave it unset")
+    return v
+
+
+@functools.lru_cache(maxsize=None)
+def _device_has_kernels(index: int) -> bool:
+    if torch.cuda.get_device_capability(index) < (9, 0):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_kernels(*tensors: torch.Tensor) -> bool:
+    """True when every tensor is on a CUDA device that runs qmoe's Triton kernels."""
+    if backend_override() == "reference":
+        return False
+    devices = {t.device for t in tensors if isinstance(t, torch.Tensor)}
+    if not devices or any(d.type != "cuda" for d in devices):
+        return False
+    return all(_device_has_kernels(d.index if d.index is not None else torch.cuda.current_device())
+               for d in devices)
+
+
+def implementation(family: str, name: str, *tensors: torch.Tensor):
+    """`qmoe.kernels.<family>.<name>` when kernels apply and exist, else `qmoe.reference.<family>.<name>`.
+
+    Kernel and reference twins share names and signatures, so a kernel that lands is picked up
+    here without touching its callers.
+    """
+    if use_kernels(*tensors):
+        try:
+            mod = importlib.import_module(f"qmoe.kernels.{family}")
+        except ImportError:
+            mod = None
+        if mod is not None and hasattr(mod, name):
+            return getattr(mod, name)
+    return getattr(importlib.import_module(f"qmoe.reference.{family}"), name)

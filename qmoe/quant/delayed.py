@@ -1,0 +1,134 @@
+"""Delayed scaling state: an amax history and a scale per quantizer slot (NUMERICS.md).
+
+A quantize call uses the current scale and records max|x| in the newest history entry; the
+update (reduce over ranks, roll, new scale) runs when the outermost `qmoe.autocast` region
+exits (forward slots) or after the backward pass (backward slots). Regions are tracked with
+ContextVars that `qmoe.autocast` opens, so this layer never imports the one above it.
+"""
+from __future__ import annotations
+
+import contextvars
+
+import torch
+
+from qmoe.formats import FLT_MAX
+
+# Slots that recorded an amax inside the current outermost autocast region (None outside one).
+_PENDING_FORWARD: contextvars.ContextVar[list | None] = contextvars.ContextVar("qmoe_pending_forward",
+                                                                               default=None)
+_PENDING_BACKWARD: list[tuple["DelayedScalingState", object]] = []
+
+
+class DelayedScalingState:
+    """History [L] (or [L, G] for a grouped slot) and scale [] (or [G]) of one quantizer slot."""
+
+    def __init__(self, fmt_max: float, history_len: int, margin: int, algo: str, reduce_amax: bool):
+        self.fmt_max, self.history_len, self.margin = fmt_max, history_len, margin
+        self.algo, self.reduce_amax = algo, reduce_amax
+        self.scale: torch.Tensor | None = None
+        self.amax_history: torch.Tensor | None = None
+
+    def ensure(self, device: torch.device, num_groups: int | None) -> None:
+        """Create fresh state (scale 1, zero history) or move it; the slot shape is fixed once made."""
+        shape = () if num_groups is None else (num_groups,)
+        if self.scale is None:
+            self.scale = torch.ones(shape, dtype=torch.float32, device=device)
+            self.amax_history = torch.zeros((self.history_len, *shape), dtype=torch.float32, device=device)
+        elif tuple(self.scale.shape) != shape:
+            have = "one tensor" if self.scale.dim() == 0 else f"{self.scale.shape[0]} groups"
+            want = "one tensor" if num_groups is None else f"{num_groups} groups"
+            raise ValueError(f"this delayed-scaling quantizer keeps state for {have} but was asked to quantize "
+                             f"{want}; use one quantizer (recipe.quantizer(role)) per use")
+        elif self.scale.device != device:
+            self.scale = self.scale.to(device)
+            self.amax_history = self.amax_history.to(device)
+
+    def record(self, amax: torch.Tensor) -> None:
+        """Fold this call's amax into the newest history entry (max over calls in one step)."""
+        self.amax_history[0] = torch.maximum(self.amax_history[0], amax.to(self.amax_history.dtype))
+
+    def update(self) -> None:
+        """Roll the window and recompute the scale; slots whose newest amax is 0 stay as they are."""
+        hist = self.amax_history
+        newest = hist[0]
+        active = newest != 0
+        amax = hist.amax(dim=0) if self.algo == "max" else newest.clone()
+        rolled = torch.roll(hist, -1, 0) if hist.shape[0] > 1 else hist.clone()
+        rolled[0] = 0
+        hist.copy_(torch.where(active, rolled, hist))
+        new_scale = self.fmt_max / amax
+        new_scale = torch.where(new_scale == float("inf"), torch.full_like(new_scale, FLT_MAX), new_scale)
+        new_scale = new_scale / (2.0 ** self.margin)
+        ok = active & torch.isfinite(amax) & (amax > 0)
+        self.scale.copy_(torch.where(ok, new_scale, self.scale))
+
+
+def _world_size(group) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def update_delayed_scaling(states: list[DelayedScalingState], group=None) -> None:
+    """Reduce the newest amaxes (MAX over `group`, one collective for all slots) and update every slot."""
+    states = list(dict.fromkeys(s for s in states if s.scale is not None))  # dedupe, keep order
+    if not states:
+        return
+    reduce = [s for s in states if s.reduce_amax]
+    if reduce and group is not None and _world_size(group) > 1:
+        import torch.distributed as dist
+
+        flat = torch.cat([s.amax_history[0].reshape(-1) for s in reduce])
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+        i = 0
+        for s in reduce:
+            n = s.amax_history[0].numel()
+            s.amax_history[0] = flat[i:i + n].reshape(s.amax_history[0].shape)
+            i += n
+    for s in states:
+        s.update()
+
+
+def register_forward(state: DelayedScalingState) -> None:
+    pending = _PENDING_FORWARD.get()
+    if pending is not None:
+        pending.append(state)
+
+
+def open_forward_region() -> contextvars.Token:
+    return _PENDING_FORWARD.set([])
+
+
+def close_forward_region(token: contextvars.Token, group=None) -> None:
+    pending = _PENDING_FORWARD.get()
+    _PENDING_FORWARD.reset(token)
+    update_delayed_scaling(pending or [], group)
+
+
+def in_forward_region() -> bool:
+    return _PENDING_FORWARD.get() is not None
+
+
+def register_backward(state: DelayedScalingState, group=None) -> None:
+    """Schedule a backward slot's update for the end of the running backward pass.
+
+    Outside a backward pass (a direct quantize call) the slot is updated at once.
+    """
+    first = not _PENDING_BACKWARD
+    _PENDING_BACKWARD.append((state, group))
+    if not first:
+        return
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(flush_backward)
+    except RuntimeError:
+        flush_backward()
+
+
+def flush_backward() -> None:
+    pending = list(_PENDING_BACKWARD)
+    _PENDING_BACKWARD.clear()
+    by_group: dict[int, tuple[object, list]] = {}
+    for state, group in pending:
+        by_group.setdefault(id(group), (group, []))[1].append(state)
+    for group, states in by_group.values():
+        update_delayed_scaling(states, group)

@@ -1,0 +1,148 @@
+"""GroupedTensor: all experts' quantized rows, columnwise copies and scales in single buffers.
+
+Group g owns rows offsets[g]:offsets[g+1] of the packed input and is quantized exactly as if
+it were alone (per-group amax and scales; no block crosses a group boundary). Split sizes stay
+on the device; layouts are described in `qmoe/reference/grouped_quantize.py`.
+"""
+from __future__ import annotations
+
+import torch
+
+from qmoe.formats import pack_e2m1, unpack_e2m1
+from qmoe.quant.quantizer import NVFP4Quantizer, Quantizer, check_float_input
+from qmoe.quant.tensor import QuantizedTensor
+from qmoe.reference.grouped_quantize import group_scale_offsets
+
+
+def check_split_sizes(split_sizes, num_rows: int, device: torch.device, validate: bool = True) -> torch.Tensor:
+    """Split sizes as an int64 tensor on `device`; with `validate`, check sign and sum (syncs if on a GPU)."""
+    if isinstance(split_sizes, (list, tuple)):
+        if not all(isinstance(s, int) and not isinstance(s, bool) for s in split_sizes):
+            raise TypeError(f"split_sizes must hold Python ints, got {split_sizes!r}")
+        split_sizes = torch.tensor(split_sizes, dtype=torch.int64)
+    if not isinstance(split_sizes, torch.Tensor):
+        raise TypeError(f"split_sizes must be a list of ints or an integer tensor, got {type(split_sizes).__name__}")
+    if split_sizes.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"split_sizes must have dtype int32 or int64, got {split_sizes.dtype}")
+    if split_sizes.dim() != 1 or split_sizes.numel() == 0:
+        raise ValueError(f"split_sizes must be a non-empty 1-D tensor [G], got shape {tuple(split_sizes.shape)}")
+    if split_sizes.device.type != "cpu" and split_sizes.device != device:
+        raise ValueError(f"split_sizes is on {split_sizes.device} but the input is on {device}; "
+                         f"keep them on the same device")
+    if validate:
+        host = split_sizes.tolist()  # a host sync for device splits: callers with trusted splits pass validate=False
+        if any(s < 0 for s in host):
+            raise ValueError(f"split_sizes must be non-negative, got {host}")
+        if sum(host) != num_rows:
+            raise ValueError(f"split_sizes sum to {sum(host)} but the input has {num_rows} rows")
+    return split_sizes.to(device=device, dtype=torch.int64)
+
+
+class GroupedTensor:
+    """Quantized data of G groups of rows of one [sum M_g, K] tensor, in grouped layouts.
+
+    rowwise_data: [sum M, K] (NVFP4: [sum M, K/2]); columnwise_data: [K, sum M] (NVFP4: [K, sum M / 2]).
+    rowwise_scale_inv / columnwise_scale_inv: [G] per-tensor scales, or grouped block scales whose
+    per-group start is `rowwise_scale_offsets` / `columnwise_scale_offsets` ([G+1], device).
+    amax / columnwise_amax: [G] NVFP4 tensor amaxes.
+    """
+
+    def __init__(self, quantizer: Quantizer, shape: torch.Size, dtype: torch.dtype, split_sizes: torch.Tensor,
+                 rowwise_data=None, rowwise_scale_inv=None, columnwise_data=None, columnwise_scale_inv=None,
+                 amax=None, columnwise_amax=None):
+        self.quantizer, self.shape, self.dtype = quantizer, torch.Size(shape), dtype
+        self.split_sizes = split_sizes
+        self.offsets = torch.cat((split_sizes.new_zeros(1), split_sizes.cumsum(0)))
+        self.rowwise_data, self.rowwise_scale_inv = rowwise_data, rowwise_scale_inv
+        self.columnwise_data, self.columnwise_scale_inv = columnwise_data, columnwise_scale_inv
+        self.amax, self.columnwise_amax = amax, columnwise_amax
+        block = quantizer.block
+        self.rowwise_scale_offsets = (group_scale_offsets(split_sizes, block[0])
+                                      if block is not None and block[0] > 1 else None)
+        self.columnwise_scale_offsets = (group_scale_offsets(split_sizes, block[1])
+                                         if block is not None else None)
+
+    @property
+    def num_groups(self) -> int:
+        return self.split_sizes.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.split_sizes.device
+
+    @classmethod
+    def quantize(cls, x: torch.Tensor, split_sizes, quantizer: Quantizer, rowwise: bool = True,
+                 columnwise: bool = True, validate: bool = True) -> "GroupedTensor":
+        """Quantize x [sum M_g, K] group by group with `quantizer`.
+
+        split_sizes: [G] int tensor (on x's device, or the host) or a list of ints; zeros allowed.
+        validate=False skips the sign/sum check, which reads device splits on the host; pass it
+        only for splits that are valid by construction (e.g. from `qmoe.ops.moe_permute`).
+
+        >>> q = MXFP8BlockScaling().quantizer("input")
+        >>> gt = GroupedTensor.quantize(torch.randn(96, 64), [32, 0, 64], q)
+        >>> gt.split()[2].rowwise_data.shape
+        torch.Size([64, 64])
+        """
+        check_float_input(x, "GroupedTensor.quantize")
+        if not isinstance(quantizer, Quantizer):
+            raise TypeError(f"quantizer must be a qmoe Quantizer (recipe.quantizer(role)), got {quantizer!r}")
+        if x.dim() != 2:
+            raise ValueError(f"GroupedTensor.quantize needs a 2-D input [sum M_g, K], got shape {tuple(x.shape)}")
+        if not (rowwise or columnwise):
+            raise ValueError("GroupedTensor.quantize needs rowwise=True, columnwise=True or both")
+        splits = check_split_sizes(split_sizes, x.shape[0], x.device, validate)
+        quantizer.check_shape(x.shape[0], x.shape[1], rowwise, columnwise)
+        parts = quantizer._quantize_grouped(x, splits, rowwise, columnwise)
+        return cls(quantizer, x.shape, x.dtype, splits, **parts)
+
+    # ---- per-group views
+    def _host_bounds(self):
+        off = self.offsets.tolist()
+        return list(zip(off[:-1], off[1:]))
+
+    def _group_scales(self, scales, g, a, b, columnwise: bool):
+        q = self.quantizer
+        if scales is None:
+            return None
+        if q.block is None:
+            return scales[g]
+        br, bc = q.block
+        if br == 1:
+            if not columnwise:
+                return scales[a:b]
+            s = int(self.columnwise_scale_offsets[g])
+            return scales[:, s:s + -(-(b - a) // bc)]
+        s = int(self.rowwise_scale_offsets[g])
+        n = -(-(b - a) // br)
+        return scales[:, s:s + n] if columnwise else scales[s:s + n]
+
+    def split(self) -> list[QuantizedTensor]:
+        """One QuantizedTensor per group, in canonical layouts (reads the split sizes on the host)."""
+        fp4 = isinstance(self.quantizer, NVFP4Quantizer)
+        out = []
+        for g, (a, b) in enumerate(self._host_bounds()):
+            row = col = None
+            if self.rowwise_data is not None:
+                row = self.rowwise_data[a:b]
+            if self.columnwise_data is not None:
+                col = (pack_e2m1(unpack_e2m1(self.columnwise_data)[:, a:b].contiguous()) if fp4
+                       else self.columnwise_data[:, a:b])
+            out.append(QuantizedTensor(
+                self.quantizer, torch.Size((b - a, self.shape[1])), self.dtype,
+                rowwise_data=row, rowwise_scale_inv=self._group_scales(self.rowwise_scale_inv, g, a, b, False),
+                columnwise_data=col,
+                columnwise_scale_inv=self._group_scales(self.columnwise_scale_inv, g, a, b, True),
+                amax=self.amax[g] if self.amax is not None else None,
+                columnwise_amax=self.columnwise_amax[g] if self.columnwise_amax is not None else None))
+        return out
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, columnwise: bool = False) -> torch.Tensor:
+        """[sum M, K] high-precision values (columnwise=True: the [K, sum M] transposed copies)."""
+        parts = [t.dequantize(dtype, columnwise=columnwise) for t in self.split()]
+        return torch.cat(parts, 1 if columnwise else 0)
+
+    def __repr__(self) -> str:
+        return (f"GroupedTensor(num_groups={self.num_groups}, shape={tuple(self.shape)}, "
+                f"quantizer={self.quantizer!r}, rowwise={self.rowwise_data is not None}, "
+                f"columnwise={self.columnwise_data is not None})")

@@ -1,0 +1,255 @@
+"""One Quantizer per format: FP8 per tensor (current / delayed), FP8 blocks, MXFP8, NVFP4.
+
+A quantizer knows its element format, block shape and scale layout; callers ask it
+(`block`, `scale_shape`, `quantize`, `dequantize`) instead of asking which recipe is active.
+Every compute step goes through `qmoe.backend.implementation`, which picks the Triton kernel
+on sm90+ GPUs and the reference (the spec) elsewhere, with identical signatures.
+"""
+from __future__ import annotations
+
+import torch
+
+from qmoe.backend import implementation
+from qmoe.formats import E2M1, FP8_BLOCK, MXFP8_BLOCK, NVFP4_BLOCK, RHT_SIZE, ElementFormat, ScaleMode, ceil_div
+from qmoe.quant.delayed import DelayedScalingState, in_forward_region, register_backward, register_forward
+from qmoe.quant.tensor import QuantizedTensor
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_float_input(x, what: str = "quantize") -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what} needs a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{what} needs a float32, bfloat16 or float16 tensor, got {x.dtype}; "
+                        f"convert with x.float() first")
+    if x.dim() < 2:
+        raise ValueError(f"{what} needs a tensor of at least 2 dimensions [..., K], got shape {tuple(x.shape)}; "
+                         f"use x.reshape(1, -1) for a single row")
+
+
+class Quantizer:
+    """Base class: validation and the QuantizedTensor plumbing shared by every format."""
+
+    fmt: ElementFormat
+    block: tuple[int, int] | None = None  # rowwise block (rows, cols); None = one scale per tensor
+
+    def __init__(self, role: str, fmt: ElementFormat):
+        self.role, self.fmt = role, fmt
+
+    # ---- public
+    def quantize(self, x: torch.Tensor, rowwise: bool = True, columnwise: bool = True) -> QuantizedTensor:
+        """Quantize x [..., K] (leading dims flatten into M); columnwise is the quantized transpose [K, M]."""
+        check_float_input(x)
+        if not (rowwise or columnwise):
+            raise ValueError("quantize needs rowwise=True, columnwise=True or both")
+        x2d = x.reshape(-1, x.shape[-1])
+        self.check_shape(*x2d.shape, rowwise=rowwise, columnwise=columnwise)
+        parts = self._quantize_2d(x2d, rowwise, columnwise)
+        return QuantizedTensor(self, x.shape, x.dtype, **parts)
+
+    def scale_shape(self, m: int, k: int) -> tuple[int, ...]:
+        """Canonical scale shape of the rowwise data of an [m, k] tensor (columnwise: scale_shape(k, m))."""
+        if self.block is None:
+            return ()
+        br, bc = self.block
+        return (ceil_div(m, br), ceil_div(k, bc))
+
+    def check_shape(self, m: int, k: int, rowwise: bool, columnwise: bool) -> None:
+        """Raise ValueError for shapes this format cannot hold (before any work runs)."""
+
+    def dequantize(self, qt: QuantizedTensor, dtype=torch.float32, columnwise: bool = False) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _quantize_2d(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> dict:
+        raise NotImplementedError
+
+    def _quantize_grouped(self, x: torch.Tensor, splits: torch.Tensor, rowwise: bool, columnwise: bool) -> dict:
+        """GroupedTensor parts for x [sum M_g, K] split by `splits` [G] (device int64)."""
+        raise NotImplementedError
+
+    def _impl(self, family: str, name: str, *tensors):
+        return implementation(family, name, *tensors)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(role={self.role!r}, fmt={self.fmt})"
+
+
+class Float8CurrentQuantizer(Quantizer):
+    """FP8 with one scale per tensor from the tensor's own amax."""
+
+    def __init__(self, role, fmt, power_2_scale: bool = False, amax_epsilon: float = 0.0):
+        super().__init__(role, fmt)
+        self.power_2_scale, self.amax_epsilon = power_2_scale, amax_epsilon
+
+    def compute_scale(self, amax: torch.Tensor) -> torch.Tensor:
+        return self._impl("quantize", "compute_fp8_scale", amax)(amax, self.fmt.max, self.power_2_scale,
+                                                                 self.amax_epsilon)
+
+    def _scale_for(self, x: torch.Tensor) -> torch.Tensor:
+        return self.compute_scale(self._impl("quantize", "tensor_amax", x)(x))
+
+    def _quantize_2d(self, x, rowwise, columnwise):
+        scale = self._scale_for(x)
+        row, col, amax = self._impl("quantize", "quantize_fp8_tensorwise", x)(x, scale, self.fmt, rowwise, columnwise)
+        self._recorded(amax)
+        scale_inv = 1.0 / scale
+        return dict(rowwise_data=row, rowwise_scale_inv=scale_inv if rowwise else None,
+                    columnwise_data=col, columnwise_scale_inv=scale_inv if columnwise else None)
+
+    def _recorded(self, amax: torch.Tensor) -> None:
+        """Hook for delayed scaling, which keeps the amax it did not use."""
+
+    def _grouped_scales(self, x, splits):
+        return self.compute_scale(self._impl("grouped_quantize", "grouped_tensor_amax", x)(x, splits))
+
+    def _quantize_grouped(self, x, splits, rowwise, columnwise):
+        scales = self._grouped_scales(x, splits)
+        row, col, amax = self._impl("grouped_quantize", "grouped_quantize_fp8_tensorwise", x)(
+            x, splits, scales, self.fmt, rowwise, columnwise)
+        self._recorded(amax)
+        inv = 1.0 / scales
+        return dict(rowwise_data=row, rowwise_scale_inv=inv if rowwise else None,
+                    columnwise_data=col, columnwise_scale_inv=inv if columnwise else None)
+
+    def dequantize(self, qt, dtype=torch.float32, columnwise=False):
+        data, si = ((qt.columnwise_data, qt.columnwise_scale_inv) if columnwise
+                    else (qt.rowwise_data, qt.rowwise_scale_inv))
+        return self._impl("quantize", "dequantize_fp8_tensorwise", data)(data, si, dtype)
+
+
+class Float8DelayedQuantizer(Float8CurrentQuantizer):
+    """FP8 per tensor with the slot's scale from past amaxes; records this call's amax."""
+
+    def __init__(self, role, fmt, history_len: int = 1024, margin: int = 0, algo: str = "max",
+                 reduce_amax: bool = True):
+        super().__init__(role, fmt)
+        self.state = DelayedScalingState(fmt.max, history_len, margin, algo, reduce_amax)
+        self.amax_reduction_group = None
+
+    @property
+    def scale(self) -> torch.Tensor | None:
+        return self.state.scale
+
+    @property
+    def amax_history(self) -> torch.Tensor | None:
+        return self.state.amax_history
+
+    def _scale_for(self, x):
+        self.state.ensure(x.device, None)
+        return self.state.scale.clone()  # the scale in force for this call, kept with its data
+
+    def _grouped_scales(self, x, splits):
+        self.state.ensure(x.device, splits.numel())
+        return self.state.scale.clone()
+
+    def _recorded(self, amax):
+        self.state.record(amax)
+        if self.role == "grad_output" and not in_forward_region():
+            register_backward(self.state, self.amax_reduction_group)
+        else:
+            register_forward(self.state)
+
+    def update_scale(self, group=None) -> None:
+        """Apply the pending amax now (what autocast does at region exit), reducing over `group`."""
+        from qmoe.quant.delayed import update_delayed_scaling
+
+        update_delayed_scaling([self.state], group)
+
+
+class Float8BlockQuantizer(Quantizer):
+    """FP8 with an fp32 scale per 1x128 row block (activations, gradients) or 128x128 tile (weights)."""
+
+    def __init__(self, role, fmt, block_rows: int, power_2_scale: bool = True, amax_epsilon: float = 0.0):
+        super().__init__(role, fmt)
+        self.block = (block_rows, FP8_BLOCK)
+        self.power_2_scale, self.amax_epsilon = power_2_scale, amax_epsilon
+
+    def _quantize_2d(self, x, rowwise, columnwise):
+        row, row_si, col, col_si = self._impl("quantize", "quantize_fp8_block", x)(
+            x, self.block[0], self.block[1], self.fmt, self.power_2_scale, self.amax_epsilon, rowwise, columnwise)
+        return dict(rowwise_data=row, rowwise_scale_inv=row_si, columnwise_data=col, columnwise_scale_inv=col_si)
+
+    def _quantize_grouped(self, x, splits, rowwise, columnwise):
+        row, rs, col, cs = self._impl("grouped_quantize", "grouped_quantize_fp8_block", x)(
+            x, splits, self.block[0], self.block[1], self.fmt, self.power_2_scale, self.amax_epsilon,
+            rowwise, columnwise)
+        return dict(rowwise_data=row, rowwise_scale_inv=rs, columnwise_data=col, columnwise_scale_inv=cs)
+
+    def dequantize(self, qt, dtype=torch.float32, columnwise=False):
+        data, si = ((qt.columnwise_data, qt.columnwise_scale_inv) if columnwise
+                    else (qt.rowwise_data, qt.rowwise_scale_inv))
+        return self._impl("quantize", "dequantize_fp8_block", data)(data, si, self.block[0], self.block[1], dtype)
+
+
+class MXFP8Quantizer(Quantizer):
+    """MXFP8: an E8M0 (power-of-two) scale per 32 consecutive values."""
+
+    def __init__(self, role, fmt, scale_mode: ScaleMode = ScaleMode.ROUND_UP):
+        super().__init__(role, fmt)
+        self.block = (1, MXFP8_BLOCK)
+        self.scale_mode = scale_mode
+
+    def _quantize_2d(self, x, rowwise, columnwise):
+        row, row_s, col, col_s = self._impl("quantize", "quantize_mxfp8", x)(
+            x, self.fmt, self.scale_mode, rowwise, columnwise)
+        return dict(rowwise_data=row, rowwise_scale_inv=row_s, columnwise_data=col, columnwise_scale_inv=col_s)
+
+    def _quantize_grouped(self, x, splits, rowwise, columnwise):
+        row, rs, col, cs = self._impl("grouped_quantize", "grouped_quantize_mxfp8", x)(
+            x, splits, self.fmt, self.scale_mode, rowwise, columnwise)
+        return dict(rowwise_data=row, rowwise_scale_inv=rs, columnwise_data=col, columnwise_scale_inv=cs)
+
+    def dequantize(self, qt, dtype=torch.float32, columnwise=False):
+        data, s = ((qt.columnwise_data, qt.columnwise_scale_inv) if columnwise
+                   else (qt.rowwise_data, qt.rowwise_scale_inv))
+        return self._impl("quantize", "dequantize_mxfp8", data)(data, s, dtype)
+
+
+class NVFP4Quantizer(Quantizer):
+    """NVFP4: E2M1 values, E4M3 scale per 1x16 (16x16 for weights), fp32 tensor amax.
+
+    `rht` applies the random Hadamard transform to the columnwise (wgrad) copy; `stochastic`
+    rounds with random draws from `generator` (set it, e.g. torch.Generator().manual_seed(0),
+    to reproduce a run).
+    """
+
+    def __init__(self, role, block_2d: bool = False, rht: bool = False, stochastic: bool = False,
+                 generator: torch.Generator | None = None):
+        super().__init__(role, E2M1)
+        self.block = (NVFP4_BLOCK, NVFP4_BLOCK) if block_2d else (1, NVFP4_BLOCK)
+        self.block_2d, self.rht, self.stochastic, self.generator = block_2d, rht, stochastic, generator
+
+    def check_shape(self, m, k, rowwise, columnwise):
+        if rowwise and k % 2:
+            raise ValueError(f"NVFP4 packs two values per byte: the last dimension K={k} must be even")
+        if columnwise and m % 2:
+            raise ValueError(f"NVFP4's columnwise copy packs two rows per byte: M={m} rows must be even; "
+                             f"pad the rows (align_size) or quantize with columnwise=False")
+        if columnwise and self.rht and m % RHT_SIZE:
+            raise ValueError(f"the random Hadamard transform of the columnwise copy needs M={m} to be a multiple "
+                             f"of {RHT_SIZE}; pad the rows or use NVFP4BlockScaling(disable_rht=True)")
+
+    def _generator_for(self, x):
+        g = self.generator
+        if self.stochastic and g is not None and g.device != x.device:
+            raise ValueError(f"the stochastic-rounding generator is on {g.device} but the tensor is on {x.device}; "
+                             f"create it with torch.Generator(device=x.device)")
+        return g
+
+    def _quantize_2d(self, x, rowwise, columnwise):
+        row, row_s, amax, col, col_s, col_amax = self._impl("quantize_nvfp4", "quantize_nvfp4", x)(
+            x, self.block_2d, rowwise, columnwise, self.rht, self.stochastic, self._generator_for(x))
+        return dict(rowwise_data=row, rowwise_scale_inv=row_s, columnwise_data=col, columnwise_scale_inv=col_s,
+                    amax=amax, columnwise_amax=col_amax)
+
+    def _quantize_grouped(self, x, splits, rowwise, columnwise):
+        row, rs, amax, col, cs, camax = self._impl("grouped_quantize", "grouped_quantize_nvfp4", x)(
+            x, splits, self.block_2d, rowwise, columnwise, self.rht, self.stochastic, self._generator_for(x))
+        return dict(rowwise_data=row, rowwise_scale_inv=rs, columnwise_data=col, columnwise_scale_inv=cs,
+                    amax=amax, columnwise_amax=camax)
+
+    def dequantize(self, qt, dtype=torch.float32, columnwise=False):
+        data, s, amax = ((qt.columnwise_data, qt.columnwise_scale_inv, qt.columnwise_amax) if columnwise
+                         else (qt.rowwise_data, qt.rowwise_scale_inv, qt.amax))
+        return self._impl("quantize_nvfp4", "dequantize_nvfp4", data)(data, s, amax, self.block_2d, dtype)

@@ -1,0 +1,222 @@
+"""Reference top-k router: the executable specification of `qmoe.kernels.router`.
+
+Dimensions: T tokens, E experts, K top-k (experts chosen per token), G expert groups.
+
+Everything is float32 whatever the logits dtype, readable before fast, and differentiable
+through plain autograd (the kernels' hand-written backward is tested against it). Ties in
+selection go to the lower index (experts, and groups), which is why selection uses a stable
+descending sort rather than `torch.topk`, whose tie order is unspecified.
+"""
+from __future__ import annotations
+
+import enum
+import math
+
+import torch
+
+# A normalised sum over the chosen experts adds this so an all-zero selection stays finite.
+NORMALIZE_EPS = 1e-20
+
+
+class ScoreFunction(str, enum.Enum):
+    """How router logits become scores (parsed once from the public string argument)."""
+
+    SOFTMAX = "softmax"
+    SIGMOID = "sigmoid"
+    SQRTSOFTPLUS = "sqrtsoftplus"  # sqrt(softplus(x)): positive, and grows like sqrt(x)
+
+
+def parse_score_function(score_function) -> ScoreFunction:
+    try:
+        return ScoreFunction(score_function)
+    except ValueError:
+        names = ", ".join(repr(s.value) for s in ScoreFunction)
+        raise ValueError(f"score_function={score_function!r} is unknown; use one of {names}") from None
+
+
+def check_topk_route_args(logits, top_k, score_function, pre_softmax, num_groups, group_topk,
+                          scaling_factor, expert_bias) -> ScoreFunction:
+    """Validate `topk_route` arguments (shapes and dtypes only: never reads values)."""
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        raise TypeError(f"logits must be a floating-point tensor [T, E], got "
+                        f"{getattr(logits, 'dtype', type(logits).__name__)}")
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be 2-D [T, E], got shape {tuple(logits.shape)}; "
+                         "flatten leading dimensions with logits.reshape(-1, num_experts)")
+    num_experts = logits.shape[1]
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
+    fn = parse_score_function(score_function)
+    if pre_softmax and fn is not ScoreFunction.SOFTMAX:
+        raise ValueError(f"pre_softmax=True only applies to score_function='softmax', got {fn.value!r}")
+    if (num_groups is None) != (group_topk is None):
+        raise ValueError("group-limited routing needs both num_groups and group_topk "
+                         f"(got num_groups={num_groups!r}, group_topk={group_topk!r})")
+    if num_groups is not None:
+        if not isinstance(num_groups, int) or num_groups < 1 or num_experts % num_groups:
+            raise ValueError(f"num_groups={num_groups!r} must be a positive int dividing "
+                             f"num_experts={num_experts}")
+        if not isinstance(group_topk, int) or not 1 <= group_topk <= num_groups:
+            raise ValueError(f"group_topk={group_topk!r} must be an int in [1, num_groups={num_groups}]")
+        if top_k % group_topk:
+            raise ValueError(f"top_k={top_k} must be a multiple of group_topk={group_topk}: a group's "
+                             "score is the sum of its top (top_k // group_topk) experts")
+        if group_topk * (num_experts // num_groups) < top_k:
+            raise ValueError(f"group_topk={group_topk} groups of {num_experts // num_groups} experts "
+                             f"hold fewer than top_k={top_k} experts; raise group_topk")
+    if scaling_factor is not None and not isinstance(scaling_factor, (int, float)):
+        raise TypeError(f"scaling_factor must be a Python number or None, got {type(scaling_factor).__name__}")
+    if expert_bias is not None:
+        if not isinstance(expert_bias, torch.Tensor) or not expert_bias.is_floating_point():
+            raise TypeError("expert_bias must be a floating-point tensor [E] (fp32 recommended)")
+        if tuple(expert_bias.shape) != (num_experts,):
+            raise ValueError(f"expert_bias must have shape [E]=({num_experts},), got {tuple(expert_bias.shape)}")
+        if expert_bias.device != logits.device:
+            raise ValueError(f"expert_bias is on {expert_bias.device} but logits on {logits.device}; "
+                             "move them to the same device")
+    return fn
+
+
+def compute_scores(logits: torch.Tensor, fn: ScoreFunction, pre_softmax: bool) -> torch.Tensor:
+    """Scores [T, E] fp32 that selection ranks (before any expert bias)."""
+    x = logits.float()
+    if fn is ScoreFunction.SOFTMAX:
+        # Without pre_softmax the ranking is on the logits; softmax comes after selection.
+        return torch.softmax(x, dim=-1) if pre_softmax else x
+    if fn is ScoreFunction.SIGMOID:
+        return torch.sigmoid(x)
+    return torch.sqrt(torch.nn.functional.softplus(x))
+
+
+def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [T, k] of the k largest scores per row; equal scores go to the lower index."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def mask_to_best_groups(scores: torch.Tensor, num_groups: int, group_topk: int, top_k: int) -> torch.Tensor:
+    """Set to -inf the scores of experts outside each token's best `group_topk` groups.
+
+    A group's score is the sum of its top (top_k // group_topk) scores, added largest first
+    (the kernel adds in the same order, so both pick the same groups bit for bit).
+    """
+    t, e = scores.shape
+    per_group = scores.view(t, num_groups, e // num_groups)
+    best = torch.sort(per_group, dim=-1, descending=True).values[..., : top_k // group_topk]
+    group_score = best[..., 0]
+    for i in range(1, best.shape[-1]):
+        group_score = group_score + best[..., i]
+    keep_groups = topk_lowest_index(group_score, group_topk)                     # [T, group_topk]
+    keep = torch.zeros(t, num_groups, dtype=torch.bool, device=scores.device)
+    keep.scatter_(1, keep_groups, True)
+    keep = keep.repeat_interleave(e // num_groups, dim=1)                        # [T, E]
+    return scores.masked_fill(~keep, float("-inf"))
+
+
+def probs_of_chosen(logits: torch.Tensor, idx: torch.Tensor, fn: ScoreFunction, pre_softmax: bool,
+                    top_k: int) -> torch.Tensor:
+    """Probabilities [T, K] fp32 of the chosen experts `idx`, differentiable to the logits.
+
+    Recomputed from the gathered logits (not gathered scores) so experts that were not chosen
+    get an exact zero gradient, even where a score's derivative is infinite (sqrt at 0).
+    """
+    x = logits.float()
+    if fn is ScoreFunction.SOFTMAX:
+        if pre_softmax:
+            return torch.softmax(x, dim=-1).gather(1, idx)
+        return torch.softmax(x.gather(1, idx), dim=-1)
+    chosen = compute_scores(x.gather(1, idx), fn, pre_softmax)
+    if top_k > 1:
+        chosen = chosen / (chosen.sum(dim=-1, keepdim=True) + NORMALIZE_EPS)
+    return chosen
+
+
+def topk_route(logits, top_k, *, score_function="softmax", pre_softmax=False, num_groups=None,
+               group_topk=None, scaling_factor=None, expert_bias=None):
+    """Choose `top_k` experts per token.
+
+    Args:
+        logits: [T, E] any float dtype.
+        top_k: experts per token, 1 <= top_k <= E.
+        score_function: "softmax" | "sigmoid" | "sqrtsoftplus" (or a `ScoreFunction`).
+        pre_softmax: softmax over all experts before top-k (softmax only); otherwise top-k on
+            the logits and softmax over the k chosen.
+        num_groups, group_topk: group-limited routing (both or neither).
+        scaling_factor: multiplies the returned probs.
+        expert_bias: [E] float, added to the scores for selection only.
+
+    Returns:
+        probs: [T, E] fp32, zero where not chosen; routing_map: [T, E] bool.
+
+    Example:
+        >>> probs, routing_map = topk_route(torch.randn(4, 8), 2, score_function="sigmoid")
+        >>> routing_map.sum(dim=1).tolist()
+        [2, 2, 2, 2]
+    """
+    fn = check_topk_route_args(logits, top_k, score_function, pre_softmax, num_groups, group_topk,
+                               scaling_factor, expert_bias)
+    t, e = logits.shape
+    scores = compute_scores(logits.detach(), fn, pre_softmax)
+    if expert_bias is not None:
+        scores = scores + expert_bias.float()
+    if num_groups is not None:
+        scores = mask_to_best_groups(scores, num_groups, group_topk, top_k)
+    idx = topk_lowest_index(scores, top_k)
+    chosen = probs_of_chosen(logits, idx, fn, pre_softmax, top_k)
+    if scaling_factor is not None:
+        chosen = chosen * scaling_factor
+    probs = torch.zeros(t, e, dtype=torch.float32, device=logits.device).scatter(1, idx, chosen)
+    routing_map = torch.zeros(t, e, dtype=torch.bool, device=logits.device).scatter(1, idx, True)
+    return probs, routing_map
+
+
+def topk_route_backward(grad_probs, logits, routing_map, top_k, *, score_function="softmax",
+                        pre_softmax=False, scaling_factor=None):
+    """Gradient [T, E] (logits dtype) of `topk_route`'s probs with respect to the logits.
+
+    The twin of the kernel's backward; it is autograd of the forward above, given the same
+    routing (selection itself has no gradient, so only the chosen experts matter).
+    """
+    fn = parse_score_function(score_function)
+    # Chosen indices in ascending expert order: the same set the forward chose.
+    idx = topk_lowest_index(routing_map.to(torch.int8), top_k)
+    with torch.enable_grad():
+        x = logits.detach().requires_grad_(True)
+        chosen = probs_of_chosen(x, idx, fn, pre_softmax, top_k)
+        if scaling_factor is not None:
+            chosen = chosen * scaling_factor
+        (grad,) = torch.autograd.grad(chosen, x, grad_probs.float().gather(1, idx))
+    return grad.to(logits.dtype)
+
+
+def apply_capacity(probs, routing_map, capacity_factor):
+    """Drop, per expert, the lowest-probability assignments beyond its capacity.
+
+    capacity = ceil(num_assignments * capacity_factor / E), with num_assignments the number of
+    True entries of `routing_map` (T * top_k when every token chose top_k experts). Among equal
+    probabilities the lower token index is kept. Pure tensor ops, computed on the device:
+    no host synchronisation, so the kernels' path uses this function as it is.
+
+    Args:
+        probs: [T, E] float, zero where not routed. routing_map: [T, E] bool.
+        capacity_factor: positive float.
+
+    Returns:
+        (probs * kept, routing_map & kept), same shapes and dtypes; differentiable in probs.
+    """
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) \
+            or not capacity_factor > 0 or not math.isfinite(capacity_factor):
+        raise ValueError(f"capacity_factor must be a positive finite number, got {capacity_factor!r}")
+    if probs.shape != routing_map.shape or probs.dim() != 2:
+        raise ValueError(f"probs {tuple(probs.shape)} and routing_map {tuple(routing_map.shape)} "
+                         "must both be [T, E]")
+    if routing_map.dtype != torch.bool:
+        raise TypeError(f"routing_map must be torch.bool, got {routing_map.dtype}")
+    t, e = probs.shape
+    assignments = routing_map.sum(dtype=torch.float64)
+    capacity = torch.ceil(assignments * capacity_factor / e)
+    key = probs.detach().float().masked_fill(~routing_map, float("-inf"))
+    order = torch.sort(key, dim=0, descending=True, stable=True).indices           # [T, E]
+    ranks = torch.arange(t, device=probs.device).unsqueeze(1).expand(t, e)
+    rank = torch.empty_like(order).scatter_(0, order, ranks)                         # rank in column
+    kept = routing_map & (rank < capacity)
+    return probs * kept, kept
