@@ -1,0 +1,95 @@
+"""The `qmoe` command: `info`, `report` (the main job) and `bench <suite>`."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+BENCH_SUITES = ("quantize", "gemm", "routing", "moe", "ep")
+
+
+def _cmd_info(args) -> int:
+    import torch
+
+    import qmoe
+    from qmoe.capabilities import capabilities
+
+    device = torch.device(args.device) if args.device else None
+    caps = capabilities(device)
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    dev = device or (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+    print(f"qmoe {qmoe.__version__}  torch {torch.__version__}  triton {triton_version}")
+    print(f"device: {dev} ({name})")
+    print(f"{'recipe':<8} {'hardware':<10} {'backend':<10} why")
+    for c in caps.values():
+        print(f"{c.recipe:<8} {c.hardware:<10} {c.backend:<10} {c.why}")
+    return 0
+
+
+def _cmd_report(args) -> int:
+    from qmoe.report import format_table, load_report_config, plot_report, rows_as_dicts, run_report
+
+    recipes, shapes, seed = load_report_config(args.config) if args.config else (None, None, args.seed)
+    rows = run_report(recipes, shapes, seed=seed, device=args.device, progress=not args.no_progress)
+    print(format_table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows_as_dicts(rows), indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot_report(rows, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _cmd_bench(args) -> int:
+    root = Path(__file__).resolve().parents[1]
+    if (root / "benchmarks").is_dir() and str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    try:
+        mod = importlib.import_module(f"benchmarks.bench_{args.suite}")
+    except ModuleNotFoundError as e:
+        print(f"qmoe bench {args.suite}: benchmark suite not available ({e}); run from a source checkout "
+              f"(pip install -e .)", file=sys.stderr)
+        return 2
+    return int(mod.main(args.rest) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qmoe", description="quantized Mixture-of-Experts toolkit")
+    sub = p.add_subparsers(dest="command", required=True)
+    info = sub.add_parser("info", help="how each recipe runs on this machine, and why")
+    info.add_argument("--device", default=None)
+    info.set_defaults(func=_cmd_info)
+    rep = sub.add_parser("report", help="quantize realistic tensors with every recipe and compare")
+    rep.add_argument("--config", help="YAML/JSON file: recipes, shapes {tokens, hidden, ffn}, seed")
+    rep.add_argument("--plot", help="save a figure (PNG) of the results")
+    rep.add_argument("--json", help="save the rows as JSON")
+    rep.add_argument("--seed", type=int, default=0)
+    rep.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    rep.add_argument("--no-progress", action="store_true", help="no progress bar")
+    rep.set_defaults(func=_cmd_report)
+    bench = sub.add_parser("bench", help="run a benchmark suite and write benchmarks/results/<suite>.json")
+    bench.add_argument("suite", choices=BENCH_SUITES)
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to the suite")
+    bench.set_defaults(func=_cmd_bench)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError) as e:
+        print(f"qmoe {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

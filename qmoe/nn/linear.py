@@ -1,0 +1,59 @@
+"""`qmoe.nn.Linear`: a dense layer whose GEMMs follow the active `qmoe.autocast` recipe."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qmoe.autocast import RecipeState, autocast_state
+from qmoe.ops.linear import quantized_linear
+
+
+class Linear(nn.Module):
+    """y = x W^T + b; inside `qmoe.autocast(recipe=...)` input, weight and grad_output are quantized.
+
+    x: [..., in_features]; returns [..., out_features]. Outside autocast (or with
+    enabled=False) it is a plain high-precision linear layer.
+
+    >>> layer = qmoe.nn.Linear(256, 128)
+    >>> with qmoe.autocast(recipe=Float8CurrentScaling()):
+    ...     y = layer(torch.randn(32, 256))
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, params_dtype=None, device=None):
+        super().__init__()
+        for name, v in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Linear {name} must be a positive integer, got {v!r}")
+        self.in_features, self.out_features = in_features, out_features
+        kw = dict(dtype=params_dtype, device=device)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, **kw))
+        self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
+        self.reset_parameters()
+        self.recipe_state = RecipeState()
+
+    def reset_parameters(self) -> None:
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features)
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise TypeError(f"Linear expects a floating-point tensor, got "
+                            f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if x.dim() < 1 or x.shape[-1] != self.in_features:
+            raise ValueError(f"Linear expects input [..., {self.in_features}], got shape {tuple(x.shape)}")
+        if x.device != self.weight.device:
+            raise ValueError(f"input is on {x.device} but the layer's weight is on {self.weight.device}")
+        state = autocast_state()
+        recipe = state.active_recipe
+        if recipe is None:
+            return F.linear(x, self.weight, self.bias)
+        quantizers = self.recipe_state.get(recipe, state.amax_reduction_group)
+        return quantized_linear(x, self.weight, self.bias, quantizers)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
