@@ -1,8 +1,10 @@
 """Which implementation runs an op: Triton kernels or the pure-torch reference (DESIGN.md).
 
 Kernels run on CUDA devices of compute capability >= 9.0; everything else, and any run with
-`QMOE_BACKEND=reference`, uses `qmoe.reference`. The environment is read per call, so tests
-and users can switch backends without re-importing.
+`QMOE_BACKEND=reference`, uses `qmoe.reference`. `QMOE_BACKEND=triton` forces the kernels
+whatever the device: for Triton's interpreter (TRITON_INTERPRET=1 on CPU tensors) and for
+trying older GPUs. The environment is read per call, so tests and users can switch backends
+without re-importing.
 """
 from __future__ import annotations
 
@@ -34,9 +36,10 @@ def _device_has_kernels(index: int) -> bool:
 
 
 def use_kernels(*tensors: torch.Tensor) -> bool:
-    """True when every tensor is on a CUDA device that runs qmoe's Triton kernels."""
-    if backend_override() == "reference":
-        return False
+    """True when an op on these tensors (None entries ignored) should run qmoe's Triton kernels."""
+    override = backend_override()
+    if override is not None:
+        return override == "triton"
     devices = {t.device for t in tensors if isinstance(t, torch.Tensor)}
     if not devices or any(d.type != "cuda" for d in devices):
         return False

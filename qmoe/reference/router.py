@@ -2,7 +2,8 @@
 
 Dimensions: T tokens, E experts, K top-k (experts chosen per token), G expert groups.
 
-Everything is float32 whatever the logits dtype, readable before fast, and differentiable
+Everything is float32 whatever the logits dtype (float64 logits stay float64, so that
+`torch.autograd.gradcheck` can check the reference), readable before fast, and differentiable
 through plain autograd (the kernels' hand-written backward is tested against it). Ties in
 selection go to the lower index (experts, and groups), which is why selection uses a stable
 descending sort rather than `torch.topk`, whose tie order is unspecified.
@@ -24,6 +25,11 @@ class ScoreFunction(str, enum.Enum):
     SOFTMAX = "softmax"
     SIGMOID = "sigmoid"
     SQRTSOFTPLUS = "sqrtsoftplus"  # sqrt(softplus(x)): positive, and grows like sqrt(x)
+
+
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """float32, or float64 for float64 inputs (gradcheck)."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def parse_score_function(score_function) -> ScoreFunction:
@@ -79,7 +85,7 @@ def check_topk_route_args(logits, top_k, score_function, pre_softmax, num_groups
 
 def compute_scores(logits: torch.Tensor, fn: ScoreFunction, pre_softmax: bool) -> torch.Tensor:
     """Scores [T, E] fp32 that selection ranks (before any expert bias)."""
-    x = logits.float()
+    x = logits.to(compute_dtype(logits))
     if fn is ScoreFunction.SOFTMAX:
         # Without pre_softmax the ranking is on the logits; softmax comes after selection.
         return torch.softmax(x, dim=-1) if pre_softmax else x
@@ -119,7 +125,7 @@ def probs_of_chosen(logits: torch.Tensor, idx: torch.Tensor, fn: ScoreFunction, 
     Recomputed from the gathered logits (not gathered scores) so experts that were not chosen
     get an exact zero gradient, even where a score's derivative is infinite (sqrt at 0).
     """
-    x = logits.float()
+    x = logits.to(compute_dtype(logits))
     if fn is ScoreFunction.SOFTMAX:
         if pre_softmax:
             return torch.softmax(x, dim=-1).gather(1, idx)
@@ -145,7 +151,7 @@ def topk_route(logits, top_k, *, score_function="softmax", pre_softmax=False, nu
         expert_bias: [E] float, added to the scores for selection only.
 
     Returns:
-        probs: [T, E] fp32, zero where not chosen; routing_map: [T, E] bool.
+        probs: [T, E] fp32 (fp64 for fp64 logits), zero where not chosen; routing_map: [T, E] bool.
 
     Example:
         >>> probs, routing_map = topk_route(torch.randn(4, 8), 2, score_function="sigmoid")
@@ -157,14 +163,14 @@ def topk_route(logits, top_k, *, score_function="softmax", pre_softmax=False, nu
     t, e = logits.shape
     scores = compute_scores(logits.detach(), fn, pre_softmax)
     if expert_bias is not None:
-        scores = scores + expert_bias.float()
+        scores = scores + expert_bias.to(scores.dtype)
     if num_groups is not None:
         scores = mask_to_best_groups(scores, num_groups, group_topk, top_k)
     idx = topk_lowest_index(scores, top_k)
     chosen = probs_of_chosen(logits, idx, fn, pre_softmax, top_k)
     if scaling_factor is not None:
         chosen = chosen * scaling_factor
-    probs = torch.zeros(t, e, dtype=torch.float32, device=logits.device).scatter(1, idx, chosen)
+    probs = torch.zeros(t, e, dtype=chosen.dtype, device=logits.device).scatter(1, idx, chosen)
     routing_map = torch.zeros(t, e, dtype=torch.bool, device=logits.device).scatter(1, idx, True)
     return probs, routing_map
 
@@ -184,8 +190,15 @@ def topk_route_backward(grad_probs, logits, routing_map, top_k, *, score_functio
         chosen = probs_of_chosen(x, idx, fn, pre_softmax, top_k)
         if scaling_factor is not None:
             chosen = chosen * scaling_factor
-        (grad,) = torch.autograd.grad(chosen, x, grad_probs.float().gather(1, idx))
+        (grad,) = torch.autograd.grad(chosen, x, grad_probs.to(chosen.dtype).gather(1, idx))
     return grad.to(logits.dtype)
+
+
+def check_capacity_factor(capacity_factor):
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) \
+            or not capacity_factor > 0 or not math.isfinite(capacity_factor):
+        raise ValueError(f"capacity_factor must be a positive finite number (or None for dropless), "
+                         f"got {capacity_factor!r}")
 
 
 def apply_capacity(probs, routing_map, capacity_factor):
@@ -203,9 +216,7 @@ def apply_capacity(probs, routing_map, capacity_factor):
     Returns:
         (probs * kept, routing_map & kept), same shapes and dtypes; differentiable in probs.
     """
-    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) \
-            or not capacity_factor > 0 or not math.isfinite(capacity_factor):
-        raise ValueError(f"capacity_factor must be a positive finite number, got {capacity_factor!r}")
+    check_capacity_factor(capacity_factor)
     if probs.shape != routing_map.shape or probs.dim() != 2:
         raise ValueError(f"probs {tuple(probs.shape)} and routing_map {tuple(routing_map.shape)} "
                          "must both be [T, E]")

@@ -1,0 +1,169 @@
+"""Routing benchmark: router, aux losses, permute and unpermute, forward + backward.
+
+Run: `qmoe bench routing` or `PYTHONPATH=. python -m benchmarks.bench_routing [--quick]`.
+
+Each stage is timed twice in the same run: the eager PyTorch reference (`qmoe.reference.*`,
+the executable spec, run op by op on the GPU with autograd) and qmoe's op (`qmoe.ops.*`, Triton
+kernels with fused backward). Medians of `triton.testing.do_bench`. Shapes: DeepSeek-V3
+(8192 tokens, 256 experts, top-8, sigmoid, group-limited 8 groups / top-4, H 7168) and Qwen3
+(16384 tokens, 128 experts, top-8, softmax, H 2048), and the balance loss alone at E in
+{64, 1024, 4096} with 131072 tokens. Writes benchmarks/results/routing.json.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+
+import torch
+
+MODELS = {
+    "deepseek-v3": dict(tokens=8192, experts=256, top_k=8, hidden=7168, align=16,
+                        router=dict(score_function="sigmoid", num_groups=8, group_topk=4,
+                                    scaling_factor=2.5, bias=True), seq_length=4096),
+    "qwen3": dict(tokens=16384, experts=128, top_k=8, hidden=2048, align=16,
+                  router=dict(score_function="softmax"), seq_length=4096),
+}
+AUX_ONLY = [(131072, 64), (131072, 1024), (131072, 4096)]
+QUICK_SCALE = 8  # --quick divides token counts by this
+
+
+def _bench(fn, warmup=10, rep=50):
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def _fwd_bwd(forward, inputs):
+    """A closure running forward, then backward with fixed gradients on every float output."""
+    outs = forward()
+    outs = [o for o in (outs if isinstance(outs, (tuple, list)) else (outs,))
+             if isinstance(o, torch.Tensor) and o.requires_grad]
+    grads = [torch.randn_like(o) for o in outs]
+
+    def run():
+        for t in inputs:
+            t.grad = None
+        res = forward()
+        res = [o for o in (res if isinstance(res, (tuple, list)) else (res,))
+               if isinstance(o, torch.Tensor) and o.requires_grad]
+        torch.autograd.backward(res, grads)
+    return run
+
+
+def _stage(rows, model, stage, shape, eager_fwd, qmoe_fwd, inputs):
+    row = dict(model=model, stage=stage, shape=shape)
+    for name, fwd in (("eager", eager_fwd), ("qmoe", qmoe_fwd)):
+        with torch.no_grad():
+            row[f"{name}_fwd_ms"] = _bench(fwd)
+        row[f"{name}_ms"] = _bench(_fwd_bwd(fwd, inputs))
+    row["speedup"] = row["eager_ms"] / row["qmoe_ms"]
+    row["speedup_fwd"] = row["eager_fwd_ms"] / row["qmoe_fwd_ms"]
+    rows.append(row)
+    print(f"{model:>12} {stage:<14} {str(shape):<58} eager {row['eager_ms']:8.3f} ms  "
+          f"qmoe {row['qmoe_ms']:8.3f} ms  x{row['speedup']:6.2f}   (fwd x{row['speedup_fwd']:.2f})",
+          flush=True)
+
+
+def bench_model(rows, name, cfg, scale):
+    from qmoe import ops
+    from qmoe.reference import aux_loss as ref_aux, permute as ref_perm, router as ref_router
+    t, e, k, h, align = cfg["tokens"] // scale, cfg["experts"], cfg["top_k"], cfg["hidden"], cfg["align"]
+    seq = min(cfg["seq_length"], t)
+    dev = "cuda"
+    torch.manual_seed(0)
+    kw = dict(cfg["router"])
+    if kw.pop("bias", False):
+        kw["expert_bias"] = torch.randn(e, device=dev) * 0.01
+    logits = torch.randn(t, e, device=dev, requires_grad=True)
+    shape = dict(T=t, E=e, K=k, **{n: v for n, v in kw.items() if n != "expert_bias"})
+    _stage(rows, name, "router", shape, lambda: ref_router.topk_route(logits, k, **kw)[0],
+           lambda: ops.topk_route(logits, k, **kw)[0], [logits])
+
+    with torch.no_grad():
+        probs, routing_map = ops.topk_route(logits, k, **kw)
+    probs = probs.detach().requires_grad_(True)
+    counts = routing_map.sum(0)
+    _stage(rows, name, "aux_loss", dict(T=t, E=e),
+           lambda: ref_aux.moe_aux_loss(probs, counts, t, e, k, 1e-2),
+           lambda: ops.moe_aux_loss(probs, counts, t, e, k, 1e-2), [probs])
+    _stage(rows, name, "seq_aux_loss", dict(T=t, E=e, L=seq),
+           lambda: ref_aux.seq_aux_loss(probs, routing_map, seq, k, 1e-2),
+           lambda: ops.seq_aux_loss(probs, routing_map, seq, k, 1e-2), [probs])
+    _stage(rows, name, "z_loss", dict(T=t, E=e), lambda: ref_aux.z_loss(logits, 1e-3),
+           lambda: ops.z_loss(logits, 1e-3), [logits])
+
+    x = torch.randn(t, h, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    pshape = dict(T=t, E=e, K=k, H=h, align=align, dtype="bf16")
+    _stage(rows, name, "permute", pshape,
+           lambda: ref_perm.moe_permute(x, routing_map, probs, align, top_k=k)[:2],
+           lambda: ops.moe_permute(x, routing_map, probs, align, top_k=k)[:2], [x, probs])
+    with torch.no_grad():
+        out, _, row_id_map, _ = ops.moe_permute(x, routing_map, probs, align, top_k=k)
+    y = torch.randn_like(out).requires_grad_(True)
+    _stage(rows, name, "unpermute", pshape, lambda: ref_perm.moe_unpermute(y, row_id_map, probs),
+           lambda: ops.moe_unpermute(y, row_id_map, probs), [y, probs])
+
+
+def bench_aux_only(rows, scale):
+    from qmoe import ops
+    from qmoe.reference import aux_loss as ref_aux
+    for t, e in AUX_ONLY:
+        t //= scale
+        torch.manual_seed(0)
+        probs = torch.softmax(torch.randn(t, e, device="cuda"), -1).requires_grad_(True)
+        counts = (torch.rand(t, e, device="cuda") < 8 / e).sum(0)
+        _stage(rows, f"aux-E{e}", "aux_loss", dict(T=t, E=e),
+               lambda: ref_aux.moe_aux_loss(probs, counts, t, e, 8, 1e-2),
+               lambda: ops.moe_aux_loss(probs, counts, t, e, 8, 1e-2), [probs])
+        del probs
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="qmoe bench routing", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=f"token counts / {QUICK_SCALE}: a smoke run")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                      "results", "routing.json"))
+    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--no-aux-sweep", action="store_true", help="skip the E in {64, 1024, 4096} sweep")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench routing needs a CUDA GPU (the kernels run on sm90+); none found", file=sys.stderr)
+        return 2
+    import triton
+    from qmoe.backend import use_kernels
+    probe = torch.empty(1, device="cuda")
+    if not use_kernels(probe):
+        print("warning: qmoe ops run the reference on this device (sm < 90 or QMOE_BACKEND=reference);"
+              " the comparison is reference vs reference", file=sys.stderr)
+    scale = QUICK_SCALE if args.quick else 1
+    rows = []
+    for name in args.models:
+        bench_model(rows, name, MODELS[name], scale)
+        torch.cuda.empty_cache()
+    if not args.no_aux_sweep:
+        bench_aux_only(rows, scale)
+    result = dict(
+        suite="routing",
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
+        torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
+        qmoe_backend="triton" if use_kernels(probe) else "reference",
+        method="triton.testing.do_bench medians, ms; *_ms = forward + backward, *_fwd_ms = forward "
+               "(no_grad); eager = qmoe.reference run op by op in PyTorch (the spec, autograd "
+               "backward), qmoe = qmoe.ops (Triton kernels); speedup = eager / qmoe",
+        quick=args.quick, target="qmoe >= 3x eager for each stage",
+        rows=rows,
+    )
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    worst = min(r["speedup"] for r in rows)
+    print(f"wrote {args.out}; slowest speedup x{worst:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,261 @@
+"""Triton top-k router, forward and backward. Reference twin: `qmoe.reference.router`.
+
+Dimensions: T tokens, E experts, K top-k, G expert groups.
+
+One program owns BLOCK_T whole rows of logits ([BLOCK_T, BLOCK_E] in registers, E padded to a
+power of two), so scoring, group selection, top-k and normalisation need no second pass and no
+host value. Selection repeats "take the maximum, lowest index among equals" K times, which is
+what makes ties go to the lower expert, as the reference's stable sort does.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from qmoe.reference.router import NORMALIZE_EPS, ScoreFunction, check_topk_route_args, parse_score_function
+
+# Kernel constants for `ScoreFunction`: the one place the enum becomes a number.
+_SCORE_CODE = {ScoreFunction.SOFTMAX: 0, ScoreFunction.SIGMOID: 1, ScoreFunction.SQRTSOFTPLUS: 2}
+
+# Elements of logits per program. Router rows are short (E <= a few thousand), so rows are
+# batched until a program holds about this many values: enough work per program to hide
+# latency while leaving registers for the half-dozen [BLOCK_T, BLOCK_E] temporaries.
+_ELEMENTS_PER_PROGRAM = 2048
+
+NORM_EPS = tl.constexpr(NORMALIZE_EPS)
+
+
+@triton.jit
+def _log1p(z):
+    # log(1 + z) accurate for small z (Goldberg's trick); tl has no log1p.
+    u = 1.0 + z
+    return tl.where(u == 1.0, z, tl.log(u) * (z / (u - 1.0)))
+
+
+@triton.jit
+def _scores(x, SCORE_FN: tl.constexpr, PRE_SOFTMAX: tl.constexpr):
+    """Scores [BLOCK_T, BLOCK_E] fp32 that selection ranks (padded columns are -inf logits)."""
+    if SCORE_FN == 0:
+        if PRE_SOFTMAX:
+            m = tl.max(x, axis=1)
+            ex = tl.exp(x - m[:, None])
+            s = ex / tl.sum(ex, axis=1)[:, None]
+        else:
+            s = x
+    elif SCORE_FN == 1:
+        s = 1.0 / (1.0 + tl.exp(-x))
+    else:
+        # softplus(x) = max(x, 0) + log1p(exp(-|x|)): no overflow, no cancellation.
+        s = tl.sqrt(tl.maximum(x, 0.0) + _log1p(tl.exp(-tl.abs(x))))
+    return s
+
+
+@triton.jit
+def _topk_mask(key, valid, cols, K: tl.constexpr, BLOCK: tl.constexpr):
+    """Bool [BLOCK_T, BLOCK] marking each row's K largest keys; ties to the lower column."""
+    taken = (key != key) | (valid[None, :] == 0)  # start with the padded columns taken
+    chosen = key != key  # all False (keys are never NaN here: padding is -inf)
+    for _ in tl.static_range(K):
+        k = tl.where(taken, float("-inf"), key)
+        best = tl.max(k, axis=1)
+        candidate = (k == best[:, None]) & (taken == 0)
+        idx = tl.min(tl.where(candidate, cols[None, :], BLOCK), axis=1)
+        hit = cols[None, :] == idx[:, None]
+        chosen = chosen | hit
+        taken = taken | hit
+    return chosen
+
+
+@triton.jit
+def _mask_to_best_groups(sel, cols, NUM_GROUPS: tl.constexpr, GROUP_TOPK: tl.constexpr,
+                         PER_GROUP_K: tl.constexpr, EXPERTS_PER_GROUP: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr):
+    """-inf outside each row's best GROUP_TOPK groups (group score: sum of its top PER_GROUP_K)."""
+    gcols = tl.arange(0, BLOCK_G)
+    group = cols // EXPERTS_PER_GROUP
+    group_score = tl.full([BLOCK_T, BLOCK_G], float("-inf"), tl.float32)
+    for g in tl.static_range(NUM_GROUPS):
+        in_g = group[None, :] == g
+        work = tl.where(in_g, sel, float("-inf"))
+        score = tl.zeros([BLOCK_T], tl.float32)
+        for i in tl.static_range(PER_GROUP_K):
+            best = tl.max(work, axis=1)
+            # Remove one instance of the maximum, so equal values count as often as they occur.
+            idx = tl.min(tl.where((work == best[:, None]) & in_g, cols[None, :], 1 << 30), axis=1)
+            work = tl.where(cols[None, :] == idx[:, None], float("-inf"), work)
+            if i == 0:
+                score = best
+            else:
+                score = score + best  # largest first, as the reference adds them
+        group_score = tl.where(gcols[None, :] == g, score[:, None], group_score)
+    kept = _topk_mask(group_score, gcols < NUM_GROUPS, gcols, GROUP_TOPK, BLOCK_G)
+    keep = sel != sel  # all False
+    for g in tl.static_range(NUM_GROUPS):
+        kept_g = tl.max(tl.where(gcols[None, :] == g, kept.to(tl.int32), 0), axis=1) > 0
+        keep = keep | (kept_g[:, None] & (group[None, :] == g))
+    return tl.where(keep, sel, float("-inf"))
+
+
+@triton.jit
+def _topk_route_kernel(
+    # pointers
+    logits_ptr, bias_ptr, probs_ptr, map_ptr,
+    # sizes
+    T, E,
+    # strides (rows; columns are contiguous)
+    stride_logits, stride_probs, stride_map,
+    # scalars
+    scaling,
+    # meta
+    TOP_K: tl.constexpr, SCORE_FN: tl.constexpr, PRE_SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
+    NUM_GROUPS: tl.constexpr, GROUP_TOPK: tl.constexpr, EXPERTS_PER_GROUP: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    col_ok = cols < E
+    mask = (rows < T)[:, None] & col_ok[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(logits_ptr + rows64[:, None] * stride_logits + cols[None, :], mask=mask,
+                other=float("-inf")).to(tl.float32)
+
+    scores = _scores(x, SCORE_FN, PRE_SOFTMAX)
+    sel = scores
+    if HAS_BIAS:
+        sel = sel + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    sel = tl.where(col_ok[None, :], sel, float("-inf"))
+    if NUM_GROUPS > 1:
+        sel = _mask_to_best_groups(sel, cols, NUM_GROUPS, GROUP_TOPK, TOP_K // GROUP_TOPK,
+                                   EXPERTS_PER_GROUP, BLOCK_T, BLOCK_G)
+    chosen = _topk_mask(sel, col_ok, cols, TOP_K, BLOCK_E)
+
+    if SCORE_FN == 0 and not PRE_SOFTMAX:
+        # softmax over the chosen logits only (the bias never enters the probs)
+        m = tl.max(tl.where(chosen, x, float("-inf")), axis=1)
+        ex = tl.where(chosen, tl.exp(x - m[:, None]), 0.0)
+        p = ex / tl.sum(ex, axis=1)[:, None]
+    else:
+        p = tl.where(chosen, scores, 0.0)
+        if SCORE_FN != 0 and TOP_K > 1:
+            p = p / (tl.sum(p, axis=1)[:, None] + NORM_EPS)
+    p = p * scaling
+    tl.store(probs_ptr + rows64[:, None] * stride_probs + cols[None, :], p, mask=mask)
+    tl.store(map_ptr + rows64[:, None] * stride_map + cols[None, :], chosen.to(tl.uint8), mask=mask)
+
+
+
+@triton.jit
+def _topk_route_bwd_kernel(
+    # pointers
+    grad_ptr, logits_ptr, map_ptr, dlogits_ptr,
+    # sizes
+    T, E,
+    # strides (rows)
+    stride_grad, stride_logits, stride_map, stride_dlogits,
+    # scalars
+    scaling,
+    # meta
+    TOP_K: tl.constexpr, SCORE_FN: tl.constexpr, PRE_SOFTMAX: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    mask = (rows < T)[:, None] & (cols < E)[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(logits_ptr + rows64[:, None] * stride_logits + cols[None, :], mask=mask,
+                other=float("-inf")).to(tl.float32)
+    chosen = tl.load(map_ptr + rows64[:, None] * stride_map + cols[None, :], mask=mask, other=0) != 0
+    g = tl.load(grad_ptr + rows64[:, None] * stride_grad + cols[None, :], mask=mask, other=0.0)
+    g = tl.where(chosen, g.to(tl.float32), 0.0) * scaling
+
+    if SCORE_FN == 0:
+        if PRE_SOFTMAX:
+            s = _scores(x, SCORE_FN, PRE_SOFTMAX)
+            dx = s * (g - tl.sum(g * s, axis=1)[:, None])
+        else:
+            m = tl.max(tl.where(chosen, x, float("-inf")), axis=1)
+            ex = tl.where(chosen, tl.exp(x - m[:, None]), 0.0)
+            p = ex / tl.sum(ex, axis=1)[:, None]
+            dx = tl.where(chosen, p * (g - tl.sum(g * p, axis=1)[:, None]), 0.0)
+    else:
+        s = _scores(x, SCORE_FN, PRE_SOFTMAX)
+        if TOP_K > 1:
+            # p = s / S with S = sum of chosen s + eps: dL/ds_j = (g_j - sum_i g_i p_i) / S
+            total = tl.sum(tl.where(chosen, s, 0.0), axis=1)[:, None] + NORM_EPS
+            ds = (g - tl.sum(g * tl.where(chosen, s, 0.0) / total, axis=1)[:, None]) / total
+        else:
+            ds = g
+        sig = 1.0 / (1.0 + tl.exp(-x))
+        if SCORE_FN == 1:
+            dsdx = sig * (1.0 - sig)
+        else:
+            # d sqrt(softplus(x)) / dx = sigmoid(x) / (2 s); s == 0 only where softplus underflows
+            dsdx = tl.where(s > 0.0, sig / (2.0 * s), 0.0)
+        dx = tl.where(chosen, ds * dsdx, 0.0)
+    tl.store(dlogits_ptr + rows64[:, None] * stride_dlogits + cols[None, :],
+             dx.to(dlogits_ptr.dtype.element_ty), mask=mask)
+
+
+def _blocks(t: int, e: int):
+    block_e = triton.next_power_of_2(max(e, 1))
+    block_t = max(1, min(triton.next_power_of_2(max(t, 1)), _ELEMENTS_PER_PROGRAM // block_e))
+    num_warps = 4 if block_t * block_e <= 2048 else 8
+    return block_t, block_e, num_warps
+
+
+def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def topk_route(logits, top_k, *, score_function="softmax", pre_softmax=False, num_groups=None,
+               group_topk=None, scaling_factor=None, expert_bias=None):
+    """Triton twin of `qmoe.reference.router.topk_route` (same arguments and results)."""
+    fn = check_topk_route_args(logits, top_k, score_function, pre_softmax, num_groups, group_topk,
+                               scaling_factor, expert_bias)
+    t, e = logits.shape
+    logits = _rows_contiguous(logits)
+    probs = torch.empty(t, e, dtype=torch.float32, device=logits.device)
+    routing_map = torch.empty(t, e, dtype=torch.bool, device=logits.device)
+    if t == 0:
+        return probs, routing_map
+    block_t, block_e, num_warps = _blocks(t, e)
+    groups = num_groups or 1
+    bias = expert_bias.contiguous() if expert_bias is not None else probs  # dummy, never read
+    map_bytes = routing_map.view(torch.uint8)
+    _topk_route_kernel[(triton.cdiv(t, block_t),)](
+        logits, bias, probs, map_bytes,
+        t, e,
+        logits.stride(0), probs.stride(0), map_bytes.stride(0),
+        1.0 if scaling_factor is None else float(scaling_factor),
+        TOP_K=top_k, SCORE_FN=_SCORE_CODE[fn], PRE_SOFTMAX=bool(pre_softmax),
+        HAS_BIAS=expert_bias is not None, NUM_GROUPS=groups, GROUP_TOPK=group_topk or 1,
+        EXPERTS_PER_GROUP=e // groups, BLOCK_T=block_t, BLOCK_E=block_e,
+        BLOCK_G=triton.next_power_of_2(groups), num_warps=num_warps,
+    )
+    return probs, routing_map
+
+
+def topk_route_backward(grad_probs, logits, routing_map, top_k, *, score_function="softmax",
+                        pre_softmax=False, scaling_factor=None):
+    """Triton twin of `qmoe.reference.router.topk_route_backward`: d probs / d logits."""
+    fn = parse_score_function(score_function)
+    if grad_probs.shape != logits.shape or routing_map.shape != logits.shape:
+        raise ValueError(f"grad_probs {tuple(grad_probs.shape)}, logits {tuple(logits.shape)} and "
+                         f"routing_map {tuple(routing_map.shape)} must all be [T, E]")
+    t, e = logits.shape
+    grad_probs, logits = _rows_contiguous(grad_probs), _rows_contiguous(logits)
+    map_bytes = _rows_contiguous(routing_map).view(torch.uint8)
+    dlogits = torch.empty(t, e, dtype=logits.dtype, device=logits.device)
+    if t == 0:
+        return dlogits
+    block_t, block_e, num_warps = _blocks(t, e)
+    _topk_route_bwd_kernel[(triton.cdiv(t, block_t),)](
+        grad_probs, logits, map_bytes, dlogits,
+        t, e,
+        grad_probs.stride(0), logits.stride(0), map_bytes.stride(0), dlogits.stride(0),
+        1.0 if scaling_factor is None else float(scaling_factor),
+        TOP_K=top_k, SCORE_FN=_SCORE_CODE[fn], PRE_SOFTMAX=bool(pre_softmax),
+        BLOCK_T=block_t, BLOCK_E=block_e, num_warps=num_warps,
+    )
+    return dlogits

@@ -1,0 +1,167 @@
+"""Token permutation for expert dispatch and combine, differentiable and host-sync-free.
+
+Dimensions: T tokens, E experts, K top-k, H hidden size, S scale columns,
+R = T * K + E * (align_size - 1) permuted rows (static: the worst case).
+
+`moe_permute` groups token copies by expert (expert order, token order kept inside an expert),
+pads each group with zero rows to a multiple of `align_size`, and keeps split sizes on the
+device; `moe_unpermute` adds each token's expert outputs back, weighted by the routing probs.
+Triton kernels on sm90+ GPUs, `qmoe.reference.permute` elsewhere.
+"""
+from __future__ import annotations
+
+import torch
+
+from qmoe.backend import use_kernels
+from qmoe.reference import permute as reference
+from qmoe.reference.permute import RowIdMap, check_merging_probs, check_permute_index_args, check_rows
+
+__all__ = ["moe_permute", "moe_unpermute", "RowIdMap"]
+
+
+def _kernels():
+    # Imported on first use: Triton is only a dependency on Linux, the reference runs anywhere.
+    from qmoe.kernels import permute
+    return permute
+
+
+class _PermuteRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, row_id_map):
+        ctx.row_id_map = row_id_map
+        return _kernels().permute_rows(x, row_id_map)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _kernels().permute_rows_backward(grad_out, ctx.row_id_map), None
+
+
+class _PermuteProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, probs, row_id_map):
+        ctx.row_id_map, ctx.dtype = row_id_map, probs.dtype
+        return _kernels().permute_probs(probs, row_id_map)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _kernels().permute_probs_backward(grad_out, ctx.row_id_map, ctx.dtype), None
+
+
+class _UnpermuteRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, merging_probs, row_id_map):
+        ctx.save_for_backward(y, merging_probs)
+        ctx.row_id_map = row_id_map
+        return _kernels().unpermute_rows(y, row_id_map, merging_probs)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        y, merging_probs = ctx.saved_tensors
+        grad_y, grad_probs = _kernels().unpermute_rows_backward(
+            grad_out, y, ctx.row_id_map, merging_probs, need_probs_grad=ctx.needs_input_grad[1])
+        return grad_y, grad_probs, None
+
+
+def _check_permute_args(x, routing_map, probs, align_size, top_k, row_scales):
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"x must be a 2-D tensor [T, H], got {tuple(getattr(x, 'shape', ()))}; "
+                         "flatten leading dimensions and pass restore_shape to moe_unpermute")
+    check_permute_index_args(routing_map, 1 if top_k is None else top_k, align_size)
+    t, e = routing_map.shape
+    check_rows("x", x, t, routing_map.device)
+    if probs is not None:
+        if not isinstance(probs, torch.Tensor) or not probs.is_floating_point():
+            raise TypeError("probs must be a floating-point tensor [T, E] (topk_route's probs)")
+        if tuple(probs.shape) != (t, e) or probs.device != routing_map.device:
+            raise ValueError(f"probs must be [T, E]=({t}, {e}) on {routing_map.device}, got "
+                             f"{tuple(probs.shape)} on {probs.device}")
+    if row_scales is not None:
+        check_rows("row_scales", row_scales, t, routing_map.device)
+
+
+def moe_permute(x, routing_map, probs=None, align_size=1, *, top_k=None, row_scales=None):
+    """Group token copies by expert, each group padded with zero rows to `align_size`.
+
+    Args:
+        x: [T, H] any dtype: bf16 activations, or already-quantized rows (FP8 data, or FP4
+            packed as uint8) so tokens are quantized once before dispatch; bits are copied.
+            Differentiable when floating point.
+        routing_map: [T, E] bool, from `topk_route`.
+        probs: optional [T, E] float; its routed entries are permuted along (differentiable).
+        align_size: each expert's row count is padded to a multiple of this (ask the recipe:
+            `recipe.align_size`; 1 = no padding).
+        top_k: the most experts a token chose (K). Pass it: R depends on it, and without it the
+            op reads K back from the device (a host synchronisation, not graph-capturable).
+        row_scales: optional [T, S] (or [T]) per-row tensor of any dtype, e.g. FP8 1x128 or
+            MXFP8 E8M0 scales of a quantized `x`, permuted the same way; padding rows get zero
+            bytes.
+
+    Returns:
+        out: [R, H] x's dtype, R = T * K + E * (align_size - 1): rows grouped by expert in
+            expert order, token order kept inside each group, zero padding after each group and
+            zero rows after the last.
+        out_probs: [R] probs' dtype (0 on padding), or None without probs.
+        row_id_map: `RowIdMap`, pass it to `moe_unpermute`.
+        split_sizes: [E] int32 on the device, padded rows per expert (sum <= R).
+        out_scales: [R, S], only when `row_scales` is given (a fifth item).
+
+    Example:
+        >>> probs, routing_map = topk_route(torch.randn(6, 4), 2)
+        >>> x = torch.randn(6, 8)
+        >>> out, out_probs, row_id_map, split_sizes = moe_permute(x, routing_map, probs,
+        ...                                                      align_size=4, top_k=2)
+        >>> out.shape                      # 6 * 2 + 4 * 3
+        torch.Size([24, 8])
+        >>> y = moe_unpermute(out, row_id_map, probs)   # == x * probs.sum(1, keepdim=True)
+    """
+    _check_permute_args(x, routing_map, probs, align_size, top_k, row_scales)
+    if not use_kernels(x, routing_map, probs, row_scales):
+        return reference.moe_permute(x, routing_map, probs, align_size, top_k=top_k,
+                                     row_scales=row_scales)
+    if top_k is None:  # host read, documented above
+        top_k = max(int(routing_map.sum(dim=1).max()), 1) if routing_map.numel() else 1
+    kernels = _kernels()
+    row_id_map, split_sizes = kernels.permute_index(routing_map, top_k, align_size)
+    if x.is_floating_point() and x.element_size() >= 2:
+        out = _PermuteRows.apply(x, row_id_map)
+    else:  # quantized bits: nothing to differentiate
+        out = kernels.permute_rows(x, row_id_map)
+    out_probs = None if probs is None else _PermuteProbs.apply(probs, row_id_map)
+    if row_scales is None:
+        return out, out_probs, row_id_map, split_sizes
+    return out, out_probs, row_id_map, split_sizes, kernels.permute_rows(row_scales, row_id_map)
+
+
+def moe_unpermute(y, row_id_map, merging_probs=None, restore_shape=None):
+    """Add each token's expert outputs back together: [R, H] -> [T, H].
+
+    out[t] = sum over the experts e that t was sent to of y[row of (t, e)] * merging_probs[t, e]
+    (weight 1 without merging_probs), accumulated in fp32. Padding rows are never read.
+
+    Args:
+        y: [R, H] float, expert outputs in `moe_permute`'s row order; gets the gradient.
+        row_id_map: from `moe_permute`.
+        merging_probs: optional [T, E] float (e.g. topk_route's probs); gets the gradient.
+        restore_shape: optional shape [..., H] for the result (e.g. the input's [B, S, H]).
+
+    Returns: [T, H] (or restore_shape) in y's dtype.
+    """
+    if not isinstance(row_id_map, RowIdMap):
+        raise TypeError(f"row_id_map must be the RowIdMap moe_permute returned, got {type(row_id_map).__name__}")
+    if not isinstance(y, torch.Tensor) or not y.is_floating_point() or y.dim() != 2:
+        raise TypeError(f"y must be a 2-D floating-point tensor [R, H], got "
+                        f"{getattr(y, 'dtype', type(y).__name__)} {tuple(getattr(y, 'shape', ()))}")
+    check_rows("y", y, row_id_map.num_rows, row_id_map.rows.device)
+    if merging_probs is not None:
+        check_merging_probs(merging_probs, row_id_map)
+    if restore_shape is not None:
+        restore_shape = tuple(restore_shape)
+        t = row_id_map.rows.shape[0]
+        if not restore_shape or restore_shape[-1] != y.shape[1] or \
+                torch.Size(restore_shape).numel() != t * y.shape[1]:
+            raise ValueError(f"restore_shape {restore_shape} must be [..., H={y.shape[1]}] with "
+                             f"{t} tokens in all")
+    if use_kernels(y, merging_probs, row_id_map.rows):
+        out = _UnpermuteRows.apply(y, merging_probs, row_id_map)
+        return out if restore_shape is None else out.view(restore_shape)
+    return reference.moe_unpermute(y, row_id_map, merging_probs, restore_shape)

@@ -1,0 +1,95 @@
+"""Top-k routing op: scores, expert-bias selection, group-limited top-k, capacity.
+
+Dimensions: T tokens, E experts, K top-k, G expert groups.
+
+`topk_route` runs the Triton kernel (forward and a fused backward) on sm90+ GPUs and the
+reference in `qmoe.reference.router` elsewhere (see `qmoe.backend.use_kernels`). Neither
+reads a value back to the host, so a routed step can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+
+from qmoe.backend import use_kernels
+from qmoe.reference import router as reference
+from qmoe.reference.router import apply_capacity, check_capacity_factor, check_topk_route_args
+
+__all__ = ["topk_route", "apply_capacity"]
+
+
+def _kernels():
+    # Imported on first use: Triton is only a dependency on Linux, the reference runs anywhere.
+    from qmoe.kernels import router
+    return router
+
+
+class _TopKRoute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, expert_bias, top_k, score_function, pre_softmax, num_groups,
+                group_topk, scaling_factor):
+        probs, routing_map = _kernels().topk_route(
+            logits, top_k, score_function=score_function, pre_softmax=pre_softmax,
+            num_groups=num_groups, group_topk=group_topk, scaling_factor=scaling_factor,
+            expert_bias=expert_bias)
+        ctx.save_for_backward(logits, routing_map)
+        ctx.args = (top_k, score_function, pre_softmax, scaling_factor)
+        ctx.mark_non_differentiable(routing_map)
+        return probs, routing_map
+
+    @staticmethod
+    def backward(ctx, grad_probs, _grad_routing_map):
+        logits, routing_map = ctx.saved_tensors
+        top_k, score_function, pre_softmax, scaling_factor = ctx.args
+        grad_logits = _kernels().topk_route_backward(
+            grad_probs, logits, routing_map, top_k, score_function=score_function,
+            pre_softmax=pre_softmax, scaling_factor=scaling_factor)
+        return grad_logits, None, None, None, None, None, None, None
+
+
+def topk_route(logits, top_k, *, score_function="softmax", pre_softmax=False, num_groups=None,
+               group_topk=None, scaling_factor=None, expert_bias=None, capacity_factor=None):
+    """Choose `top_k` experts per token from router logits.
+
+    Args:
+        logits: [T, E] any float dtype; all math is fp32.
+        top_k: experts per token (K).
+        score_function: "softmax" (default), "sigmoid" or "sqrtsoftplus" (sqrt(softplus(x))).
+            Sigmoid and sqrtsoftplus scores are normalised to sum 1 over the chosen when K > 1.
+        pre_softmax: softmax over all E then top-k; otherwise (default) top-k on the logits and
+            softmax over the K chosen. Softmax only.
+        num_groups, group_topk: group-limited routing (DeepSeek-V3): a group's score is the sum
+            of its top K // group_topk scores; only the best `group_topk` groups are eligible.
+        scaling_factor: multiplies the returned probs.
+        expert_bias: [E] float (fp32), shifts the scores for selection only; the probs stay
+            unbiased. See `update_expert_bias`.
+        capacity_factor: None (dropless, default) or a positive float: each expert keeps at most
+            ceil(T * K * capacity_factor / E) assignments, the highest-probability ones
+            (`apply_capacity`).
+
+    Returns:
+        probs: [T, E] fp32, zero where not chosen, differentiable to `logits`.
+        routing_map: [T, E] bool.
+
+    Ties go to the lower expert (and group) index.
+
+    Example:
+        >>> logits = torch.randn(8, 16, requires_grad=True)
+        >>> probs, routing_map = topk_route(logits, 2, score_function="sigmoid",
+        ...                                 num_groups=4, group_topk=2)
+        >>> probs.sum().backward()
+    """
+    check_topk_route_args(logits, top_k, score_function, pre_softmax, num_groups, group_topk,
+                          scaling_factor, expert_bias)
+    if capacity_factor is not None:  # validated before any kernel runs
+        check_capacity_factor(capacity_factor)
+    if use_kernels(logits, expert_bias):
+        probs, routing_map = _TopKRoute.apply(logits, expert_bias, top_k, score_function,
+                                              pre_softmax, num_groups, group_topk, scaling_factor)
+    else:
+        probs, routing_map = reference.topk_route(
+            logits, top_k, score_function=score_function, pre_softmax=pre_softmax,
+            num_groups=num_groups, group_topk=group_topk, scaling_factor=scaling_factor,
+            expert_bias=expert_bias)
+    if capacity_factor is not None:
+        probs, routing_map = apply_capacity(probs, routing_map, capacity_factor)
+    return probs, routing_map

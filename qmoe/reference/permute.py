@@ -1,0 +1,215 @@
+"""Reference token permutation for expert dispatch: the specification of `qmoe.kernels.permute`.
+
+Dimensions: T tokens, E experts, K top-k (most experts per token), H row width (hidden size,
+or bytes of a quantized row, or scale columns), R output rows.
+
+`permute` groups each token's copies by expert, in expert order, keeping token order inside an
+expert, and pads every group with zero rows to a multiple of `align_size` (what a grouped GEMM
+of the recipe needs). The output has a **static** row count
+
+    R = T * K + E * (align_size - 1)
+
+(the worst case), so nothing about its shape depends on the routing and no host has to read a
+count; the rows past the last group are zero too. `unpermute` sums each token's expert outputs
+back, optionally weighted by the routing probabilities.
+
+Each token may choose at most K experts (`topk_route` guarantees it). Extra choices are dropped
+from the token's slots, and any row that would land past R is dropped rather than written.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class RowIdMap(NamedTuple):
+    """Where each token's copies went. Opaque to users: pass it from permute to unpermute.
+
+    rows: [T, K] int32, output row of each of the token's copies (ascending expert), -1 if unused.
+    experts: [T, K] int32, the expert of each copy, -1 if unused.
+    counts: [E] int32, tokens routed to each expert (unpadded).
+    offsets: [E + 1] int32, first row of each expert's group; offsets[E] = rows in groups.
+    num_rows: R, the static output row count.
+    """
+
+    rows: torch.Tensor
+    experts: torch.Tensor
+    counts: torch.Tensor
+    offsets: torch.Tensor
+    num_rows: int
+
+
+def num_permuted_rows(num_tokens: int, top_k: int, num_experts: int, align_size: int) -> int:
+    """The static row count R of a permuted batch."""
+    return num_tokens * top_k + num_experts * (align_size - 1)
+
+
+def check_permute_index_args(routing_map, top_k, align_size):
+    if not isinstance(routing_map, torch.Tensor) or routing_map.dtype != torch.bool or routing_map.dim() != 2:
+        raise TypeError("routing_map must be a 2-D torch.bool tensor [T, E], got "
+                        f"{getattr(routing_map, 'dtype', type(routing_map).__name__)} "
+                        f"{tuple(getattr(routing_map, 'shape', ()))}")
+    e = routing_map.shape[1]
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= e:
+        raise ValueError(f"top_k must be an int in [1, num_experts={e}], got {top_k!r}")
+    if isinstance(align_size, bool) or not isinstance(align_size, int) or align_size < 1:
+        raise ValueError(f"align_size must be a positive int (ask the recipe: recipe.align_size), "
+                         f"got {align_size!r}")
+
+
+def check_rows(name, t, num_rows, device):
+    """A per-row tensor [num_rows, N] (or [num_rows]) of any dtype, on `device`."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dim() not in (1, 2) or t.shape[0] != num_rows:
+        raise ValueError(f"{name} must be [{num_rows}, N] (one row per token/permuted row), "
+                         f"got shape {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the routing is on {device}; move it there")
+
+
+def check_merging_probs(merging_probs, row_id_map):
+    t = row_id_map.rows.shape[0]
+    e = row_id_map.counts.shape[0]
+    if not isinstance(merging_probs, torch.Tensor) or not merging_probs.is_floating_point():
+        raise TypeError("merging_probs must be a floating-point tensor [T, E]")
+    if tuple(merging_probs.shape) != (t, e) or merging_probs.device != row_id_map.rows.device:
+        raise ValueError(f"merging_probs must be [T, E]=({t}, {e}) on {row_id_map.rows.device}, got "
+                         f"{tuple(merging_probs.shape)} on {merging_probs.device}")
+
+
+def _byte_movable(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself, or an integer view of its bits where indexing kernels may lack the dtype.
+
+    Permutation only moves bits, so FP8 data and E8M0 scales travel as uint8; float tensors
+    stay themselves so autograd sees the op.
+    """
+    if t.is_floating_point() and t.element_size() >= 2:
+        return t
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def permute_index(routing_map, top_k, align_size):
+    """Plan a permutation: (RowIdMap, split_sizes [E] int32, padded per-expert row counts)."""
+    check_permute_index_args(routing_map, top_k, align_size)
+    t, e = routing_map.shape
+    chosen = routing_map.to(torch.int32)
+    counts = chosen.sum(dim=0, dtype=torch.int32)
+    split_sizes = (counts + align_size - 1) // align_size * align_size
+    offsets = torch.zeros(e + 1, dtype=torch.int32, device=routing_map.device)
+    offsets[1:] = torch.cumsum(split_sizes, dim=0, dtype=torch.int32)
+    rank = torch.cumsum(chosen, dim=0, dtype=torch.int32) - chosen                   # tokens before
+    dest = offsets[:-1] + rank                                                        # [T, E]
+    # The token's chosen experts first, in ascending order (stable sort of 1s before 0s).
+    order = torch.sort(chosen, dim=1, descending=True, stable=True).indices[:, :top_k]
+    used = routing_map.gather(1, order)
+    experts = torch.where(used, order, -1).to(torch.int32)
+    rows = torch.where(used, dest.gather(1, order), -1).to(torch.int32)
+    row_id_map = RowIdMap(rows, experts, counts, offsets, num_permuted_rows(t, top_k, e, align_size))
+    return row_id_map, split_sizes
+
+
+def _destinations(row_id_map):
+    """Flat [T * K] int64 output rows, unused and out-of-range slots sent to a dump row R."""
+    rows = row_id_map.rows.long()
+    r = row_id_map.num_rows
+    return torch.where((rows >= 0) & (rows < r), rows, r).flatten()
+
+
+def permute_rows(x, row_id_map):
+    """Copy token rows to their permuted places: x [T, N] any dtype -> [R, N], padding zero."""
+    check_rows("x", x, row_id_map.rows.shape[0], row_id_map.rows.device)
+    data = _byte_movable(x)
+    flat = data if data.dim() == 2 else data.unsqueeze(1)
+    k = row_id_map.rows.shape[1]
+    copies = flat.unsqueeze(1).expand(-1, k, -1).reshape(-1, flat.shape[1])          # [T*K, N]
+    out = flat.new_zeros(row_id_map.num_rows + 1, flat.shape[1])
+    out = out.index_copy(0, _destinations(row_id_map), copies)[:-1]
+    out = out if x.dim() == 2 else out.squeeze(1)
+    return out if data is x else out.view(x.dtype)
+
+
+def permute_probs(probs, row_id_map):
+    """Each permuted row's routing probability: probs [T, E] -> [R] (probs dtype), padding 0."""
+    experts = row_id_map.experts.long().clamp(min=0)
+    copies = probs.gather(1, experts).flatten()                                       # [T*K]
+    out = probs.new_zeros(row_id_map.num_rows + 1)
+    return out.index_copy(0, _destinations(row_id_map), copies)[:-1]
+
+
+def unpermute_rows(y, row_id_map, merging_probs=None):
+    """Sum each token's expert rows: y [R, H] float -> [T, H] (y dtype), fp32 accumulation.
+
+    out[t] = sum over the token's copies c of y[row(c)] * merging_probs[t, expert(c)]
+    (weight 1 without merging_probs), added in slot order (ascending expert).
+    """
+    check_rows("y", y, row_id_map.num_rows, row_id_map.rows.device)
+    if merging_probs is not None:
+        check_merging_probs(merging_probs, row_id_map)
+    t, k = row_id_map.rows.shape
+    padded = torch.cat([y, y.new_zeros(1, y.shape[1])])                                # dump row R
+    acc = torch.float64 if y.dtype == torch.float64 else torch.float32  # fp64: for gradcheck
+    gathered = padded.index_select(0, _destinations(row_id_map)).view(t, k, y.shape[1]).to(acc)
+    used = row_id_map.rows >= 0
+    if merging_probs is not None:
+        weights = merging_probs.gather(1, row_id_map.experts.long().clamp(min=0)).to(acc) * used
+        gathered = gathered * weights.unsqueeze(-1)
+    out = gathered[:, 0]
+    for slot in range(1, k):
+        out = out + gathered[:, slot]
+    return out.to(y.dtype)
+
+
+def permute_rows_backward(grad_out, row_id_map):
+    """Gradient of `permute_rows`: [R, N] -> [T, N], the sum over each token's copies."""
+    return unpermute_rows(grad_out, row_id_map)
+
+
+def permute_probs_backward(grad_out_probs, row_id_map, probs_dtype=torch.float32):
+    """Gradient of `permute_probs`: [R] -> [T, E] in `probs_dtype`, zero where not routed."""
+    t, k = row_id_map.rows.shape
+    e = row_id_map.counts.shape[0]
+    padded = torch.cat([grad_out_probs, grad_out_probs.new_zeros(1)])
+    picked = padded.index_select(0, _destinations(row_id_map)).view(t, k)
+    picked = picked * (row_id_map.rows >= 0)
+    grad = torch.zeros(t, e + 1, dtype=probs_dtype, device=grad_out_probs.device)
+    experts = torch.where(row_id_map.experts >= 0, row_id_map.experts, e).long()      # dump column
+    return grad.scatter(1, experts, picked.to(probs_dtype))[:, :e]
+
+
+def unpermute_rows_backward(grad_out, y, row_id_map, merging_probs=None, need_probs_grad=True):
+    """Gradients of `unpermute_rows`: (grad_y [R, H], grad_merging_probs [T, E] or None)."""
+    need_probs_grad = need_probs_grad and merging_probs is not None
+    with torch.enable_grad():
+        y = y.detach().requires_grad_(True)
+        inputs = [y]
+        if merging_probs is not None:
+            merging_probs = merging_probs.detach().requires_grad_(need_probs_grad)
+            if need_probs_grad:
+                inputs.append(merging_probs)
+        out = unpermute_rows(y, row_id_map, merging_probs)
+        grads = torch.autograd.grad(out, inputs, grad_out)
+    return grads[0], (grads[1] if need_probs_grad else None)
+
+
+def moe_permute(x, routing_map, probs=None, align_size=1, *, top_k=None, row_scales=None):
+    """Permute tokens for the experts (reference of `qmoe.ops.moe_permute`, same contract).
+
+    Returns (out [R, H], out_probs [R] or None, row_id_map, split_sizes [E] int32), and a fifth
+    item, the permuted row_scales [R, S], when `row_scales` is given.
+    """
+    if top_k is None:  # the reference may read the device; the kernels' path asks for top_k
+        top_k = int(routing_map.sum(dim=1).max()) if routing_map.numel() else 1
+    row_id_map, split_sizes = permute_index(routing_map, top_k, align_size)
+    out = permute_rows(x, row_id_map)
+    out_probs = None if probs is None else permute_probs(probs, row_id_map)
+    if row_scales is None:
+        return out, out_probs, row_id_map, split_sizes
+    return out, out_probs, row_id_map, split_sizes, permute_rows(row_scales, row_id_map)
+
+
+def moe_unpermute(y, row_id_map, merging_probs=None, restore_shape=None):
+    """Combine expert outputs (reference of `qmoe.ops.moe_unpermute`): [R, H] -> [T, H]."""
+    out = unpermute_rows(y, row_id_map, merging_probs)
+    return out if restore_shape is None else out.view(restore_shape)

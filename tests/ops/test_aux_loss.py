@@ -1,0 +1,196 @@
+"""Balance losses, z-loss and the expert-bias update: contract on CPU, kernels == reference on GPU."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from qmoe.ops import moe_aux_loss, seq_aux_loss, update_expert_bias, z_loss
+from qmoe.reference import aux_loss as reference
+
+
+def _balanced(t, e, k):
+    """Uniform probs and a routing that gives every expert t * k / e tokens."""
+    probs = torch.full((t, e), 1.0 / e)
+    routing_map = torch.zeros(t, e, dtype=torch.bool)
+    for i in range(t):
+        routing_map[i, [(i * k + j) % e for j in range(k)]] = True
+    return probs, routing_map
+
+
+# ------------------------------------------------------------------ the contract, on CPU
+
+
+def test_balanced_routing_gives_coeff():
+    probs, routing_map = _balanced(16, 8, 2)
+    loss = moe_aux_loss(probs, routing_map.sum(0), 16, 8, 2, 0.01)
+    torch.testing.assert_close(loss, torch.tensor(0.01), rtol=1e-6, atol=0)
+    loss = seq_aux_loss(probs, routing_map, 4, 2, 0.01)
+    torch.testing.assert_close(loss, torch.tensor(0.01), rtol=1e-6, atol=0)
+
+
+def test_moe_aux_loss_matches_its_formula_and_takes_a_device_count():
+    g = torch.Generator().manual_seed(0)
+    probs = torch.rand(10, 4, generator=g)
+    counts = torch.tensor([5, 0, 12, 3])
+    want = (probs.sum(0) * counts).sum() * 4 * 0.1 / (2 * 10 ** 2)
+    torch.testing.assert_close(moe_aux_loss(probs, counts, 10, 4, 2, 0.1), want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(moe_aux_loss(probs, counts, torch.tensor(10), 4, 2, 0.1), want,
+                               rtol=1e-6, atol=0)
+
+
+def test_seq_aux_loss_sees_imbalance_inside_sequences():
+    # Two sequences, each all on one expert, but the batch as a whole is balanced.
+    probs = torch.tensor([[1.0, 0.0]] * 4 + [[0.0, 1.0]] * 4)
+    routing_map = probs.bool()
+    batch = moe_aux_loss(probs, routing_map.sum(0), 8, 2, 1, 1.0)
+    per_seq = seq_aux_loss(probs, routing_map, 4, 1, 1.0)
+    torch.testing.assert_close(batch, torch.tensor(1.0))
+    torch.testing.assert_close(per_seq, torch.tensor(2.0))  # E / K * f * P = 2 * 1 * 1
+
+
+def test_z_loss_of_equal_logits():
+    loss = z_loss(torch.zeros(3, 8), 1e-3)
+    torch.testing.assert_close(loss, torch.tensor(1e-3 * math.log(8) ** 2))
+
+
+def test_losses_accumulate_in_fp32_for_bf16_inputs():
+    probs = torch.rand(64, 16, generator=torch.Generator().manual_seed(1)).bfloat16()
+    counts = torch.randint(0, 9, (16,), generator=torch.Generator().manual_seed(2))
+    loss = moe_aux_loss(probs, counts, 64, 16, 2, 1.0)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, moe_aux_loss(probs.float(), counts, 64, 16, 2, 1.0))
+
+
+@pytest.mark.parametrize("name", ["moe", "seq", "z"])
+def test_gradcheck_fp64_reference(name):
+    g = torch.Generator().manual_seed(3)
+    x = torch.rand(6, 4, dtype=torch.float64, generator=g).requires_grad_(True)
+    routing_map = torch.rand(6, 4, generator=g) > 0.5
+    fns = {
+        "moe": lambda p: reference.moe_aux_loss(p, routing_map.sum(0), 6, 4, 2, 0.3),
+        "seq": lambda p: reference.seq_aux_loss(p, routing_map, 3, 2, 0.3),
+        "z": lambda p: reference.z_loss(p * 4 - 2, 0.3),
+    }
+    torch.autograd.gradcheck(fns[name], (x,))
+
+
+def test_update_expert_bias_moves_toward_balance_in_place():
+    bias = torch.zeros(4)
+    counts = torch.tensor([10, 2, 6, 6])  # mean 6
+    out = update_expert_bias(bias, counts, rate=0.5)
+    assert out is bias
+    assert bias.tolist() == [-0.5, 0.5, 0.0, 0.0]
+
+
+def test_update_expert_bias_keeps_the_bias_dtype():
+    bias = torch.zeros(3, dtype=torch.bfloat16)
+    update_expert_bias(bias, torch.tensor([1.0, 2.0, 3.0]), rate=0.25)
+    assert bias.dtype == torch.bfloat16 and bias.tolist() == [0.25, 0.0, -0.25]
+
+
+@given(st.integers(1, 6), st.integers(1, 8), st.integers(1, 4), st.floats(1e-4, 1.0))
+def test_reference_losses_are_nonnegative_and_scale_with_coeff(b, e, k, coeff):
+    g = torch.Generator().manual_seed(b * 100 + e)
+    k = min(k, e)
+    probs = torch.rand(b * 3, e, generator=g)
+    routing_map = torch.rand(b * 3, e, generator=g) > 0.5
+    one = reference.seq_aux_loss(probs, routing_map, 3, k, 1.0)
+    assert one >= 0
+    torch.testing.assert_close(reference.seq_aux_loss(probs, routing_map, 3, k, coeff), one * coeff)
+    torch.testing.assert_close(reference.moe_aux_loss(probs, routing_map.sum(0), b * 3, e, k, coeff),
+                               reference.moe_aux_loss(probs, routing_map.sum(0), b * 3, e, k, 1.0) * coeff)
+
+
+@pytest.mark.parametrize("call,err,match", [
+    (lambda: moe_aux_loss(torch.rand(4, 3), torch.ones(4), 4, 3, 1, 1.0), ValueError, "tokens_per_expert"),
+    (lambda: moe_aux_loss(torch.rand(4, 3), torch.ones(3), 0, 3, 1, 1.0), ValueError, "num_tokens"),
+    (lambda: moe_aux_loss(torch.rand(4, 3), torch.ones(3), torch.ones(2), 3, 1, 1.0), ValueError, "0-dim"),
+    (lambda: moe_aux_loss(torch.rand(4, 3), torch.ones(3), 4, 3, 1, "x"), TypeError, "coeff"),
+    (lambda: seq_aux_loss(torch.rand(6, 3), torch.ones(6, 3, dtype=torch.bool), 4, 1, 1.0), ValueError, "seq_length"),
+    (lambda: seq_aux_loss(torch.rand(6, 3), torch.ones(6, 3), 3, 1, 1.0), TypeError, "bool"),
+    (lambda: z_loss(torch.ones(3, dtype=torch.int64), 1.0), TypeError, "floating"),
+    (lambda: update_expert_bias(torch.zeros(3), torch.ones(4)), ValueError, "shape"),
+    (lambda: update_expert_bias(torch.zeros(3, dtype=torch.int32), torch.ones(3)), TypeError, "floating"),
+], ids=["tpe_shape", "num_tokens", "num_tokens_dim", "coeff", "seq_divides", "map_dtype", "z_dtype",
+        "bias_shape", "bias_dtype"])
+def test_bad_arguments_raise_clear_errors(call, err, match):
+    with pytest.raises(err, match=match):
+        call()
+
+
+# ------------------------------------------------------------------ kernels == reference, on GPU
+
+GPU_SIZES = [(1, 8), (333, 60), (8192, 256), (131072, 64), (16384, 1024), (4096, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,e", GPU_SIZES, ids=[f"T{t}-E{e}" for t, e in GPU_SIZES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_equal_reference(t, e, dtype):
+    from qmoe.kernels import aux_loss as kernels
+    torch.manual_seed(t + e)
+    probs = torch.softmax(torch.randn(t, e, device="cuda"), -1).to(dtype)
+    routing_map = torch.rand(t, e, device="cuda") < 8 / e
+    counts = routing_map.sum(0)
+    grad = torch.tensor(1.3, device="cuda")
+    for nt in (t, torch.tensor(t, device="cuda")):
+        args = (counts, nt, e, 8, 1e-2)
+        torch.testing.assert_close(kernels.moe_aux_loss(probs, *args), reference.moe_aux_loss(probs, *args),
+                                   rtol=1e-5, atol=0)
+        torch.testing.assert_close(kernels.moe_aux_loss_backward(grad, probs, *args),
+                                   reference.moe_aux_loss_backward(grad, probs, *args))
+    seq = t if t < 64 else t // 4 if t % 4 == 0 else t
+    args = (routing_map, seq, 8, 1e-2)
+    torch.testing.assert_close(kernels.seq_aux_loss(probs, *args), reference.seq_aux_loss(probs, *args),
+                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(kernels.seq_aux_loss_backward(grad, probs, *args),
+                               reference.seq_aux_loss_backward(grad, probs, *args))
+    logits = (torch.randn(t, e, device="cuda") * 4).to(dtype)
+    torch.testing.assert_close(kernels.z_loss(logits, 1e-3), reference.z_loss(logits, 1e-3), rtol=1e-5, atol=0)
+    torch.testing.assert_close(kernels.z_loss_backward(grad, logits, 1e-3),
+                               reference.z_loss_backward(grad, logits, 1e-3), rtol=1e-5, atol=1e-9)
+    b_k, b_r = torch.randn(e, device="cuda"), None
+    b_r = b_k.clone()
+    kernels.update_expert_bias(b_k, counts, 1e-3)
+    reference.update_expert_bias(b_r, counts, 1e-3)
+    assert torch.equal(b_k, b_r)
+
+
+@pytest.mark.gpu
+def test_ops_are_graph_safe_with_a_device_token_count():
+    torch.manual_seed(0)
+    t, e = 4096, 64
+    probs = torch.softmax(torch.randn(t, e, device="cuda"), -1).requires_grad_(True)
+    logits = torch.randn(t, e, device="cuda", requires_grad=True)
+    routing_map = torch.rand(t, e, device="cuda") < 0.1
+    nt = torch.tensor(t, device="cuda")
+    bias = torch.zeros(e, device="cuda")
+
+    def step():
+        counts = routing_map.sum(0)
+        loss = moe_aux_loss(probs, counts, nt, e, 8, 1e-2) + seq_aux_loss(probs, routing_map, 1024, 8, 1e-2) \
+            + z_loss(logits, 1e-3)
+        grads = torch.autograd.grad(loss, [probs, logits])
+        update_expert_bias(bias, counts, 1e-3)
+        return loss, grads
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        eager_loss, eager_grads = step()  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_loss, g_grads = step()
+    bias.zero_()
+    graph.replay()
+    torch.testing.assert_close(g_loss, eager_loss)
+    for a, b in zip(g_grads, eager_grads):
+        torch.testing.assert_close(a, b)
+    assert bias.abs().max() == 1e-3

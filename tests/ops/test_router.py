@@ -1,0 +1,272 @@
+"""topk_route and apply_capacity: the reference's contract on CPU, kernels == reference on GPU."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from qmoe.ops import apply_capacity, topk_route
+from qmoe.reference import router as reference
+
+INF = float("inf")
+
+
+def _route(logits, k, **kw):
+    return reference.topk_route(logits, k, **kw)
+
+
+# ------------------------------------------------------------------ the contract, on CPU
+
+
+def test_softmax_after_topk_normalises_over_the_chosen():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    probs, routing_map = _route(logits, 2)
+    assert routing_map.tolist() == [[False, True, True, False]]
+    want = torch.softmax(torch.tensor([3.0, 2.0]), 0)
+    torch.testing.assert_close(probs[0, 1:3], want, rtol=1e-6, atol=0)
+
+
+def test_pre_softmax_keeps_the_full_softmax_values():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    probs, _ = _route(logits, 2, pre_softmax=True)
+    full = torch.softmax(logits[0], 0)
+    torch.testing.assert_close(probs[0], full * torch.tensor([0.0, 1, 1, 0]), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("fn", ["sigmoid", "sqrtsoftplus"])
+def test_sigmoid_like_scores_are_normalised_when_k_above_one(fn):
+    logits = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
+    probs, _ = _route(logits, 3, score_function=fn, scaling_factor=2.5)
+    torch.testing.assert_close(probs.sum(1), torch.full((16,), 2.5), rtol=1e-6, atol=0)
+    probs1, routing_map = _route(logits, 1, score_function=fn)
+    score = torch.sigmoid(logits) if fn == "sigmoid" else torch.nn.functional.softplus(logits).sqrt()
+    torch.testing.assert_close(probs1[routing_map], score[routing_map], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("fn,pre", [("softmax", False), ("softmax", True), ("sigmoid", False),
+                                    ("sqrtsoftplus", False)], ids=["softmax", "pre_softmax", "sigmoid", "sqrtsoftplus"])
+def test_ties_go_to_the_lower_expert(fn, pre):
+    probs, routing_map = _route(torch.zeros(3, 8), 3, score_function=fn, pre_softmax=pre)
+    assert routing_map[:, :3].all() and not routing_map[:, 3:].any()
+    logits = torch.tensor([[1.0, 2.0, 2.0, 2.0, 0.0]])
+    _, routing_map = _route(logits, 2, score_function=fn, pre_softmax=pre)
+    assert routing_map.tolist() == [[False, True, True, False, False]]
+
+
+def test_minus_inf_columns_are_never_chosen_while_finite_ones_remain():
+    logits = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
+    logits[:, [0, 5]] = -INF
+    for fn in ["softmax", "sigmoid", "sqrtsoftplus"]:
+        probs, routing_map = _route(logits, 6, score_function=fn)
+        assert not routing_map[:, [0, 5]].any()
+        assert torch.isfinite(probs).all()
+
+
+def test_all_tokens_to_one_expert():
+    logits = torch.randn(64, 16, generator=torch.Generator().manual_seed(2))
+    logits[:, 7] = 50.0
+    probs, routing_map = _route(logits, 2)
+    assert routing_map[:, 7].all()
+    assert (probs[:, 7] > 0.99).all()
+
+
+def test_expert_bias_changes_selection_but_not_probs():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0]])
+    bias = torch.tensor([0.0, 0.0, 0.0, 5.0])
+    probs, routing_map = _route(logits, 2, score_function="sigmoid", expert_bias=bias)
+    assert routing_map.tolist() == [[True, False, False, True]]
+    s = torch.sigmoid(logits[0, [0, 3]])
+    torch.testing.assert_close(probs[0, [0, 3]], s / s.sum(), rtol=1e-6, atol=0)
+
+
+def test_group_limited_routing_picks_from_the_best_groups():
+    # 4 groups of 2; group_topk=2, top_k=4 -> a group's score is the sum of its top 2.
+    logits = torch.tensor([[9.0, -9.0, 1.0, 1.0, 3.0, 3.0, 0.0, 0.0]])
+    _, routing_map = _route(logits, 4, score_function="sigmoid", num_groups=4, group_topk=2)
+    # group scores: g0 = s(9)+s(-9) ~ 1.0, g1 = 2 s(1) ~ 1.46, g2 = 2 s(3) ~ 1.9, g3 = 1.0
+    assert routing_map.tolist() == [[False, False, True, True, True, True, False, False]]
+
+
+def test_scaling_factor_multiplies_probs():
+    logits = torch.randn(8, 6, generator=torch.Generator().manual_seed(3))
+    p1, m1 = _route(logits, 2)
+    p2, m2 = _route(logits, 2, scaling_factor=3.0)
+    assert torch.equal(m1, m2)
+    torch.testing.assert_close(p2, p1 * 3.0, rtol=1e-6, atol=0)
+
+
+@st.composite
+def router_cases(draw):
+    e = draw(st.sampled_from([4, 6, 8, 16]))
+    t = draw(st.integers(1, 12))
+    k = draw(st.integers(1, e))
+    fn = draw(st.sampled_from(["softmax", "sigmoid", "sqrtsoftplus"]))
+    pre = fn == "softmax" and draw(st.booleans())
+    kw = dict(score_function=fn, pre_softmax=pre)
+    groups = [g for g in (2, 4) if e % g == 0 and draw(st.booleans())]
+    if groups:
+        g = groups[0]
+        gk = draw(st.sampled_from([d for d in range(1, g + 1) if k % d == 0 and d * (e // g) >= k]
+                                  or [None]))
+        if gk is not None:
+            kw.update(num_groups=g, group_topk=gk)
+    if draw(st.booleans()):
+        kw["expert_bias"] = torch.tensor(draw(st.lists(st.floats(-2, 2), min_size=e, max_size=e)))
+    if draw(st.booleans()):
+        kw["scaling_factor"] = draw(st.floats(0.5, 4))
+    kind = draw(st.sampled_from(["random", "ties", "one_expert", "inf_columns"]))
+    logits = torch.randn(t, e, generator=torch.Generator().manual_seed(draw(st.integers(0, 99))))
+    if kind == "ties":
+        # non-negative: sigmoid(x) + sigmoid(-x) == 1 would make group scores tie only up to
+        # rounding, where kernel and reference may round apart
+        logits = logits.abs().round()
+    elif kind == "one_expert":
+        logits[:, draw(st.integers(0, e - 1))] = 20.0
+    elif kind == "inf_columns":
+        logits[:, 0] = -INF
+    return logits, k, kw
+
+
+@given(router_cases())
+def test_reference_invariants(case):
+    logits, k, kw = case
+    probs, routing_map = reference.topk_route(logits, k, **kw)
+    assert (routing_map.sum(1) == k).all()
+    assert (probs[~routing_map] == 0).all()
+    assert probs.dtype == torch.float32 and routing_map.dtype == torch.bool
+    if "num_groups" in kw:
+        per_group = routing_map.view(len(logits), kw["num_groups"], -1).any(-1).sum(-1)
+        assert (per_group <= kw["group_topk"]).all()
+
+
+@pytest.mark.parametrize("kw", [
+    dict(), dict(pre_softmax=True), dict(score_function="sigmoid", scaling_factor=2.0),
+    dict(score_function="sqrtsoftplus"), dict(score_function="sigmoid", num_groups=2, group_topk=1),
+    dict(score_function="sigmoid", top_k=1),
+], ids=["softmax", "pre_softmax", "sigmoid_scaled", "sqrtsoftplus", "groups", "sigmoid_k1"])
+def test_gradcheck_fp64_reference(kw):
+    kw = dict(kw)
+    k = kw.pop("top_k", 2)
+    logits = torch.randn(5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    logits.requires_grad_(True)
+    torch.autograd.gradcheck(lambda x: reference.topk_route(x, k, **kw)[0], (logits,))
+    # the hand-written backward twin (what the kernel implements) equals autograd
+    probs, routing_map = reference.topk_route(logits, k, **kw)
+    g = torch.randn_like(probs)
+    (auto,) = torch.autograd.grad(probs, logits, g)
+    twin = reference.topk_route_backward(
+        g, logits.detach(), routing_map, k,
+        **{n: v for n, v in kw.items() if n in ("score_function", "pre_softmax", "scaling_factor")})
+    torch.testing.assert_close(auto, twin)
+
+
+def test_capacity_keeps_the_highest_probs_per_expert():
+    probs = torch.tensor([[0.9, 0.1], [0.8, 0.2], [0.7, 0.3], [0.6, 0.4]])
+    routing_map = torch.tensor([[True, False]] * 4)
+    kept_probs, kept = apply_capacity(probs * routing_map, routing_map, 1.0)  # cap = ceil(4/2) = 2
+    assert kept.tolist() == [[True, False], [True, False], [False, False], [False, False]]
+    assert kept_probs[2:].eq(0).all()
+
+
+def test_capacity_ties_keep_the_lower_token_and_stay_differentiable():
+    probs = torch.full((4, 2), 0.5, requires_grad=True)
+    routing_map = torch.tensor([[True, False], [True, True], [True, False], [True, True]])
+    kept_probs, kept = apply_capacity(probs, routing_map, 1.0)  # 6 assignments -> cap 3
+    assert kept[:, 0].tolist() == [True, True, True, False]
+    assert kept[:, 1].tolist() == [False, True, False, True]
+    kept_probs.sum().backward()
+    assert torch.equal(probs.grad, kept.float())
+
+
+def test_topk_route_capacity_factor_is_dropless_when_large():
+    logits = torch.randn(16, 4, generator=torch.Generator().manual_seed(5))
+    p1, m1 = topk_route(logits, 2)
+    p2, m2 = topk_route(logits, 2, capacity_factor=4.0)
+    assert torch.equal(m1, m2) and torch.equal(p1, p2)
+    _, m3 = topk_route(logits, 2, capacity_factor=0.5)
+    assert (m3.sum(0) <= math.ceil(16 * 2 * 0.5 / 4)).all()
+
+
+@pytest.mark.parametrize("args,kw,err,match", [
+    ((torch.randn(4, 8), 9), {}, ValueError, "top_k"),
+    ((torch.randn(4, 8), 2), dict(score_function="relu"), ValueError, "score_function"),
+    ((torch.randn(4, 8), 2), dict(score_function="sigmoid", pre_softmax=True), ValueError, "pre_softmax"),
+    ((torch.randn(4, 8), 2), dict(num_groups=3, group_topk=1), ValueError, "num_groups"),
+    ((torch.randn(4, 8), 2), dict(num_groups=4), ValueError, "both"),
+    ((torch.randn(4, 8), 3), dict(num_groups=4, group_topk=2), ValueError, "multiple"),
+    ((torch.randn(4, 8), 2), dict(expert_bias=torch.zeros(7)), ValueError, "expert_bias"),
+    ((torch.randn(4, 8, 2), 2), {}, ValueError, "2-D"),
+    ((torch.zeros(4, 8, dtype=torch.int32), 2), {}, TypeError, "floating"),
+    ((torch.randn(4, 8), 2), dict(capacity_factor=0.0), ValueError, "capacity_factor"),
+], ids=["top_k", "score_fn", "pre_softmax", "groups_divide", "groups_both", "groups_multiple",
+        "bias_shape", "rank", "dtype", "capacity"])
+def test_bad_arguments_raise_clear_errors(args, kw, err, match):
+    with pytest.raises(err, match=match):
+        topk_route(*args, **kw)
+
+
+# ------------------------------------------------------------------ kernels == reference, on GPU
+
+GPU_CASES = [
+    # (T, E, K, kwargs)
+    (1, 8, 1, dict()),
+    (33, 8, 2, dict()),
+    (100, 64, 6, dict(pre_softmax=True)),
+    (257, 128, 8, dict(score_function="sigmoid", expert_bias=True)),
+    (512, 256, 8, dict(score_function="sigmoid", num_groups=8, group_topk=4, scaling_factor=2.5,
+                       expert_bias=True)),  # DeepSeek-V3
+    (300, 60, 4, dict(score_function="sqrtsoftplus")),
+    (64, 160, 6, dict(num_groups=8, group_topk=3)),
+    (17, 4096, 8, dict(pre_softmax=True)),
+]
+
+
+def _materialise(kw, e, device):
+    kw = dict(kw)
+    if kw.get("expert_bias") is True:
+        kw["expert_bias"] = torch.randn(e, device=device) * 0.1
+    return kw
+
+
+def _compare_on_gpu(logits, k, kw):
+    from qmoe.kernels import router as kernels
+    p_ref, m_ref = reference.topk_route(logits, k, **kw)
+    p_k, m_k = kernels.topk_route(logits, k, **kw)
+    assert torch.equal(m_k, m_ref)
+    torch.testing.assert_close(p_k, p_ref, rtol=1e-5, atol=1e-7, equal_nan=True)
+    g = torch.randn_like(p_ref)
+    bkw = {n: v for n, v in kw.items() if n in ("score_function", "pre_softmax", "scaling_factor")}
+    d_ref = reference.topk_route_backward(g, logits, m_ref, k, **bkw)
+    d_k = kernels.topk_route_backward(g, logits, m_ref, k, **bkw)
+    torch.testing.assert_close(d_k, d_ref, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,e,k,kw", GPU_CASES, ids=[f"T{c[0]}-E{c[1]}-K{c[2]}" for c in GPU_CASES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_equals_reference(t, e, k, kw, dtype):
+    torch.manual_seed(t + e)
+    logits = (torch.randn(t, e, device="cuda") * 2).to(dtype)
+    _compare_on_gpu(logits, k, _materialise(kw, e, "cuda"))
+
+
+@pytest.mark.gpu
+@given(router_cases())
+def test_kernel_equals_reference_hypothesis(case):
+    logits, k, kw = case
+    kw = {n: (v.cuda() if isinstance(v, torch.Tensor) else v) for n, v in kw.items()}
+    _compare_on_gpu(logits.cuda(), k, kw)
+
+
+@pytest.mark.gpu
+def test_op_gradients_match_reference():
+    torch.manual_seed(0)
+    logits = torch.randn(512, 256, device="cuda", requires_grad=True)
+    kw = dict(score_function="sigmoid", num_groups=8, group_topk=4, scaling_factor=2.5)
+    probs, _ = topk_route(logits, 8, **kw)
+    g = torch.randn_like(probs)
+    (got,) = torch.autograd.grad(probs, logits, g)
+    ref_logits = logits.detach().clone().requires_grad_(True)
+    ref_probs, _ = reference.topk_route(ref_logits, 8, **kw)
+    (want,) = torch.autograd.grad(ref_probs, ref_logits, g)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
