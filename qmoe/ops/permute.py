@@ -79,7 +79,7 @@ def _check_permute_args(x, routing_map, probs, align_size, top_k, row_scales):
         check_rows("row_scales", row_scales, t, routing_map.device)
 
 
-def moe_permute(x, routing_map, probs=None, align_size=1, *, top_k=None, row_scales=None):
+def moe_permute(x, routing_map, probs=None, align_size=1, *, top_k=None, row_scales=None, num_rows=None):
     """Group token copies by expert, each group padded with zero rows to `align_size`.
 
     Args:
@@ -92,6 +92,8 @@ def moe_permute(x, routing_map, probs=None, align_size=1, *, top_k=None, row_sca
             `recipe.align_size`; 1 = no padding).
         top_k: the most experts a token chose (K). Pass it: R depends on it, and without it the
             op reads K back from the device (a host synchronisation, not graph-capturable).
+        num_rows: optional static row count larger than R (e.g. R rounded up to align_size, so
+            the zero tail after the last group is a whole number of blocks).
         row_scales: optional [T, S] (or [T]) per-row tensor of any dtype, e.g. FP8 1x128 or
             MXFP8 E8M0 scales of a quantized `x`, permuted the same way; padding rows get zero
             bytes.
@@ -117,11 +119,12 @@ def moe_permute(x, routing_map, probs=None, align_size=1, *, top_k=None, row_sca
     _check_permute_args(x, routing_map, probs, align_size, top_k, row_scales)
     if not use_kernels(x, routing_map, probs, row_scales):
         return reference.moe_permute(x, routing_map, probs, align_size, top_k=top_k,
-                                     row_scales=row_scales)
+                                     row_scales=row_scales, num_rows=num_rows)
     if top_k is None:  # host read, documented above
         top_k = max(int(routing_map.sum(dim=1).max()), 1) if routing_map.numel() else 1
     kernels = _kernels()
     row_id_map, split_sizes = kernels.permute_index(routing_map, top_k, align_size)
+    row_id_map = reference.with_num_rows(row_id_map, num_rows)
     if x.is_floating_point() and x.element_size() >= 2:
         out = _PermuteRows.apply(x, row_id_map)
     else:  # quantized bits: nothing to differentiate

@@ -28,8 +28,14 @@ class DelayedScalingState:
         self.scale: torch.Tensor | None = None
         self.amax_history: torch.Tensor | None = None
 
+    parent: "DelayedScalingState | None" = None
+
     def ensure(self, device: torch.device, num_groups: int | None) -> None:
         """Create fresh state (scale 1, zero history) or move it; the slot shape is fixed once made."""
+        if self.parent is not None:
+            if self.scale.device != device:
+                raise ValueError(f"this group slot's state is on {self.scale.device}, the tensor on {device}")
+            return
         shape = () if num_groups is None else (num_groups,)
         if self.scale is None:
             self.scale = torch.ones(shape, dtype=torch.float32, device=device)
@@ -42,6 +48,17 @@ class DelayedScalingState:
         elif self.scale.device != device:
             self.scale = self.scale.to(device)
             self.amax_history = self.amax_history.to(device)
+
+    def slot(self, g: int, num_groups: int) -> "DelayedScalingState":
+        """Group g's slot of a grouped state, as a state whose tensors are views into this one.
+
+        Lets the split path quantize each group on its own while recording into, and reading
+        the scale of, the same per-group history the grouped path uses.
+        """
+        child = DelayedScalingState(self.fmt_max, self.history_len, self.margin, self.algo, self.reduce_amax)
+        child.parent = self
+        child.scale, child.amax_history = self.scale[g], self.amax_history[:, g]
+        return child
 
     def record(self, amax: torch.Tensor) -> None:
         """Fold this call's amax into the newest history entry (max over calls in one step)."""
@@ -56,7 +73,7 @@ class DelayedScalingState:
         rolled = torch.roll(hist, -1, 0) if hist.shape[0] > 1 else hist.clone()
         rolled[0] = 0
         hist.copy_(torch.where(active, rolled, hist))
-        new_scale = self.fmt_max / amax
+        new_scale = torch.full_like(amax, self.fmt_max) / amax  # true fp32 division, not reciprocal * max
         new_scale = torch.where(new_scale == float("inf"), torch.full_like(new_scale, FLT_MAX), new_scale)
         new_scale = new_scale / (2.0 ** self.margin)
         ok = active & torch.isfinite(amax) & (amax > 0)
@@ -90,6 +107,7 @@ def update_delayed_scaling(states: list[DelayedScalingState], group=None) -> Non
 
 
 def register_forward(state: DelayedScalingState) -> None:
+    state = state.parent or state
     pending = _PENDING_FORWARD.get()
     if pending is not None:
         pending.append(state)
@@ -114,6 +132,7 @@ def register_backward(state: DelayedScalingState, group=None) -> None:
 
     Outside a backward pass (a direct quantize call) the slot is updated at once.
     """
+    state = state.parent or state
     first = not _PENDING_BACKWARD
     _PENDING_BACKWARD.append((state, group))
     if not first:

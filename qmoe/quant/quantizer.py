@@ -55,6 +55,13 @@ class Quantizer:
         br, bc = self.block
         return (ceil_div(m, br), ceil_div(k, bc))
 
+    def for_group(self, g: int, num_groups: int, device=None) -> "Quantizer":
+        """The quantizer that quantizes group g of `num_groups` on its own, as the grouped path would.
+
+        Stateless formats return self; delayed scaling returns a view on group g's slot.
+        """
+        return self
+
     def check_shape(self, m: int, k: int, rowwise: bool, columnwise: bool) -> None:
         """Raise ValueError for shapes this format cannot hold (before any work runs)."""
 
@@ -149,6 +156,14 @@ class Float8DelayedQuantizer(Float8CurrentQuantizer):
             register_backward(self.state, self.amax_reduction_group)
         else:
             register_forward(self.state)
+
+    def for_group(self, g, num_groups, device=None):
+        self.state.ensure(device or (self.state.scale.device if self.state.scale is not None else "cpu"),
+                          num_groups)
+        view = Float8DelayedQuantizer(self.role, self.fmt)
+        view.state = self.state.slot(g, num_groups)
+        view.amax_reduction_group = self.amax_reduction_group
+        return view
 
     def update_scale(self, group=None) -> None:
         """Apply the pending amax now (what autocast does at region exit), reducing over `group`."""

@@ -193,7 +193,17 @@ def unpermute_rows_backward(grad_out, y, row_id_map, merging_probs=None, need_pr
     return grads[0], (grads[1] if need_probs_grad else None)
 
 
-def moe_permute(x, routing_map, probs=None, align_size=1, *, top_k=None, row_scales=None):
+def with_num_rows(row_id_map: RowIdMap, num_rows: int | None) -> RowIdMap:
+    """The plan with a larger static output row count (e.g. R rounded up to align_size)."""
+    if num_rows is None:
+        return row_id_map
+    if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < row_id_map.num_rows:
+        raise ValueError(f"num_rows must be an int >= T*top_k + E*(align_size-1) = {row_id_map.num_rows}, "
+                         f"got {num_rows!r}")
+    return row_id_map._replace(num_rows=num_rows)
+
+
+def moe_permute(x, routing_map, probs=None, align_size=1, *, top_k=None, row_scales=None, num_rows=None):
     """Permute tokens for the experts (reference of `qmoe.ops.moe_permute`, same contract).
 
     Returns (out [R, H], out_probs [R] or None, row_id_map, split_sizes [E] int32), and a fifth
@@ -202,6 +212,7 @@ def moe_permute(x, routing_map, probs=None, align_size=1, *, top_k=None, row_sca
     if top_k is None:  # the reference may read the device; the kernels' path asks for top_k
         top_k = int(routing_map.sum(dim=1).max()) if routing_map.numel() else 1
     row_id_map, split_sizes = permute_index(routing_map, top_k, align_size)
+    row_id_map = with_num_rows(row_id_map, num_rows)
     out = permute_rows(x, row_id_map)
     out_probs = None if probs is None else permute_probs(probs, row_id_map)
     if row_scales is None:

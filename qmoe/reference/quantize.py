@@ -54,7 +54,7 @@ def compute_fp8_scale(amax: torch.Tensor, fmt_max: float, power_2_scale: bool = 
     amax = amax.float()
     if amax_epsilon > 0:
         amax = torch.maximum(amax, torch.tensor(amax_epsilon, dtype=torch.float32, device=amax.device))
-    scale = fmt_max / amax
+    scale = torch.full_like(amax, fmt_max) / amax  # a true fp32 division: `float / tensor` is reciprocal * float
     scale = torch.where((amax == 0) | ~torch.isfinite(amax), torch.ones_like(scale), scale)
     scale = torch.where(scale == float("inf"), torch.full_like(scale, FLT_MAX), scale)
     if power_2_scale:  # zero the mantissa: round down to a power of two

@@ -28,7 +28,7 @@ def nan_amax(x: torch.Tensor) -> torch.Tensor:
 
 def nvfp4_tensor_scale(amax: torch.Tensor) -> torch.Tensor:
     """S_enc = min(448*6 / amax, FLT_MAX), 1 where that is 0."""
-    s = NVFP4_TENSOR_MAX / amax.float()
+    s = torch.full((), NVFP4_TENSOR_MAX, dtype=torch.float32, device=amax.device) / amax.float()  # true division
     s = torch.where(torch.isnan(s) | (s > FLT_MAX), torch.full_like(s, FLT_MAX), s)
     return torch.where(s == 0, torch.ones_like(s), s)
 

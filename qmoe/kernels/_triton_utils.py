@@ -1,0 +1,275 @@
+"""Triton building blocks shared by qmoe's quantize kernels (NUMERICS.md, exactly).
+
+- Tile scheduling over groups: a launch covers `cdiv(M, BM) + G` virtual row tiles (a static
+  bound on sum_g cdiv(M_g, BM)); `tile_rows` maps a tile to its group from the device split
+  sizes, so no tile and no block crosses a group boundary and the host never reads the splits.
+- Scale arithmetic: divisions are `div_rn` (Triton's `/` on fp32 is an approximate division),
+  powers of two are built from bits (2^-127 is subnormal and must not flush), amaxes are
+  maxima of |x|'s bit patterns (exact, and NaN, whose bits exceed inf's, wins).
+- Casts: clamp with NaN propagation, then an RNE conversion (`cvt.rn.satfinite` on sm90).
+- Launch helpers: autotune config generators, and the choice between the autotuned kernel
+  (large problems) and one fixed config (small problems: no tuning runs, no host syncs).
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+import triton
+import triton.language as tl
+
+from qmoe.formats import FLT_MAX, RHT_SIGNS
+
+_FLT_MAX = tl.constexpr(FLT_MAX)
+_INF_BITS = tl.constexpr(0x7F800000)
+_ABS_MASK = tl.constexpr(0x7FFFFFFF)
+# Bit i set where the RHT sign vector s has s_i = -1.
+RHT_SIGN_MASK = sum(1 << i for i, s in enumerate(RHT_SIGNS) if s < 0)
+
+# Problems below this many elements run one fixed config: tuning them costs more than it gains,
+# and a tuning run synchronises the host (no CUDA graph capture, no sync-debug mode).
+AUTOTUNE_MIN_ELEMENTS = 1 << 22
+
+
+# ---------------------------------------------------------------- scheduling
+
+@triton.jit
+def tile_rows(splits_ptr, M, G, pid, BM: tl.constexpr, SB: tl.constexpr, G_P2: tl.constexpr,
+              GROUPED: tl.constexpr):
+    """Rows of virtual row tile `pid`: (group, first row, group end row, first scale block, group start).
+
+    Groups start their tiles (and their SB-row scale blocks) afresh; tiles past the last group
+    get group index >= G. Ungrouped: one group of M rows.
+    """
+    if GROUPED:
+        idx = tl.arange(0, G_P2)
+        sizes = tl.load(splits_ptr + idx, mask=idx < G, other=0).to(tl.int32)
+        tiles = (sizes + BM - 1) // BM
+        tile_end = tl.cumsum(tiles, 0)
+        g = tl.sum((tile_end <= pid).to(tl.int32), 0)
+        sel = idx == g
+        tile0 = tl.sum(tl.where(sel, tile_end - tiles, 0), 0)
+        start = tl.sum(tl.where(sel, tl.cumsum(sizes, 0) - sizes, 0), 0)
+        size = tl.sum(tl.where(sel, sizes, 0), 0)
+        blocks = (sizes + SB - 1) // SB
+        sblk = tl.sum(tl.where(sel, tl.cumsum(blocks, 0) - blocks, 0), 0)
+        local = (pid - tile0) * BM
+        return g, start + local, start + size, sblk + local // SB, start
+    else:
+        return 0, pid * BM, M, pid * (BM // SB), 0
+
+
+def group_pow2(num_groups: int) -> int:
+    return max(2, triton.next_power_of_2(num_groups))
+
+
+# ---------------------------------------------------------------- exact scalar arithmetic
+
+@triton.jit
+def abs_bits(x):
+    """int32 pattern of |x| for fp32 x: orders like |x|, and NaN sorts above inf."""
+    return x.to(tl.int32, bitcast=True) & _ABS_MASK
+
+
+@triton.jit
+def bits_to_float(b):
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def max_abs_bits(x, IGNORE_NAN: tl.constexpr):
+    """max|x| of a 2-D fp32 tile as int32 bits (NaN propagates unless IGNORE_NAN)."""
+    b = abs_bits(x)
+    if IGNORE_NAN:
+        b = tl.where(b > _INF_BITS, 0, b)
+    return tl.max(tl.max(b, 1), 0)
+
+
+@triton.jit
+def is_nan(x):
+    return abs_bits(x) > _INF_BITS
+
+
+@triton.jit
+def is_finite(x):
+    return abs_bits(x) < _INF_BITS
+
+
+@triton.jit
+def clamp_nan(x, lo, hi):
+    """min(max(x, lo), hi) with NaN kept (torch.clamp semantics)."""
+    x = tl.maximum(x, lo, propagate_nan=tl.PropagateNan.ALL)
+    return tl.minimum(x, hi, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def cast_satfinite(x, MAX: tl.constexpr, DTYPE: tl.constexpr):
+    """RNE cast with saturation: clamp to +-MAX (NaN stays NaN), then round to nearest even."""
+    return clamp_nan(x, -MAX, MAX).to(DTYPE, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def exp2_int(e):
+    """Exact 2^e in fp32 for integer e in [-127, 127] (2^-127 is the subnormal 0x00400000)."""
+    bits = tl.where(e >= -126, (e + 127) << 23, 0x00400000)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp8_scale_from_amax(amax, FMT_MAX: tl.constexpr, POW2: tl.constexpr, eps):
+    """NUMERICS.md "FP8 scale from amax": fmt_max / max(amax, eps), 1 for 0 or non-finite amax."""
+    amax = tl.where(eps > 0, tl.maximum(amax, eps, propagate_nan=tl.PropagateNan.ALL), amax)
+    scale = tl.math.div_rn(tl.full(amax.shape, FMT_MAX, tl.float32), amax)
+    scale = tl.where((amax == 0) | ~is_finite(amax), 1.0, scale)
+    scale = tl.where(abs_bits(scale) == _INF_BITS, _FLT_MAX, scale)
+    if POW2:  # zero the mantissa: round down to a power of two
+        scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    return scale
+
+
+@triton.jit
+def reciprocal(x):
+    return tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), x)
+
+
+@triton.jit
+def mx_exponent(amax, FMT_MAX: tl.constexpr, EMAX: tl.constexpr, ROUND_UP: tl.constexpr):
+    """Unbiased E8M0 exponent (int32) of each block amax; 128 marks a NaN block (byte 0xFF)."""
+    if ROUND_UP:  # smallest k with 2^k >= amax / fmt_max
+        v = tl.math.div_rn(amax, tl.full(amax.shape, FMT_MAX, tl.float32))
+        bits = v.to(tl.int32, bitcast=True)
+        field = (bits >> 23) & 0xFF
+        man = bits & 0x7FFFFF
+        b = tl.where(field == 0, tl.where(man > 0x400000, -126, -127), field - 127 + (man != 0).to(tl.int32))
+    else:  # OCP MX: floor(log2(amax)) - emax; subnormal amax clamps to -127
+        bits = amax.to(tl.int32, bitcast=True)
+        field = (bits >> 23) & 0xFF
+        b = tl.where(field == 0, -127, field - 127 - EMAX)
+    b = tl.minimum(tl.maximum(b, -127), 127)
+    b = tl.where(abs_bits(amax) == _INF_BITS, 127, b)
+    return tl.where(is_nan(amax), 128, b)
+
+
+# ---------------------------------------------------------------- block reductions on tiles
+
+@triton.jit
+def block_amax_last(x, R: tl.constexpr, C: tl.constexpr, B: tl.constexpr, IGNORE_NAN: tl.constexpr):
+    """max|x| over runs of B along the last axis of a [R, C] fp32 tile -> [R, C // B]."""
+    b = abs_bits(tl.reshape(x, (R, C // B, B)))
+    if IGNORE_NAN:
+        b = tl.where(b > _INF_BITS, 0, b)
+    return bits_to_float(tl.max(b, 2))
+
+
+@triton.jit
+def scale_last(x, s, R: tl.constexpr, C: tl.constexpr, B: tl.constexpr):
+    """x [R, C] times s [R, C // B] broadcast over runs of B along the last axis."""
+    return tl.reshape(tl.reshape(x, (R, C // B, B)) * s[:, :, None], (R, C))
+
+
+@triton.jit
+def block_amax_first(x, R: tl.constexpr, C: tl.constexpr, B: tl.constexpr, IGNORE_NAN: tl.constexpr):
+    """max|x| over runs of B along the first axis of a [R, C] fp32 tile -> [R // B, C]."""
+    b = abs_bits(tl.reshape(x, (R // B, B, C)))
+    if IGNORE_NAN:
+        b = tl.where(b > _INF_BITS, 0, b)
+    return bits_to_float(tl.max(b, 1))
+
+
+@triton.jit
+def scale_first(x, s, R: tl.constexpr, C: tl.constexpr, B: tl.constexpr):
+    """x [R, C] times s [R // B, C] broadcast over runs of B along the first axis."""
+    return tl.reshape(tl.reshape(x, (R // B, B, C)) * s[:, None, :], (R, C))
+
+
+@triton.jit
+def block_amax_2d(x, R: tl.constexpr, C: tl.constexpr, B: tl.constexpr):
+    """max|x| over B x B blocks of a [R, C] fp32 tile -> [R // B, C // B] (NaN propagates)."""
+    per_row = tl.max(abs_bits(tl.reshape(x, (R, C // B, B))), 2)  # [R, C/B]
+    return bits_to_float(tl.max(tl.reshape(per_row, (R // B, B, C // B)), 1))
+
+
+@triton.jit
+def scale_2d(x, s, R: tl.constexpr, C: tl.constexpr, B: tl.constexpr):
+    """x [R, C] times s [R // B, C // B] broadcast over B x B blocks."""
+    rows = tl.reshape(tl.broadcast_to(s[:, None, :], (R // B, B, C // B)), (R, C // B))
+    return scale_last(x, rows, R, C, B)
+
+
+@triton.jit
+def hadamard16(DTYPE: tl.constexpr, SIGN_MASK: tl.constexpr):
+    """(diag(s) @ H16) / 4 as a [16, 16] tile: entry (i, j) = s_i (-1)^popcount(i & j) / 4."""
+    i = tl.arange(0, 16)[:, None]
+    j = tl.arange(0, 16)[None, :]
+    v = i & j
+    parity = (v ^ (v >> 1) ^ (v >> 2) ^ (v >> 3)) & 1
+    neg = parity ^ ((SIGN_MASK >> i) & 1)
+    return tl.where(neg == 1, -0.25, 0.25).to(DTYPE)
+
+
+@triton.jit
+def rht_last(x, R: tl.constexpr, C: tl.constexpr, SIGN_MASK: tl.constexpr):
+    """Random Hadamard transform of every run of 16 along the last axis of x [R, C] -> fp32.
+
+    One [R*C/16, 16] @ [16, 16] product; the +-1/4 entries are exact in x's dtype, so bf16 and
+    fp16 tiles use tensor cores with fp32 accumulation and fp32 tiles an IEEE fp32 product.
+    """
+    h = hadamard16(x.dtype, SIGN_MASK)
+    runs = tl.reshape(x, (R * C // 16, 16))
+    if x.dtype == tl.float32:
+        y = tl.dot(runs, h, input_precision="ieee", out_dtype=tl.float32)
+    else:
+        y = tl.dot(runs, h, out_dtype=tl.float32)
+    return tl.reshape(y, (R, C))
+
+
+# ---------------------------------------------------------------- launch helpers
+
+def tile_configs(block_m, block_k, warps, stages=(1,)) -> list[triton.Config]:
+    """Every (BM, BK, num_warps, num_stages) combination as autotune configs.
+
+    The kernels are single-pass and memory-bound (no K loop), so stages barely matter; the lists
+    per family are small on purpose: each config is one more compile per specialization.
+    """
+    return [triton.Config({"BM": bm, "BK": bk}, num_warps=w, num_stages=s)
+            for bm, bk, w, s in itertools.product(block_m, block_k, warps, stages)]
+
+
+def prune_oversized(configs, named_args, **kwargs):
+    """Drop tiles far larger than the problem (keep at least the smallest config)."""
+    m, k = named_args.get("M", 1 << 30), named_args.get("K", 1 << 30)
+    keep = [c for c in configs if c.kwargs["BM"] <= max(32, 2 * m) and c.kwargs["BK"] <= max(64, 2 * k)]
+    return keep or [min(configs, key=lambda c: c.kwargs["BM"] * c.kwargs["BK"])]
+
+
+def launch(kernel, grid, args: tuple, small: triton.Config, numel: int, **meta) -> None:
+    """Run `kernel` (a triton.autotune Autotuner) through torch's wrap_triton.
+
+    Large problems use the autotuner; small ones run `small` directly, so they neither compile
+    nor benchmark the other configs (and never synchronise the host).
+    """
+    from torch.library import wrap_triton
+
+    if numel >= AUTOTUNE_MIN_ELEMENTS:
+        wrap_triton(kernel)[grid](*args, **meta)
+    else:
+        wrap_triton(kernel.fn)[grid](*args, **meta, **small.kwargs, num_warps=small.num_warps,
+                                     num_stages=small.num_stages)
+
+
+def device_splits(split_sizes: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Split sizes as an int tensor on x's device (a no-op for device splits)."""
+    if split_sizes.dim() != 1:
+        raise ValueError(f"split_sizes must be 1-D [G], got shape {tuple(split_sizes.shape)}")
+    if split_sizes.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"split_sizes must be int32 or int64, got {split_sizes.dtype}")
+    return split_sizes.to(x.device) if split_sizes.device != x.device else split_sizes
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] with unit stride along K (copies only when it has none)."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize kernels take a 2-D tensor [M, K], got shape {tuple(x.shape)}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"quantize kernels take float32, bfloat16 or float16 input, got {x.dtype}")
+    return x if x.stride(1) == 1 or x.shape[1] <= 1 else x.contiguous()

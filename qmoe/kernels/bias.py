@@ -1,0 +1,82 @@
+"""Triton grouped-bias backward: dbias per group and dscales per row in one pass over dy.
+
+Twin of `qmoe/reference/bias.py` (same names and signatures). Rows are sorted by group, so a
+block of rows spans few groups: each program sums its rows per group and adds one fp32 partial
+per (group, column) with an atomic, and writes its rows' dscales directly. The forward add is a
+gather plus an elementwise op, which the reference already does without a host sync.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from qmoe.reference.bias import row_groups
+
+# Row block: large enough that most blocks sit inside one group (few atomics per column),
+# small enough to keep a [BLOCK_R, BLOCK_N] fp32 tile in registers.
+_BLOCK_R = 64
+_BLOCK_N = 128
+
+
+@triton.jit
+def _grouped_bias_backward_kernel(
+    # pointers
+    dy_ptr, bias_ptr, scales_ptr, groups_ptr, dbias_ptr, dscales_ptr,
+    # sizes
+    num_rows, n, num_groups,
+    # strides
+    stride_dy, stride_bias, stride_dbias,
+    # meta
+    HAS_SCALES: tl.constexpr, NEED_DSCALES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < num_rows
+    g = tl.load(groups_ptr + rows, mask=row_ok, other=num_groups)
+    row_ok = row_ok & (g < num_groups)
+    g_first = tl.min(tl.where(row_ok, g, num_groups), axis=0)
+    g_last = tl.max(tl.where(row_ok, g, -1), axis=0)
+    if HAS_SCALES:
+        s = tl.load(scales_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    dsc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for n0 in range(0, n, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < n
+        m = row_ok[:, None] & col_ok[None, :]
+        dy = tl.load(dy_ptr + rows[:, None].to(tl.int64) * stride_dy + cols[None, :], mask=m, other=0.0)
+        dy = dy.to(tl.float32)
+        w = dy * s[:, None] if HAS_SCALES else dy
+        for gg in range(g_first, g_last + 1):
+            part = tl.sum(tl.where((g == gg)[:, None], w, 0.0), axis=0)
+            tl.atomic_add(dbias_ptr + gg * stride_dbias + cols, part, mask=col_ok)
+        if NEED_DSCALES:
+            b = tl.load(bias_ptr + g[:, None].to(tl.int64) * stride_bias + cols[None, :], mask=m, other=0.0)
+            dsc += tl.sum(dy * b.to(tl.float32), axis=1)
+    if NEED_DSCALES:
+        tl.store(dscales_ptr + rows, dsc, mask=rows < num_rows)
+
+
+def grouped_bias_backward(dy: torch.Tensor, bias: torch.Tensor, offsets: torch.Tensor,
+                          scales: torch.Tensor | None = None, need_dscales: bool = True):
+    """(dbias [E, N] fp32, dscales [R] fp32 or None) for dy [R, N], bias [E, N], offsets [E+1]."""
+    if dy.dim() != 2 or bias.dim() != 2 or dy.shape[1] != bias.shape[1]:
+        raise ValueError(f"grouped_bias_backward needs dy [R, N] and bias [E, N], got {tuple(dy.shape)} "
+                         f"and {tuple(bias.shape)}")
+    if scales is not None and (scales.dim() != 1 or scales.shape[0] != dy.shape[0]):
+        raise ValueError(f"scales must be [R] = [{dy.shape[0]}], got {tuple(scales.shape)}")
+    dy = dy.contiguous()
+    bias = bias.contiguous()
+    r, n = dy.shape
+    e = bias.shape[0]
+    groups = row_groups(offsets, r).to(torch.int32)
+    dbias = torch.zeros(e, n, dtype=torch.float32, device=dy.device)
+    need = scales is not None and need_dscales
+    dscales = torch.empty(r, dtype=torch.float32, device=dy.device) if need else dbias
+    if r:
+        _grouped_bias_backward_kernel[(triton.cdiv(r, _BLOCK_R),)](
+            dy, bias, scales if scales is not None else dy, groups, dbias, dscales,
+            r, n, e,
+            dy.stride(0), bias.stride(0), dbias.stride(0),
+            HAS_SCALES=scales is not None, NEED_DSCALES=need, BLOCK_R=_BLOCK_R, BLOCK_N=_BLOCK_N)
+    return dbias, (dscales if need else None)

@@ -1,0 +1,366 @@
+"""Grouped GEMM launchers for sm90+: the twins of `qmoe/reference/grouped_gemm.py` (same names,
+signatures and contracts; read its docstring for the operand conventions).
+
+Each call turns GroupedTensors into flat operand descriptions (pointers, strides, per-group
+strides, scale layouts; nothing read from the device) and launches one static grid, so the
+whole call is host-sync-free and CUDA-graph capturable. Routes:
+
+  bf16 m-grouped               torch._grouped_mm, rows past the last group zeroed on device
+  fp16/fp32, and every k-grouped plain GEMM     Triton, SCALING NONE
+  FP8 tensor / block           Triton, FP8 codes into the tensor cores
+  MXFP8 / NVFP4 (sm90: exact emulation) two exact routes:
+      "fused"    dequantize in registers inside the GEMM (weights stay 8/4-bit in memory:
+                 the memory-bound, few-rows-per-expert route)
+      "dequant"  one exact bf16 dequantize pass per operand, then a bf16 grouped GEMM
+                 (torch._grouped_mm for MXFP8 with bf16 out, else Triton with the NVFP4
+                 tensor factors in its epilogue): the compute-bound route
+  "auto" picks "dequant" from DEQUANT_MIN_ROWS rows per group on (benchmarks/bench_gemm.py).
+
+sm100+ has native MXFP8/NVFP4 grouped GEMMs in torch; qmoe keeps them behind
+`native_block_scaled_gemm`, which raises qmoe.UnsupportedError until they are wired and tested
+(on sm90, torch's MXFP8/NVFP4 scaled GEMMs kill the process: they are never called).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+
+from qmoe.errors import UnsupportedError
+from qmoe.formats import ceil_div
+from qmoe.kernels import grouped_gemm_triton as jit
+from qmoe.reference.grouped_gemm import Scaling, is_grouped, scaling_of
+from qmoe.reference.quantize_nvfp4 import nvfp4_tensor_scale
+
+_CODE = {Scaling.NONE: 0, Scaling.TENSOR: 1, Scaling.BLOCK: 2, Scaling.MX: 3, Scaling.NVFP4: 4}
+# Rows per group from which the exact dequantize-then-bf16-GEMM route beats in-register
+# dequantization (compute-bound); below it the fused kernel reads 8/4-bit weights directly.
+DEQUANT_MIN_ROWS = 256
+
+
+# ---------------------------------------------------------------- tile configurations
+
+@dataclass(frozen=True)
+class TileConfig:
+    bm: int
+    bn: int
+    bk: int
+    warps: int
+    stages: int
+    group_m: int = 8
+
+
+def tile_configs(scaling: Scaling, small_m: bool) -> list[TileConfig]:
+    """Candidate tiles per scaling, best first (the benchmark's --sweep times them all).
+
+    Chosen for sm90's 228 KB shared memory and 64-row wgmma: 128-row tiles with 8 warps for
+    compute-bound groups, 64-row tiles when groups hold few rows. FP8 takes BK = 128 (one
+    BLOCK scale step; 128 B per row for the copy engine); dequantizing bodies take BK = 64 to
+    keep the register-resident bf16 tiles small.
+    """
+    bm = 64 if small_m else 128
+    if scaling is Scaling.NONE:
+        return [TileConfig(bm, 256, 64, 8, 3), TileConfig(bm, 128, 64, 4, 4), TileConfig(bm, 128, 64, 8, 3)]
+    if scaling is Scaling.TENSOR:
+        return [TileConfig(bm, 256, 128, 8, 3), TileConfig(bm, 128, 128, 4, 4), TileConfig(bm, 128, 128, 8, 4)]
+    if scaling is Scaling.BLOCK:  # two fp32 accumulators (dot + promoted sum): 128 x 128 per 8 warps
+        return [TileConfig(bm, 128, 128, 8, 3), TileConfig(bm, 128, 128, 4, 3), TileConfig(bm, 64, 128, 4, 4)]
+    return [TileConfig(bm, 128, 64, 8, 3), TileConfig(bm, 128, 64, 4, 3), TileConfig(bm, 256, 64, 8, 3),
+            TileConfig(bm, 128, 128, 8, 2)]
+
+
+def _fp32_config(cfg: TileConfig) -> TileConfig:
+    return replace(cfg, bn=min(cfg.bn, 128), bk=32, stages=2)  # fp32 tiles are 2x the bytes
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count if torch.cuda.is_available() else 4
+
+
+def _sms(device: torch.device) -> int:
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 4
+
+
+# ---------------------------------------------------------------- operands
+
+@dataclass
+class _Operand:
+    """One GEMM operand as the kernels read it: group g's [rows, contraction] matrix."""
+
+    data: torch.Tensor
+    stride_r: int
+    stride_k: int
+    group_stride: int = 0  # storage elements from one group's matrix to the next (weights)
+    scale: torch.Tensor | None = None
+    s_stride_r: int = 0
+    s_stride_k: int = 0
+    s_group_stride: int = 0
+    block: tuple[int, int] = (1, 1)  # values per scale: (rows, contraction)
+    factor: torch.Tensor | None = None  # [G] fp32, multiplies the accumulator
+    soffs: torch.Tensor | None = None  # [G+1] first scale column of each token group
+
+    def scale_or_data(self) -> torch.Tensor:
+        return self.scale if self.scale is not None else self.data
+
+
+def _scale_tensor(scale: torch.Tensor) -> torch.Tensor:
+    return scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale
+
+
+def _factor(gt, scaling: Scaling, columnwise: bool) -> torch.Tensor | None:
+    if scaling is Scaling.TENSOR:
+        return (gt.columnwise_scale_inv if columnwise else gt.rowwise_scale_inv).float().contiguous()
+    if scaling is Scaling.NVFP4:
+        amax = gt.columnwise_amax if columnwise else gt.amax
+        return (1.0 / nvfp4_tensor_scale(amax)).contiguous()
+    return None
+
+
+def _with_scales(op: _Operand, gt, scaling: Scaling, columnwise: bool) -> _Operand:
+    op.factor = _factor(gt, scaling, columnwise)
+    if scaling in (Scaling.BLOCK, Scaling.MX, Scaling.NVFP4):
+        s = _scale_tensor(gt.columnwise_scale_inv if columnwise else gt.rowwise_scale_inv)
+        op.scale, op.s_stride_r, op.s_stride_k = s, s.stride(0), s.stride(1)
+        op.block = tuple(gt.quantizer.block)
+    return op
+
+
+def activation_operand(a, scaling: Scaling) -> _Operand:
+    """Rowwise [T, K] activations (fprop x, dgrad dy): rows are global, 1-D scales per row."""
+    d = a.rowwise_data
+    return _with_scales(_Operand(d, d.stride(0), d.stride(1)), a, scaling, False)
+
+
+def weight_operand(b, scaling: Scaling, columnwise: bool) -> tuple[_Operand, int, int]:
+    """Weights from quantize_weights (E groups of N rows): (operand, out features, contraction)."""
+    e = b.num_groups
+    n, k = b.shape[0] // e, b.shape[1]
+    packed = 2 if scaling is Scaling.NVFP4 else 1
+    if not columnwise:  # W_g [N, K]: rows g*N.. of the rowwise data
+        d = b.rowwise_data
+        op = _with_scales(_Operand(d, d.stride(0), d.stride(1), n * d.stride(0)), b, scaling, False)
+        if op.scale is not None:
+            op.s_group_stride = ceil_div(n, op.block[0]) * op.s_stride_r
+        return op, n, k
+    d = b.columnwise_data  # W_g^T [K, N]: columns g*N.. of the [K, E*N] copy
+    op = _with_scales(_Operand(d, d.stride(0), d.stride(1), (n // packed) * d.stride(1)), b, scaling, True)
+    if op.scale is not None:
+        op.s_group_stride = ceil_div(n, op.block[1]) * op.s_stride_k
+    return op, k, n
+
+
+def tokens_operand(x, scaling: Scaling) -> _Operand:
+    """Columnwise [F, T] copy for wgrad: contraction along tokens, 1-D scales from group offsets."""
+    d = x.columnwise_data
+    op = _with_scales(_Operand(d, d.stride(0), d.stride(1)), x, scaling, True)
+    if scaling in (Scaling.BLOCK, Scaling.MX, Scaling.NVFP4):
+        op.soffs = x.columnwise_scale_offsets
+    return op
+
+
+def _device_offsets(split_sizes, device) -> torch.Tensor:
+    s = torch.as_tensor(split_sizes, device=device).to(torch.int64)
+    return torch.cat((s.new_zeros(1), s.cumsum(0)))
+
+
+# ---------------------------------------------------------------- m-grouped
+
+def _launch_m(a: _Operand, b: _Operand, offsets, total_rows, n_out, k, groups, scaling, out_dtype, cfg=None):
+    device = a.data.device
+    out = torch.empty((total_rows, n_out), dtype=out_dtype, device=device)
+    if total_rows == 0 or n_out == 0:
+        return out
+    plain_fp32 = scaling is Scaling.NONE and a.data.dtype == torch.float32
+    if cfg is None:
+        cfg = tile_configs(scaling, small_m=total_rows <= 96 * groups)[0]
+        cfg = _fp32_config(cfg) if plain_fp32 else cfg
+    upper = (ceil_div(total_rows, cfg.bm) + groups + 1) * ceil_div(n_out, cfg.bn)
+    programs = max(1, min(_sms(device), upper))
+    fa = a.factor if a.factor is not None else a.data
+    fb = b.factor if b.factor is not None else b.data
+    jit._m_grouped_gemm_kernel[(programs,)](
+        a.data, b.data, out, offsets, a.scale_or_data(), b.scale_or_data(), fa, fb,
+        total_rows, n_out, k, groups,
+        a.stride_r, a.stride_k, b.stride_r, b.stride_k, b.group_stride, out.stride(0), out.stride(1),
+        a.s_stride_r, a.s_stride_k, b.s_stride_r, b.s_stride_k, b.s_group_stride,
+        SCALING=_CODE[scaling], A_BC=a.block[1], B_BR=b.block[0], B_BC=b.block[1],
+        HAS_FACTOR=a.factor is not None, PRECISE=out_dtype == torch.float32,
+        INPUT_PRECISION="tf32x3" if plain_fp32 else None,
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, GP=triton.next_power_of_2(groups + 1),
+        NUM_PROGRAMS=programs, MASK_K=k % cfg.bk != 0, num_warps=cfg.warps, num_stages=cfg.stages)
+    return out
+
+
+def _torch_grouped_mm_ok(a16: torch.Tensor, mat_b: torch.Tensor, out_dtype) -> bool:
+    return (hasattr(torch, "_grouped_mm") and a16.is_cuda and out_dtype == torch.bfloat16
+            and a16.dtype == torch.bfloat16 and mat_b.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(a16.device) >= (9, 0)
+            and a16.shape[1] % 8 == 0 and mat_b.shape[2] % 8 == 0 and a16.shape[0] > 0)
+
+
+def _torch_grouped_mm(a16, mat_b, offsets, total_rows):
+    """torch._grouped_mm (bf16, CUTLASS) with the rows past the last group zeroed on the device."""
+    out = torch._grouped_mm(a16, mat_b, offs=offsets[1:].to(torch.int32))
+    n = out.shape[1]
+    jit._zero_rows_from_kernel[(ceil_div(total_rows, 64),)](out, offsets[-1:], total_rows, n, out.stride(0),
+                                                            out.stride(1), BLOCK_R=64, BLOCK_C=128)
+    return out
+
+
+def _dequantize(op: _Operand, scaling: Scaling, rows: int, cols: int, row_group: int, col_group: int,
+                out: torch.Tensor, out_strides: tuple[int, int], cidx: torch.Tensor | None = None):
+    """Exact bf16 values (MX: q*2^k; NVFP4: q*s_b) of an [rows, cols] operand into `out`.
+
+    Rows come in groups of `row_group` rows, columns in groups of `col_group` (weights: one
+    expert each); cidx [cols] int32 gives each column's scale column for token groups.
+    """
+    br, bc = op.block
+    block_r, block_c = 32, 64
+    gather = cidx is not None or col_group % block_c != 0 or cols % block_c != 0
+    if gather and cidx is None:
+        c = torch.arange(cols, device=op.data.device, dtype=torch.int32)
+        cidx = (c // col_group) * ceil_div(col_group, bc) + (c % col_group) // bc
+    jit._dequantize_kernel[(ceil_div(rows, block_r), ceil_div(cols, block_c))](
+        op.data, op.scale, out, cidx if gather else op.data,
+        rows, cols, row_group, ceil_div(row_group, br), col_group, ceil_div(col_group, bc),
+        op.stride_r, op.stride_k, op.s_stride_r, op.s_stride_k, out_strides[0], out_strides[1],
+        SCALING=_CODE[scaling], BR=br, BC=bc, GATHER=gather, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+    return out
+
+
+def _m_dequant_route(a, b, a_op, b_op, scaling, b_columnwise, out_dtype):
+    device = a_op.data.device
+    e = b.num_groups
+    n_w, k_w = b.shape[0] // e, b.shape[1]
+    total_rows, k = a.shape[0], a.shape[1]
+    a16 = _dequantize(a_op, scaling, total_rows, k, max(total_rows, 1), k,
+                      torch.empty((total_rows, k), dtype=torch.bfloat16, device=device), (k, 1))
+    w16 = torch.empty((e, n_w, k_w), dtype=torch.bfloat16, device=device)  # W_g, either copy
+    if b_columnwise:  # [K, E*N] -> W_g [N, K]: element (r, c) lands at c*K + r
+        _dequantize(b_op, scaling, k_w, e * n_w, k_w, n_w, w16, (1, k_w))
+        mat_b, plain = w16, _Operand(w16, 1, k_w, n_w * k_w)
+    else:
+        _dequantize(b_op, scaling, e * n_w, k_w, n_w, k_w, w16, (k_w, 1))
+        mat_b, plain = w16.transpose(1, 2), _Operand(w16, k_w, 1, n_w * k_w)
+    n_out = mat_b.shape[2]
+    if scaling is Scaling.MX and _torch_grouped_mm_ok(a16, mat_b, out_dtype):
+        return _torch_grouped_mm(a16, mat_b, a.offsets, total_rows)
+    a_plain = _Operand(a16, k, 1, factor=a_op.factor)
+    plain.factor = b_op.factor
+    return _launch_m(a_plain, plain, a.offsets, total_rows, n_out, k, e, Scaling.NONE, out_dtype)
+
+
+def m_grouped_gemm(a, b, split_sizes=None, *, b_columnwise: bool = False, out_dtype=torch.bfloat16):
+    """Kernel twin of qmoe.reference.grouped_gemm.m_grouped_gemm."""
+    return m_grouped_gemm_with(a, b, split_sizes, b_columnwise=b_columnwise, out_dtype=out_dtype)
+
+
+def m_grouped_gemm_with(a, b, split_sizes=None, *, b_columnwise=False, out_dtype=torch.bfloat16,
+                        route: str = "auto", config: TileConfig | None = None):
+    """m_grouped_gemm with the route ("auto", "fused", "dequant") and tiles chosen by the caller."""
+    if not is_grouped(a):
+        offsets = _device_offsets(split_sizes, a.device)
+        e, n, k = b.shape
+        n_out, contraction = (k, n) if b_columnwise else (n, k)
+        mat_b = b if b_columnwise else b.transpose(1, 2)
+        if route != "fused" and config is None and _torch_grouped_mm_ok(a, mat_b, out_dtype):
+            return _torch_grouped_mm(a, mat_b, offsets, a.shape[0])
+        bop = (_Operand(b, b.stride(2), b.stride(1), b.stride(0)) if b_columnwise
+               else _Operand(b, b.stride(1), b.stride(2), b.stride(0)))
+        return _launch_m(_Operand(a, a.stride(0), a.stride(1)), bop, offsets, a.shape[0], n_out, contraction, e,
+                         Scaling.NONE, out_dtype, config)
+    scaling = scaling_of(a)
+    a_op = activation_operand(a, scaling)
+    b_op, n_out, contraction = weight_operand(b, scaling, b_columnwise)
+    if route == "auto":
+        emulated = scaling in (Scaling.MX, Scaling.NVFP4)
+        route = "dequant" if emulated and a.shape[0] >= DEQUANT_MIN_ROWS * b.num_groups else "fused"
+    if route == "dequant" and scaling in (Scaling.MX, Scaling.NVFP4):
+        return _m_dequant_route(a, b, a_op, b_op, scaling, b_columnwise, out_dtype)
+    return _launch_m(a_op, b_op, a.offsets, a.shape[0], n_out, contraction, b.num_groups, scaling, out_dtype,
+                     config)
+
+
+# ---------------------------------------------------------------- k-grouped
+
+def _launch_k(a: _Operand, b: _Operand, offsets, n, k, groups, scaling, out, accumulate, cfg=None):
+    if n == 0 or k == 0 or groups == 0:
+        return out
+    plain_fp32 = scaling is Scaling.NONE and a.data.dtype == torch.float32
+    if cfg is None:
+        cfg = tile_configs(scaling, small_m=False)[0]
+        cfg = _fp32_config(cfg) if plain_fp32 else cfg
+    align = 16 // a.data.element_size() * (2 if scaling is Scaling.NVFP4 else 1)
+    grid = (groups * ceil_div(n, cfg.bm) * ceil_div(k, cfg.bn),)
+    jit._k_grouped_gemm_kernel[grid](
+        a.data, b.data, out, offsets, a.scale_or_data(), b.scale_or_data(),
+        a.soffs if a.soffs is not None else offsets, b.soffs if b.soffs is not None else offsets,
+        a.factor if a.factor is not None else a.data, b.factor if b.factor is not None else b.data,
+        n, k,
+        a.stride_r, a.stride_k, b.stride_r, b.stride_k, out.stride(0), out.stride(1), out.stride(2),
+        a.s_stride_r, a.s_stride_k, b.s_stride_r, b.s_stride_k,
+        SCALING=_CODE[scaling], A_BC=a.block[1], B_BC=b.block[1], HAS_SOFFS=a.soffs is not None,
+        HAS_FACTOR=a.factor is not None, ACCUMULATE=accumulate, PRECISE=out.dtype == torch.float32,
+        INPUT_PRECISION="tf32x3" if plain_fp32 else None,
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, ALIGN=align,
+        num_warps=cfg.warps, num_stages=cfg.stages)
+    return out
+
+
+def _token_cidx(x, op: _Operand, total: int) -> torch.Tensor:
+    """Scale column of every token of a columnwise copy (groups start anywhere): [T] int32."""
+    t = torch.arange(total, device=op.data.device)
+    off = x.offsets
+    g = torch.searchsorted(off[1:], t, right=True).clamp(max=x.num_groups - 1)
+    return (op.soffs[g] + (t - off[g]) // op.block[1]).to(torch.int32)
+
+
+def k_grouped_gemm(a, b, split_sizes=None, *, out_dtype=torch.bfloat16, out=None, accumulate: bool = False):
+    """Kernel twin of qmoe.reference.grouped_gemm.k_grouped_gemm."""
+    return k_grouped_gemm_with(a, b, split_sizes, out_dtype=out_dtype, out=out, accumulate=accumulate)
+
+
+def k_grouped_gemm_with(a, b, split_sizes=None, *, out_dtype=torch.bfloat16, out=None, accumulate=False,
+                        route: str = "auto", config: TileConfig | None = None):
+    """k_grouped_gemm with the route ("auto", "fused", "dequant") and tiles chosen by the caller."""
+    if accumulate and out is None:
+        raise ValueError("k_grouped_gemm(accumulate=True) adds into `out`: pass out=[E, N, K] tensor")
+    if not is_grouped(a):
+        offsets = _device_offsets(split_sizes, a.device)
+        groups, n, k = offsets.numel() - 1, a.shape[1], b.shape[1]
+        out = out if out is not None else torch.empty((groups, n, k), dtype=out_dtype, device=a.device)
+        a_op, b_op = _Operand(a, a.stride(1), a.stride(0)), _Operand(b, b.stride(1), b.stride(0))
+        return _launch_k(a_op, b_op, offsets, n, k, groups, Scaling.NONE, out, accumulate, config)
+    scaling = scaling_of(a)
+    groups, total = a.num_groups, a.shape[0]
+    n, k = a.shape[1], b.shape[1]
+    out = out if out is not None else torch.empty((groups, n, k), dtype=out_dtype, device=a.device)
+    a_op, b_op = tokens_operand(a, scaling), tokens_operand(b, scaling)
+    if route == "auto":
+        emulated = scaling in (Scaling.MX, Scaling.NVFP4)
+        route = "dequant" if emulated and total >= DEQUANT_MIN_ROWS * groups else "fused"
+    if route == "dequant" and scaling in (Scaling.MX, Scaling.NVFP4) and total > 0:
+        ops16 = []
+        for x, op, f in ((a, a_op, n), (b, b_op, k)):
+            x16 = torch.empty((f, total), dtype=torch.bfloat16, device=op.data.device)
+            _dequantize(op, scaling, f, total, f, total, x16, (total, 1), _token_cidx(x, op, total))
+            ops16.append(_Operand(x16, total, 1, factor=op.factor))
+        return _launch_k(ops16[0], ops16[1], a.offsets, n, k, groups, Scaling.NONE, out, accumulate, config)
+    return _launch_k(a_op, b_op, a.offsets, n, k, groups, scaling, out, accumulate, config)
+
+
+def native_block_scaled_gemm(scaling: Scaling, device: torch.device):
+    """sm100+ native MXFP8/NVFP4 grouped GEMMs: not wired yet; never reachable below sm100."""
+    cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if cap is None or cap < (10, 0):
+        raise UnsupportedError("native block-scaled grouped GEMM", recipe=scaling.value, device=device,
+                               why=f"it needs sm100+ (this device is {cap}); torch's MXFP8/NVFP4 scaled GEMMs "
+                                   f"abort the process below sm100",
+                               fix="use the exact sm90 emulation (the default route)")
+    raise UnsupportedError("native block-scaled grouped GEMM", recipe=scaling.value, device=device,
+                           why="the sm100 torch path is not wired into qmoe yet",
+                           fix="use the exact emulation routes, which also run on sm100")

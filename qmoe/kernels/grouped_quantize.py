@@ -1,0 +1,92 @@
+"""Triton grouped quantization: each group quantized exactly as if alone, in one or two launches.
+
+Twin of `qmoe/reference/grouped_quantize.py` (read its docstring for the layouts). x [sum M_g, K]
+packs the groups' rows and `split_sizes` [G] (int, on x's device) gives M_g. The kernels of
+`qmoe.kernels.quantize` / `quantize_nvfp4` run with GROUPED: a static grid of
+`cdiv(sum M, BM) + G` row tiles x `cdiv(K, BM)` column tiles, each tile finding its group from
+the device split sizes and exiting when past the last group. Shapes and launches depend only
+on (sum M, K, G), never on the split values: no host synchronisation, CUDA-graph capturable,
+zero-size groups allowed, and no block crosses a group boundary.
+
+Per-tensor formats need the group amax before the cast: `grouped_tensor_amax` (one launch,
+atomic max of |x| bits per group) feeds the quantizer's scale, then one cast launch. NVFP4
+runs its amax launch and its quantize launch inside `grouped_quantize_nvfp4`.
+
+>>> from qmoe.formats import E4M3, ScaleMode
+>>> x = torch.randn(96, 256, device="cuda", dtype=torch.bfloat16)
+>>> splits = torch.tensor([32, 0, 64], device="cuda")
+>>> row, row_s, col, col_s = grouped_quantize_mxfp8(x, splits, E4M3, ScaleMode.ROUND_UP, True, True)
+>>> col_s.shape  # [K, sum M // 32 + G]
+torch.Size([256, 6])
+"""
+from __future__ import annotations
+
+import torch
+
+from qmoe.formats import ElementFormat, ScaleMode
+from qmoe.kernels._triton_utils import as_rows, device_splits
+from qmoe.kernels.quantize import _fp8_meta, fp8_block_supported
+from qmoe.kernels.quantize_nvfp4 import check_nvfp4_shape, draw_seeds
+from qmoe.reference import grouped_quantize as _ref
+
+
+def _prepare(x, split_sizes):
+    x = as_rows(x)
+    return x, device_splits(split_sizes, x), split_sizes.numel()
+
+
+def grouped_tensor_amax(x: torch.Tensor, split_sizes: torch.Tensor) -> torch.Tensor:
+    """max|x_g| per group -> [G] fp32 (0 for an empty group, NaN for a group holding one)."""
+    x, splits, g = _prepare(x, split_sizes)
+    return torch.ops.qmoe.quantize_amax(x, splits, g)
+
+
+def grouped_quantize_fp8_tensorwise(x, split_sizes, scales, fmt: ElementFormat, rowwise=True, columnwise=False):
+    """Per-group scales [G] -> (row [sum M, K], col [K, sum M], amax [G])."""
+    _fp8_meta(fmt)
+    x, splits, g = _prepare(x, split_sizes)
+    if scales.numel() != g:
+        raise ValueError(f"grouped FP8 cast needs one scale per group ({g}), got {scales.numel()}")
+    row, col, amax = torch.ops.qmoe.quantize_fp8_tensorwise(x, scales.float().reshape(-1), splits, g, fmt.dtype,
+                                                            fmt.max, rowwise, columnwise)
+    return row if rowwise else None, col if columnwise else None, amax
+
+
+def grouped_quantize_fp8_block(x, split_sizes, block_rows, block_cols, fmt, power_2_scale=True,
+                               amax_epsilon=0.0, rowwise=True, columnwise=False):
+    """-> (row [sum M, K], row_s, col [K, sum M], col_s) in the reference's grouped scale layouts."""
+    _fp8_meta(fmt)
+    if not fp8_block_supported(block_rows, block_cols):
+        return _ref.grouped_quantize_fp8_block(x, split_sizes, block_rows, block_cols, fmt, power_2_scale,
+                                               amax_epsilon, rowwise, columnwise)
+    x, splits, g = _prepare(x, split_sizes)
+    row, rs, col, cs = torch.ops.qmoe.quantize_fp8_block(x, splits, g, block_rows, block_cols, fmt.dtype, fmt.max,
+                                                         power_2_scale, float(amax_epsilon), rowwise, columnwise)
+    return (row if rowwise else None, rs if rowwise else None, col if columnwise else None,
+            cs if columnwise else None)
+
+
+def grouped_quantize_mxfp8(x, split_sizes, fmt, scale_mode: ScaleMode = ScaleMode.ROUND_UP, rowwise=True,
+                           columnwise=False):
+    """-> (row [sum M, K], row_s [sum M, ceil(K/32)], col [K, sum M], col_s [K, sum M // 32 + G]) (E8M0)."""
+    _fp8_meta(fmt)
+    x, splits, g = _prepare(x, split_sizes)
+    row, rs, col, cs = torch.ops.qmoe.quantize_mxfp8(x, splits, g, fmt.dtype, fmt.max, fmt.emax,
+                                                     scale_mode is ScaleMode.ROUND_UP, 32, rowwise, columnwise)
+    return (row if rowwise else None, rs if rowwise else None, col if columnwise else None,
+            cs if columnwise else None)
+
+
+def grouped_quantize_nvfp4(x, split_sizes, block_2d=False, rowwise=True, columnwise=False, rht=False,
+                           stochastic=False, generator=None):
+    """-> (row, row_scale, amax [G], col, col_scale, col_amax [G]); data packed over all groups.
+
+    With rht, every group's row count must be a multiple of 16 (NVFP4's align_size, 128, is);
+    a group that is not is transformed as if padded with zero rows (the reference raises).
+    """
+    x, splits, g = _prepare(x, split_sizes)
+    check_nvfp4_shape(*x.shape, rowwise, columnwise, rht, block_2d)
+    row, rs, amax, col, cs, camax = torch.ops.qmoe.quantize_nvfp4(
+        x, splits, g, block_2d, rowwise, columnwise, rht, draw_seeds(stochastic, generator, x.device))
+    return (row if rowwise else None, rs if rowwise else None, amax,
+            col if columnwise else None, cs if columnwise else None, camax if columnwise else amax)

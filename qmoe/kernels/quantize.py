@@ -1,0 +1,474 @@
+"""Triton FP8 quantization (per tensor, 1x128 / 128x128 blocks, MXFP8) and its dequantization.
+
+Twin of `qmoe/reference/quantize.py`: same public names and signatures, same codes and scales
+bit for bit. Shapes: x [M, K]; rowwise data [M, K], columnwise data [K, M] (the quantized
+transpose). Every kernel reads one [BM, BK] tile of x once and writes both orientations from
+it (the columnwise copy through `tl.trans`), so asking for both costs one pass over x.
+
+The same kernels serve `qmoe/kernels/grouped_quantize.py`: with GROUPED, the row tiles follow
+the device split sizes (see `_triton_utils.tile_rows`) and per-group values index by group.
+
+Tiers (STYLE.md): `_name_kernel` (Triton), the launchers registered as torch custom ops
+`qmoe::quantize_*` (validate, allocate, grid; their fake implementation is the launcher run on
+fake tensors, which only allocates), and the public functions below that match the reference.
+
+>>> from qmoe.formats import E4M3
+>>> row, row_si, col, col_si = quantize_fp8_block(torch.randn(256, 512, device="cuda"), 1, 128, E4M3,
+...                                               rowwise=True, columnwise=True)
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op
+
+from qmoe.formats import ElementFormat, ScaleMode, ceil_div
+from qmoe.kernels._triton_utils import (block_amax_2d, block_amax_first, block_amax_last, cast_satfinite, exp2_int,
+                                        fp8_scale_from_amax, group_pow2, launch, max_abs_bits, mx_exponent,
+                                        prune_oversized, reciprocal, scale_2d, scale_first, scale_last, tile_configs,
+                                        tile_rows, as_rows)
+from qmoe.reference import quantize as _ref
+
+_TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
+
+
+def _fp8_meta(fmt: ElementFormat):
+    if fmt.dtype not in _TL_FP8:
+        raise ValueError(f"{fmt} is not an FP8 format (E4M3 or E5M2)")
+    return _TL_FP8[fmt.dtype]
+
+
+def _prune_blocks(configs, named_args, **kwargs):
+    """Tiles must hold whole blocks: BK % B along K; BM % B where blocks run along M too."""
+    b = kwargs.get("B", 1)
+    along_m = kwargs.get("COLWISE", False) or kwargs.get("BLOCK_2D", False)
+    ok = [c for c in configs if c.kwargs["BK"] % b == 0 and (not along_m or c.kwargs["BM"] % b == 0)]
+    return prune_oversized(ok, named_args, **kwargs)
+
+
+# Configs: tiles of 8-32 K elements (16-64 KB of bf16) per program keep enough bytes in flight per
+# SM without spilling; 4 or 8 warps. Measured choice per (M, K, G) by the autotuner.
+_TILE_CONFIGS = tile_configs((32, 64, 128), (64, 128), (4, 8))
+_BLOCK128_CONFIGS = tile_configs((32, 128), (128,), (4, 8))
+_KEY = ["M", "K", "G"]
+
+
+# ---------------------------------------------------------------- amax
+
+@triton.autotune(configs=_TILE_CONFIGS, key=_KEY, reset_to_zero=["amax_ptr"],
+                 prune_configs_by={"early_config_prune": prune_oversized})
+@triton.jit
+def _amax_kernel(
+        # pointers
+        x_ptr, amax_ptr, splits_ptr,
+        # sizes
+        M, K, G,
+        # strides
+        stride_xm,
+        # meta
+        GROUPED: tl.constexpr, G_P2: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """max|x| per group into amax_ptr (int32 bits of non-negative floats, so atomic_max orders them)."""
+    g, row0, row_end, _, _ = tile_rows(splits_ptr, M, G, tl.program_id(0), BM, BM, G_P2, GROUPED)
+    if g >= G:
+        return
+    rows = row0 + tl.arange(0, BM)
+    cols = tl.program_id(1) * BK + tl.arange(0, BK)
+    mask = (rows < row_end)[:, None] & (cols < K)[None, :]
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask, other=0.0)
+    tl.atomic_max(amax_ptr + g, max_abs_bits(x.to(tl.float32), False))
+
+
+def _tile_grid(m: int, k: int, groups: int, grouped: bool):
+    return lambda meta: (triton.cdiv(m, meta["BM"]) + (groups if grouped else 0), triton.cdiv(k, meta["BK"]))
+
+
+_SMALL_TILE = triton.Config({"BM": 32, "BK": 64}, num_warps=4, num_stages=1)
+
+
+@triton_op("qmoe::quantize_amax", mutates_args=())
+def _amax_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int) -> torch.Tensor:
+    """max|x| per group -> [G] fp32 (G = 1 without splits); NaN if a group holds one."""
+    m, k = x.shape
+    bits = torch.zeros(num_groups, dtype=torch.int32, device=x.device)
+    if x.numel():
+        grouped = splits is not None
+        launch(_amax_kernel, _tile_grid(m, k, num_groups, grouped),
+               (x, bits, splits if grouped else x, m, k, num_groups, x.stride(0)), _SMALL_TILE, x.numel(),
+               GROUPED=grouped, G_P2=group_pow2(num_groups))
+    return bits.view(torch.float32)
+
+
+def _as_2d(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() == 2:
+        return x
+    return x.reshape(-1, x.shape[-1]) if x.dim() > 2 else x.reshape(1, -1)
+
+
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """max|x| of a whole tensor as a 0-dim fp32 tensor (NaN if any element is NaN; 0 if empty)."""
+    return torch.ops.qmoe.quantize_amax(as_rows(_as_2d(x)), None, 1).reshape(())
+
+
+# ---------------------------------------------------------------- FP8 scale from amax
+
+@triton.jit
+def _fp8_scale_kernel(amax_ptr, scale_ptr, n, eps, FMT_MAX: tl.constexpr, POW2: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    amax = tl.load(amax_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.store(scale_ptr + offs, fp8_scale_from_amax(amax, FMT_MAX, POW2, eps), mask=offs < n)
+
+
+@triton_op("qmoe::quantize_fp8_scale", mutates_args=())
+def _fp8_scale_op(amax: torch.Tensor, fmt_max: float, power_2_scale: bool, amax_epsilon: float) -> torch.Tensor:
+    from torch.library import wrap_triton
+
+    a = amax.reshape(-1).contiguous()
+    out = torch.empty(a.shape, dtype=torch.float32, device=amax.device)
+    if a.numel():
+        wrap_triton(_fp8_scale_kernel)[(1,)](a, out, a.numel(), amax_epsilon, FMT_MAX=fmt_max,
+                                             POW2=power_2_scale, BLOCK=max(16, triton.next_power_of_2(a.numel())))
+    return out.reshape(amax.shape)
+
+
+def compute_fp8_scale(amax: torch.Tensor, fmt_max: float, power_2_scale: bool = False,
+                      amax_epsilon: float = 0.0) -> torch.Tensor:
+    """FP8 scale from amax (NUMERICS.md): fmt_max / max(amax, eps), 1 where amax is 0 or not finite."""
+    if amax.numel() > 4096:  # one program holds every value; larger inputs are not a quantizer's
+        return _ref.compute_fp8_scale(amax, fmt_max, power_2_scale, amax_epsilon)
+    return torch.ops.qmoe.quantize_fp8_scale(amax, float(fmt_max), bool(power_2_scale), float(amax_epsilon))
+
+
+# ---------------------------------------------------------------- FP8 per tensor
+
+@triton.autotune(configs=_TILE_CONFIGS, key=_KEY, reset_to_zero=["amax_ptr"],
+                 prune_configs_by={"early_config_prune": prune_oversized})
+@triton.jit
+def _fp8_tensorwise_kernel(
+        # pointers
+        x_ptr, scale_ptr, row_ptr, col_ptr, amax_ptr, splits_ptr,
+        # sizes
+        M, K, G,
+        # strides
+        stride_xm,
+        # meta
+        FMT_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
+        GROUPED: tl.constexpr, G_P2: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """q = cast(x * scale[g]) in both orientations, and max|x| per group (for delayed scaling)."""
+    g, row0, row_end, _, _ = tile_rows(splits_ptr, M, G, tl.program_id(0), BM, BM, G_P2, GROUPED)
+    if g >= G:
+        return
+    rows = row0 + tl.arange(0, BM)
+    cols = tl.program_id(1) * BK + tl.arange(0, BK)
+    m_ok = rows < row_end
+    k_ok = cols < K
+    mask = m_ok[:, None] & k_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    tl.atomic_max(amax_ptr + g, max_abs_bits(x, False))
+    q = cast_satfinite(x * tl.load(scale_ptr + g), FMT_MAX, OUT_DTYPE)
+    if ROWWISE:
+        tl.store(row_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], q, mask=mask)
+    if COLWISE:
+        tl.store(col_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], tl.trans(q),
+                 mask=k_ok[:, None] & m_ok[None, :])
+
+
+@triton_op("qmoe::quantize_fp8_tensorwise", mutates_args=())
+def _fp8_tensorwise_op(x: torch.Tensor, scale: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int,
+                       out_dtype: torch.dtype, fmt_max: float, rowwise: bool,
+                       columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row [M, K] | empty, col [K, M] | empty, amax [G] fp32)."""
+    m, k = x.shape
+    row = torch.empty((m, k) if rowwise else (0,), dtype=out_dtype, device=x.device)
+    col = torch.empty((k, m) if columnwise else (0,), dtype=out_dtype, device=x.device)
+    bits = torch.zeros(num_groups, dtype=torch.int32, device=x.device)
+    if x.numel():
+        grouped = splits is not None
+        launch(_fp8_tensorwise_kernel, _tile_grid(m, k, num_groups, grouped),
+               (x, scale.reshape(-1), row, col, bits, splits if grouped else x, m, k, num_groups, x.stride(0)),
+               _SMALL_TILE, x.numel(), FMT_MAX=fmt_max, OUT_DTYPE=_TL_FP8[out_dtype], ROWWISE=rowwise,
+               COLWISE=columnwise, GROUPED=grouped, G_P2=group_pow2(num_groups))
+    return row, col, bits.view(torch.float32)
+
+
+def quantize_fp8_tensorwise(x: torch.Tensor, scale: torch.Tensor, fmt: ElementFormat,
+                            rowwise: bool = True, columnwise: bool = False):
+    """Cast x [M, K] with one fp32 scale (0-dim) and record its amax.
+
+    Returns (rowwise_data [M, K] | None, columnwise_data [K, M] | None, amax 0-dim fp32).
+    """
+    _fp8_meta(fmt)
+    row, col, amax = torch.ops.qmoe.quantize_fp8_tensorwise(as_rows(x), scale.float(), None, 1, fmt.dtype,
+                                                            fmt.max, rowwise, columnwise)
+    return row if rowwise else None, col if columnwise else None, amax.reshape(())
+
+
+# ---------------------------------------------------------------- FP8 blocks (1x128, 128x128)
+
+@triton.autotune(configs=_BLOCK128_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune_blocks})
+@triton.jit
+def _fp8_block_kernel(
+        # pointers
+        x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr,
+        # sizes
+        M, K, G, eps,
+        # strides (scales: row scales [*, ceil(K/B)]; columnwise scales [*, stride_cs])
+        stride_xm, stride_rs, stride_cs,
+        # meta
+        FMT_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr, POW2: tl.constexpr, B: tl.constexpr,
+        BLOCK_2D: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr, GROUPED: tl.constexpr,
+        G_P2: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """FP8 with an fp32 scale per 1 x B run (each orientation) or per B x B tile (shared)."""
+    pid_k = tl.program_id(1)
+    g, row0, row_end, sblk0, _ = tile_rows(splits_ptr, M, G, tl.program_id(0), BM, B, G_P2, GROUPED)
+    if g >= G:
+        return
+    rows = row0 + tl.arange(0, BM)
+    cols = pid_k * BK + tl.arange(0, BK)
+    m_ok = rows < row_end
+    k_ok = cols < K
+    mask = m_ok[:, None] & k_ok[None, :]
+    col_mask = k_ok[:, None] & m_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    row_off = rows[:, None].to(tl.int64) * K + cols[None, :]
+    col_off = cols[:, None].to(tl.int64) * M + rows[None, :]
+    kb = pid_k * (BK // B) + tl.arange(0, BK // B)
+    kb_ok = kb * B < K
+    if BLOCK_2D:
+        mb = sblk0 + tl.arange(0, BM // B)
+        mb_ok = row0 + tl.arange(0, BM // B) * B < row_end
+        scale = fp8_scale_from_amax(block_amax_2d(x, BM, BK, B), FMT_MAX, POW2, eps)
+        q = cast_satfinite(scale_2d(x, scale, BM, BK, B), FMT_MAX, OUT_DTYPE)
+        inv = reciprocal(scale)
+        if ROWWISE:
+            tl.store(row_ptr + row_off, q, mask=mask)
+            tl.store(row_s_ptr + mb[:, None] * stride_rs + kb[None, :], inv, mask=mb_ok[:, None] & kb_ok[None, :])
+        if COLWISE:
+            tl.store(col_ptr + col_off, tl.trans(q), mask=col_mask)
+            tl.store(col_s_ptr + kb[:, None] * stride_cs + mb[None, :], tl.trans(inv),
+                     mask=kb_ok[:, None] & mb_ok[None, :])
+    else:
+        if ROWWISE:
+            scale = fp8_scale_from_amax(block_amax_last(x, BM, BK, B, False), FMT_MAX, POW2, eps)
+            tl.store(row_ptr + row_off, cast_satfinite(scale_last(x, scale, BM, BK, B), FMT_MAX, OUT_DTYPE),
+                     mask=mask)
+            tl.store(row_s_ptr + rows[:, None].to(tl.int64) * stride_rs + kb[None, :], reciprocal(scale),
+                     mask=m_ok[:, None] & kb_ok[None, :])
+        if COLWISE:  # blocks along M, reduced in the loaded layout; only the fp8 codes are transposed
+            mb = sblk0 + tl.arange(0, BM // B)
+            mb_ok = row0 + tl.arange(0, BM // B) * B < row_end
+            scale = fp8_scale_from_amax(block_amax_first(x, BM, BK, B, False), FMT_MAX, POW2, eps)
+            q = cast_satfinite(scale_first(x, scale, BM, BK, B), FMT_MAX, OUT_DTYPE)
+            tl.store(col_ptr + col_off, tl.trans(q), mask=col_mask)
+            tl.store(col_s_ptr + cols[:, None].to(tl.int64) * stride_cs + mb[None, :], tl.trans(reciprocal(scale)),
+                     mask=k_ok[:, None] & mb_ok[None, :])
+
+
+def scale_width(m: int, block: int, num_groups: int, grouped: bool) -> int:
+    """Scale blocks along M: ceil(M/b), or the grouped static capacity M // b + G."""
+    return m // block + num_groups if grouped else ceil_div(m, block)
+
+
+@triton_op("qmoe::quantize_fp8_block", mutates_args=())
+def _fp8_block_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, block_rows: int,
+                  block_cols: int, out_dtype: torch.dtype, fmt_max: float, power_2_scale: bool, amax_epsilon: float,
+                  rowwise: bool, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row [M, K], row_si, col [K, M], col_si); unrequested outputs are empty. Layouts: reference."""
+    m, k = x.shape
+    b, two_d, grouped = block_cols, block_rows > 1, splits is not None
+    nkb, width = ceil_div(k, b), scale_width(m, b, num_groups, grouped)
+    dev, f32 = x.device, torch.float32
+    zeros = grouped  # scale entries no group uses are zero
+    alloc = torch.zeros if zeros else torch.empty
+    row = torch.empty((m, k) if rowwise else (0,), dtype=out_dtype, device=dev)
+    col = torch.empty((k, m) if columnwise else (0,), dtype=out_dtype, device=dev)
+    if two_d:
+        row_s = alloc((width, nkb) if rowwise else (0,), dtype=f32, device=dev)
+        col_s = alloc((nkb, width) if columnwise else (0,), dtype=f32, device=dev)
+    else:
+        row_s = torch.empty((m, nkb) if rowwise else (0,), dtype=f32, device=dev)
+        col_s = alloc((k, width) if columnwise else (0,), dtype=f32, device=dev)
+    if x.numel():
+        small = triton.Config({"BM": b if (columnwise or two_d) else 32, "BK": b}, num_warps=4, num_stages=1)
+        launch(_fp8_block_kernel, _tile_grid(m, k, num_groups, grouped),
+               (x, row, row_s, col, col_s, splits if grouped else x, m, k, num_groups, amax_epsilon,
+                x.stride(0), nkb, width),
+               small, x.numel(), FMT_MAX=fmt_max, OUT_DTYPE=_TL_FP8[out_dtype], POW2=power_2_scale, B=b,
+               BLOCK_2D=two_d, ROWWISE=rowwise, COLWISE=columnwise, GROUPED=grouped, G_P2=group_pow2(num_groups))
+    return row, row_s, col, col_s
+
+
+def fp8_block_supported(block_rows: int, block_cols: int) -> bool:
+    return block_cols in (32, 64, 128) and block_rows in (1, block_cols)
+
+
+def quantize_fp8_block(x: torch.Tensor, block_rows: int, block_cols: int, fmt: ElementFormat,
+                       power_2_scale: bool = True, amax_epsilon: float = 0.0,
+                       rowwise: bool = True, columnwise: bool = False):
+    """FP8 with an fp32 scale per (block_rows x block_cols) block: 1x128 rows or 128x128 tiles.
+
+    Returns (row_data [M, K], row_scale_inv, col_data [K, M], col_scale_inv) as the reference.
+    """
+    _fp8_meta(fmt)
+    if not fp8_block_supported(block_rows, block_cols):
+        return _ref.quantize_fp8_block(x, block_rows, block_cols, fmt, power_2_scale, amax_epsilon, rowwise,
+                                       columnwise)
+    row, rs, col, cs = torch.ops.qmoe.quantize_fp8_block(as_rows(x), None, 1, block_rows, block_cols, fmt.dtype,
+                                                         fmt.max, power_2_scale, float(amax_epsilon), rowwise,
+                                                         columnwise)
+    return (row if rowwise else None, rs if rowwise else None, col if columnwise else None,
+            cs if columnwise else None)
+
+
+# ---------------------------------------------------------------- MXFP8 (1x32, E8M0 scales)
+
+@triton.autotune(configs=_TILE_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune_blocks})
+@triton.jit
+def _mxfp8_kernel(
+        # pointers
+        x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr,
+        # sizes
+        M, K, G,
+        # strides
+        stride_xm, stride_rs, stride_cs,
+        # meta
+        FMT_MAX: tl.constexpr, EMAX: tl.constexpr, ROUND_UP: tl.constexpr, OUT_DTYPE: tl.constexpr,
+        B: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr, GROUPED: tl.constexpr,
+        G_P2: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """MXFP8: codes cast(x * 2^-b) with an E8M0 byte b + 127 per 1 x B run, in each orientation."""
+    pid_k = tl.program_id(1)
+    g, row0, row_end, sblk0, _ = tile_rows(splits_ptr, M, G, tl.program_id(0), BM, B, G_P2, GROUPED)
+    if g >= G:
+        return
+    rows = row0 + tl.arange(0, BM)
+    cols = pid_k * BK + tl.arange(0, BK)
+    m_ok = rows < row_end
+    k_ok = cols < K
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :],
+                mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+    if ROWWISE:
+        kb = pid_k * (BK // B) + tl.arange(0, BK // B)
+        amax = block_amax_last(x, BM, BK, B, False)
+        b = mx_exponent(amax, FMT_MAX, EMAX, ROUND_UP)
+        mult = tl.where(b == 128, amax, exp2_int(-b))  # a NaN block multiplies by NaN (amax is NaN there)
+        tl.store(row_ptr + rows[:, None].to(tl.int64) * K + cols[None, :],
+                 cast_satfinite(scale_last(x, mult, BM, BK, B), FMT_MAX, OUT_DTYPE),
+                 mask=m_ok[:, None] & k_ok[None, :])
+        tl.store(row_s_ptr + rows[:, None].to(tl.int64) * stride_rs + kb[None, :], (b + 127).to(tl.uint8),
+                 mask=m_ok[:, None] & (kb * B < K)[None, :])
+    if COLWISE:  # blocks along M, reduced in the loaded layout; only the fp8 codes are transposed
+        mb = sblk0 + tl.arange(0, BM // B)
+        mb_ok = row0 + tl.arange(0, BM // B) * B < row_end
+        amax = block_amax_first(x, BM, BK, B, False)
+        b = mx_exponent(amax, FMT_MAX, EMAX, ROUND_UP)
+        mult = tl.where(b == 128, amax, exp2_int(-b))
+        q = cast_satfinite(scale_first(x, mult, BM, BK, B), FMT_MAX, OUT_DTYPE)
+        tl.store(col_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], tl.trans(q),
+                 mask=k_ok[:, None] & m_ok[None, :])
+        tl.store(col_s_ptr + cols[:, None].to(tl.int64) * stride_cs + mb[None, :], tl.trans((b + 127).to(tl.uint8)),
+                 mask=k_ok[:, None] & mb_ok[None, :])
+
+
+@triton_op("qmoe::quantize_mxfp8", mutates_args=())
+def _mxfp8_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, out_dtype: torch.dtype,
+              fmt_max: float, emax: int, round_up: bool, block: int, rowwise: bool,
+              columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row [M, K], row_s [M, ceil(K/b)] e8m0, col [K, M], col_s [K, width] e8m0); unrequested: empty."""
+    m, k = x.shape
+    grouped = splits is not None
+    nkb, width = ceil_div(k, block), scale_width(m, block, num_groups, grouped)
+    dev, u8 = x.device, torch.uint8
+    row = torch.empty((m, k) if rowwise else (0,), dtype=out_dtype, device=dev)
+    col = torch.empty((k, m) if columnwise else (0,), dtype=out_dtype, device=dev)
+    row_s = torch.empty((m, nkb) if rowwise else (0,), dtype=u8, device=dev)
+    col_s = (torch.zeros if grouped else torch.empty)((k, width) if columnwise else (0,), dtype=u8, device=dev)
+    if x.numel():
+        launch(_mxfp8_kernel, _tile_grid(m, k, num_groups, grouped),
+               (x, row, row_s, col, col_s, splits if grouped else x, m, k, num_groups, x.stride(0), nkb, width),
+               _SMALL_TILE, x.numel(), FMT_MAX=fmt_max, EMAX=emax, ROUND_UP=round_up,
+               OUT_DTYPE=_TL_FP8[out_dtype], B=block, ROWWISE=rowwise, COLWISE=columnwise, GROUPED=grouped,
+               G_P2=group_pow2(num_groups))
+    return row, row_s.view(torch.float8_e8m0fnu), col, col_s.view(torch.float8_e8m0fnu)
+
+
+def quantize_mxfp8(x: torch.Tensor, fmt: ElementFormat, scale_mode: ScaleMode = ScaleMode.ROUND_UP,
+                   rowwise: bool = True, columnwise: bool = False, block: int = 32):
+    """MXFP8: FP8 codes with an E8M0 scale per 32 consecutive values (layouts as the reference)."""
+    _fp8_meta(fmt)
+    if block != 32:  # the kernels' tiles assume 32-value blocks
+        return _ref.quantize_mxfp8(x, fmt, scale_mode, rowwise, columnwise, block)
+    row, rs, col, cs = torch.ops.qmoe.quantize_mxfp8(as_rows(x), None, 1, fmt.dtype, fmt.max, fmt.emax,
+                                                     scale_mode is ScaleMode.ROUND_UP, block, rowwise, columnwise)
+    return (row if rowwise else None, rs if rowwise else None, col if columnwise else None,
+            cs if columnwise else None)
+
+
+# ---------------------------------------------------------------- dequantization
+
+@triton.autotune(configs=tile_configs((32, 64), (128,), (4,)), key=["R", "C"],
+                 prune_configs_by={"early_config_prune": prune_oversized})
+@triton.jit
+def _dequantize_kernel(
+        # pointers
+        data_ptr, s_ptr, out_ptr,
+        # sizes
+        R, C,
+        # strides
+        stride_dr, stride_dc, stride_sr, stride_sc,
+        # meta
+        BR: tl.constexpr, BC: tl.constexpr, E8M0: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """out [R, C] = float(data) * scale[r // BR, c // BC] (fp32 scale, or E8M0 bytes 2^(b-127))."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BK + tl.arange(0, BK)
+    mask = (rows < R)[:, None] & (cols < C)[None, :]
+    d = tl.load(data_ptr + rows[:, None].to(tl.int64) * stride_dr + cols[None, :] * stride_dc, mask=mask, other=0.0)
+    s_off = (rows // BR)[:, None].to(tl.int64) * stride_sr + (cols // BC)[None, :] * stride_sc
+    if E8M0:
+        b = tl.load(s_ptr + s_off, mask=mask, other=127).to(tl.int32)
+        nan = tl.full(b.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+        s = tl.where(b == 255, nan, exp2_int(b - 127))  # E8M0: 2^(byte - 127)
+    else:
+        s = tl.load(s_ptr + s_off, mask=mask, other=1.0)
+    y = d.to(tl.float32) * s
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton_op("qmoe::dequantize_scaled", mutates_args=())
+def _dequantize_op(data: torch.Tensor, scale: torch.Tensor, block_rows: int, block_cols: int, e8m0: bool,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """float(data) * scale expanded over (block_rows x block_cols) blocks; a 0-dim scale is per tensor."""
+    r, c = data.shape
+    out = torch.empty((r, c), dtype=out_dtype, device=data.device)
+    if data.numel():
+        s = scale.view(torch.uint8) if e8m0 else scale
+        ssr, ssc = (0, 0) if s.dim() == 0 else (s.stride(0), s.stride(1))
+        grid = lambda meta: (triton.cdiv(r, meta["BM"]), triton.cdiv(c, meta["BK"]))  # noqa: E731
+        launch(_dequantize_kernel, grid, (data, s, out, r, c, data.stride(0), data.stride(1), ssr, ssc),
+               _SMALL_TILE, data.numel(), BR=block_rows, BC=block_cols, E8M0=e8m0)
+    return out
+
+
+def _check_2d(data: torch.Tensor, what: str):
+    if data.dim() != 2:
+        raise ValueError(f"{what} takes 2-D data, got shape {tuple(data.shape)}")
+
+
+def dequantize_fp8_tensorwise(data: torch.Tensor, scale_inv: torch.Tensor, dtype=torch.float32):
+    _check_2d(data, "dequantize_fp8_tensorwise")
+    return torch.ops.qmoe.dequantize_scaled(data, scale_inv.float().reshape(()), 1, 1, False, dtype)
+
+
+def dequantize_fp8_block(data: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, block_cols: int,
+                         dtype=torch.float32):
+    _check_2d(data, "dequantize_fp8_block")
+    return torch.ops.qmoe.dequantize_scaled(data, scale_inv.float(), block_rows, block_cols, False, dtype)
+
+
+def dequantize_mxfp8(data: torch.Tensor, scale: torch.Tensor, dtype=torch.float32, block: int = 32):
+    _check_2d(data, "dequantize_mxfp8")
+    return torch.ops.qmoe.dequantize_scaled(data, scale, 1, block, True, dtype)

@@ -1,0 +1,362 @@
+"""Triton NVFP4 quantization: E2M1 codes, E4M3 block scales, fp32 tensor amax (NUMERICS.md).
+
+Twin of `qmoe/reference/quantize_nvfp4.py`. Two launches, because every code depends on the
+tensor amax: `_nvfp4_amax_kernel` (max|x| ignoring NaN, and the amax of the Hadamard-transformed
+columnwise copy when RHT is on), then `_nvfp4_kernel`, which reads each [BM, BK] tile of x once
+and writes the rowwise codes [M, K/2] and the columnwise codes [K, M/2] (the transpose, packed
+along M) with their E4M3 block scales.
+
+- RHT: each run of 16 rows of the tile goes through one [16, 16] tensor-core product with the
+  signed Hadamard matrix (fp32 accumulation), so it matches the float64 reference to fp32
+  rounding, not bit for bit; inputs whose transform is exact in fp32 match exactly.
+- Stochastic rounding: `tl.rand` (Philox) from two seeds drawn on the device from the torch
+  generator (no host sync), one stream per copy; unbiased and reproducible, not the
+  reference's random stream.
+- Grouped columnwise data is packed over all groups, so a group may start in the middle of a
+  byte. Bytes shared by two groups (odd group starts or ends) are written with int32
+  `atomic_or` of nibbles into bytes the amax launch zeroed; all others with plain stores.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op
+
+from qmoe.formats import E2M1, E4M3, FLT_MAX, NVFP4_BLOCK, NVFP4_TENSOR_MAX, RHT_SIZE, ceil_div
+from qmoe.kernels._triton_utils import (RHT_SIGN_MASK, as_rows, block_amax_2d, block_amax_last, cast_satfinite,
+                                        clamp_nan, group_pow2, is_nan, launch, max_abs_bits, prune_oversized,
+                                        reciprocal, rht_last, scale_2d, scale_last, tile_configs, tile_rows)
+from qmoe.kernels.quantize import _prune_blocks, _tile_grid, scale_width
+
+_FLT_MAX = tl.constexpr(FLT_MAX)
+_ONE_SIXTH = tl.constexpr(float(torch.tensor(1.0 / 6.0, dtype=torch.float32)))  # fp32(1/6), as the reference
+_TENSOR_MAX = tl.constexpr(NVFP4_TENSOR_MAX)
+_E4M3_MAX = tl.constexpr(E4M3.max)
+_E2M1_MAX = tl.constexpr(E2M1.max)
+
+# Tiles: BM a multiple of the 16-row blocks/RHT runs; 4-8 K elements per program and thread count
+# chosen by the autotuner per (M, K, G).
+_CONFIGS = tile_configs((32, 64, 128), (64, 128), (4, 8))
+_SMALL = triton.Config({"BM": 32, "BK": 64}, num_warps=4, num_stages=1)
+_KEY = ["M", "K", "G"]
+
+
+# ---------------------------------------------------------------- elementwise pieces
+
+@triton.jit
+def tensor_scale(amax):
+    """S_enc = min(448*6 / amax, FLT_MAX) (NaN -> FLT_MAX), 1 where that is 0."""
+    s = tl.math.div_rn(tl.full(amax.shape, _TENSOR_MAX, tl.float32), amax)
+    s = tl.where(is_nan(s) | (s > _FLT_MAX), _FLT_MAX, s)
+    return tl.where(s == 0, 1.0, s)
+
+
+@triton.jit
+def e2m1_value(c):
+    """Magnitude of codes 0..7: {0, .5, 1, 1.5, 2, 3, 4, 6}."""
+    big = tl.where(c == 4, 2.0, tl.where(c == 5, 3.0, tl.where(c == 6, 4.0, 6.0)))
+    return tl.where(c < 4, c.to(tl.float32) * 0.5, big)
+
+
+@triton.jit
+def e2m1_codes(y, STOCHASTIC: tl.constexpr, seed, offs):
+    """4-bit E2M1 codes (int32) of y in [-6, 6]: RNE on the grid, or stochastic; NaN -> 0, -0 -> +0."""
+    a = tl.abs(y)
+    if STOCHASTIC:
+        lo = ((a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32)
+              + (a >= 2.0).to(tl.int32) + (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32)
+              + (a >= 6.0).to(tl.int32))
+        hi = tl.minimum(lo + 1, 7)
+        lo_v = e2m1_value(lo)
+        hi_v = e2m1_value(hi)
+        p = tl.where(hi_v > lo_v, tl.math.div_rn(a - lo_v, tl.maximum(hi_v - lo_v, 0.5)), 0.0)
+        mag = tl.where(tl.rand(seed, offs) < p, hi, lo)
+    else:  # ties go to the even code: upper bounds inclusive after 0, 1, 2, 4
+        mag = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+               + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+               + (a > 5.0).to(tl.int32))
+    mag = tl.where(a != a, 0, mag)
+    return tl.where((y < 0) & (mag != 0), mag | 8, mag)
+
+
+@triton.jit
+def block_scale(amax_b, s_enc, s_dec):
+    """(E4M3 block scale s_b, encode multiplier min(1 / (s_b * S_dec), FLT_MAX)) from block amaxes."""
+    sb = cast_satfinite(tl.minimum(amax_b * (s_enc * _ONE_SIXTH), _FLT_MAX, propagate_nan=tl.PropagateNan.ALL),
+                        _E4M3_MAX, tl.float8e4nv)
+    enc = tl.minimum(reciprocal(sb.to(tl.float32) * s_dec), _FLT_MAX, propagate_nan=tl.PropagateNan.ALL)
+    return sb, enc
+
+
+@triton.jit
+def quantize_runs(x, s_enc, R: tl.constexpr, C: tl.constexpr, STOCHASTIC: tl.constexpr, seed, offs):
+    """1x16 NVFP4 of x [R, C] fp32 along the last axis -> (codes [R, C] int32, scales [R, C/16] e4m3)."""
+    sb, enc = block_scale(block_amax_last(x, R, C, 16, False), s_enc, reciprocal(s_enc))
+    y = clamp_nan(scale_last(x, enc, R, C, 16), -_E2M1_MAX, _E2M1_MAX)
+    return e2m1_codes(y, STOCHASTIC, seed, offs), sb
+
+
+@triton.jit
+def pack_pairs(codes, R: tl.constexpr, C: tl.constexpr):
+    """[R, C] codes -> [R, C/2] bytes, even element in the low nibble."""
+    lo, hi = tl.split(tl.reshape(codes, (R, C // 2, 2)))
+    return (lo | (hi << 4)).to(tl.uint8)
+
+
+@triton.jit
+def or_nibbles(col_ptr, codes_t, cols, rows, stride_col, mask):
+    """OR codes_t [BK, BM] into their nibbles of col (bytes [K, M/2]) with int32 atomics (zeroed bytes)."""
+    addr = cols[:, None].to(tl.int64) * stride_col + (rows // 2)[None, :]
+    shift = ((addr & 3) * 8).to(tl.int32) + (rows % 2)[None, :] * 4
+    words = col_ptr.to(tl.pointer_type(tl.int32)) + (addr >> 2)
+    tl.atomic_or(words, codes_t << shift, mask=mask & (codes_t != 0))
+
+
+@triton.jit
+def store_col_codes(col_ptr, codes_t, cols, k_ok, row0, row_end, gstart, stride_col,
+                    BK: tl.constexpr, BM: tl.constexpr, GROUPED: tl.constexpr):
+    """Store codes_t [BK, BM] (rows row0.. of the tile) into packed columnwise data [K, M/2]."""
+    packed = pack_pairs(codes_t, BK, BM)
+    first = row0 + 2 * tl.arange(0, BM // 2)  # first row of each byte's pair
+    whole = (first + 1 < row_end) & (gstart % 2 == 0)  # both rows are this group's, byte-aligned
+    tl.store(col_ptr + cols[:, None].to(tl.int64) * stride_col + (first // 2)[None, :], packed,
+             mask=k_ok[:, None] & whole[None, :])
+    if GROUPED:
+        odd_start = gstart % 2 == 1
+        if odd_start | ((row_end % 2 == 1) & (row0 + BM >= row_end)):
+            rows = row0 + tl.arange(0, BM)
+            shared = (rows < row_end) & (odd_start | (rows == row_end - 1))
+            or_nibbles(col_ptr, codes_t, cols, rows, stride_col, k_ok[:, None] & shared[None, :])
+
+
+# ---------------------------------------------------------------- amax launch
+
+@triton.autotune(configs=_CONFIGS, key=_KEY, reset_to_zero=["amax_ptr", "rht_amax_ptr"],
+                 prune_configs_by={"early_config_prune": prune_oversized})
+@triton.jit
+def _nvfp4_amax_kernel(
+        # pointers
+        x_ptr, amax_ptr, rht_amax_ptr, col_ptr, splits_ptr,
+        # sizes
+        M, K, G,
+        # strides
+        stride_xm, stride_col,
+        # meta
+        RHT: tl.constexpr, ZERO_ODD: tl.constexpr, GROUPED: tl.constexpr, G_P2: tl.constexpr,
+        SIGN_MASK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """Per group: max|x| ignoring NaN, the same after RHT along M; zero bytes of odd-start groups."""
+    g, row0, row_end, _, gstart = tile_rows(splits_ptr, M, G, tl.program_id(0), BM, BM, G_P2, GROUPED)
+    if g >= G:
+        return
+    rows = row0 + tl.arange(0, BM)
+    cols = tl.program_id(1) * BK + tl.arange(0, BK)
+    m_ok = rows < row_end
+    k_ok = cols < K
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :],
+                mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    tl.atomic_max(amax_ptr + g, max_abs_bits(x.to(tl.float32), True))
+    if RHT:
+        tl.atomic_max(rht_amax_ptr + g, max_abs_bits(rht_last(tl.trans(x), BK, BM, SIGN_MASK), True))
+    if ZERO_ODD:
+        if gstart % 2 == 1:
+            tl.store(col_ptr + cols[:, None].to(tl.int64) * stride_col + (rows // 2)[None, :],
+                     tl.zeros((BK, BM), tl.uint8), mask=k_ok[:, None] & m_ok[None, :])
+
+
+# ---------------------------------------------------------------- quantize launch
+
+@triton.autotune(configs=_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune_blocks})
+@triton.jit
+def _nvfp4_kernel(
+        # pointers
+        x_ptr, amax_ptr, col_amax_ptr, seed_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr,
+        # sizes
+        M, K, G,
+        # strides (data: K/2 and M/2 bytes per row; scales: row [*, stride_rs], columnwise [*, stride_cs])
+        stride_xm, stride_rs, stride_cs,
+        # meta
+        B: tl.constexpr, BLOCK_2D: tl.constexpr, RHT: tl.constexpr, STOCHASTIC: tl.constexpr,
+        ROWWISE: tl.constexpr, COLWISE: tl.constexpr, GROUPED: tl.constexpr, G_P2: tl.constexpr,
+        SIGN_MASK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    pid_k = tl.program_id(1)
+    g, row0, row_end, sblk0, gstart = tile_rows(splits_ptr, M, G, tl.program_id(0), BM, B, G_P2, GROUPED)
+    if g >= G:
+        return
+    rows = row0 + tl.arange(0, BM)
+    cols = pid_k * BK + tl.arange(0, BK)
+    m_ok = rows < row_end
+    k_ok = cols < K
+    x_raw = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    x = x_raw.to(tl.float32)
+    s_enc = tensor_scale(tl.load(amax_ptr + g))
+    seed_row = 0
+    seed_col = 0
+    if STOCHASTIC:
+        seed_row = tl.load(seed_ptr)
+        seed_col = tl.load(seed_ptr + 1)
+    row_rand = rows[:, None].to(tl.int64) * K + cols[None, :]
+    col_rand = cols[:, None].to(tl.int64) * M + rows[None, :]
+    kb = pid_k * (BK // B) + tl.arange(0, BK // B)
+    kb_ok = kb * B < K
+    half = pid_k * (BK // 2) + tl.arange(0, BK // 2)
+    mb = sblk0 + tl.arange(0, BM // B)
+    mb_ok = row0 + tl.arange(0, BM // B) * B < row_end
+    if BLOCK_2D:  # one scale per 16x16 block, shared by both copies
+        sb, enc = block_scale(block_amax_2d(x, BM, BK, B), s_enc, reciprocal(s_enc))
+        y = clamp_nan(scale_2d(x, enc, BM, BK, B), -_E2M1_MAX, _E2M1_MAX)
+        codes = e2m1_codes(y, STOCHASTIC, seed_row, row_rand)
+        if ROWWISE:
+            tl.store(row_ptr + rows[:, None].to(tl.int64) * (K // 2) + half[None, :], pack_pairs(codes, BM, BK),
+                     mask=m_ok[:, None] & (half < K // 2)[None, :])
+            tl.store(row_s_ptr + mb[:, None] * stride_rs + kb[None, :], sb, mask=mb_ok[:, None] & kb_ok[None, :])
+        if COLWISE:
+            if STOCHASTIC:
+                codes_t = e2m1_codes(tl.trans(y), STOCHASTIC, seed_col, col_rand)
+            else:
+                codes_t = tl.trans(codes)
+            store_col_codes(col_ptr, codes_t, cols, k_ok, row0, row_end, gstart, M // 2, BK, BM, GROUPED)
+            tl.store(col_s_ptr + kb[:, None] * stride_cs + mb[None, :], tl.trans(sb),
+                     mask=kb_ok[:, None] & mb_ok[None, :])
+    else:
+        if ROWWISE:
+            codes, sb = quantize_runs(x, s_enc, BM, BK, STOCHASTIC, seed_row, row_rand)
+            tl.store(row_ptr + rows[:, None].to(tl.int64) * (K // 2) + half[None, :], pack_pairs(codes, BM, BK),
+                     mask=m_ok[:, None] & (half < K // 2)[None, :])
+            tl.store(row_s_ptr + rows[:, None].to(tl.int64) * stride_rs + kb[None, :], sb,
+                     mask=m_ok[:, None] & kb_ok[None, :])
+        if COLWISE:
+            if RHT:
+                xt = rht_last(tl.trans(x_raw), BK, BM, SIGN_MASK)
+                s_col = tensor_scale(tl.load(col_amax_ptr + g))
+            else:
+                xt = tl.trans(x)
+                s_col = s_enc
+            codes_t, sb_t = quantize_runs(xt, s_col, BK, BM, STOCHASTIC, seed_col, col_rand)
+            store_col_codes(col_ptr, codes_t, cols, k_ok, row0, row_end, gstart, M // 2, BK, BM, GROUPED)
+            tl.store(col_s_ptr + cols[:, None].to(tl.int64) * stride_cs + mb[None, :], sb_t,
+                     mask=k_ok[:, None] & mb_ok[None, :])
+
+
+@triton_op("qmoe::quantize_nvfp4", mutates_args=())
+def _nvfp4_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, block_2d: bool, rowwise: bool,
+              columnwise: bool, rht: bool, seeds: Optional[torch.Tensor]) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row [M, K/2] u8, row_s e4m3, amax [G], col [K, M/2] u8, col_s e4m3, col_amax [G]); empty if unasked.
+
+    seeds: [2] int64 on the device for stochastic rounding (None: round to nearest).
+    """
+    m, k = x.shape
+    b, grouped, dev = NVFP4_BLOCK, splits is not None, x.device
+    nkb, width = ceil_div(k, b), scale_width(m, b, num_groups, grouped)
+    alloc = torch.zeros if grouped else torch.empty  # grouped scale entries no group uses are zero
+    e4m3, u8 = torch.float8_e4m3fn, torch.uint8
+    row = torch.empty((m, k // 2) if rowwise else (0,), dtype=u8, device=dev)
+    col = torch.empty((k, m // 2) if columnwise else (0,), dtype=u8, device=dev)
+    if block_2d:
+        row_s = alloc((width, nkb) if rowwise else (0,), dtype=e4m3, device=dev)
+        col_s = alloc((nkb, width) if columnwise else (0,), dtype=e4m3, device=dev)
+    else:
+        row_s = torch.empty((m, nkb) if rowwise else (0,), dtype=e4m3, device=dev)
+        col_s = alloc((k, width) if columnwise else (0,), dtype=e4m3, device=dev)
+    bits = torch.zeros((2, num_groups), dtype=torch.int32, device=dev)  # amax, amax after RHT
+    amax, rht_amax = bits.view(torch.float32).unbind(0)
+    if x.numel():
+        rht_col = rht and columnwise
+        grid = _tile_grid(m, k, num_groups, grouped)
+        dummy = splits if grouped else x
+        launch(_nvfp4_amax_kernel, grid, (x, amax, rht_amax, col, dummy, m, k, num_groups, x.stride(0), m // 2),
+               _SMALL, x.numel(), RHT=rht_col, ZERO_ODD=grouped and columnwise, GROUPED=grouped,
+               G_P2=group_pow2(num_groups), SIGN_MASK=RHT_SIGN_MASK)
+        launch(_nvfp4_kernel, grid,
+               (x, amax, rht_amax if rht_col else amax, seeds if seeds is not None else x, row, row_s, col, col_s,
+                dummy, m, k, num_groups, x.stride(0), nkb, width),
+               _SMALL, x.numel(), B=b, BLOCK_2D=block_2d, RHT=rht_col, STOCHASTIC=seeds is not None,
+               ROWWISE=rowwise, COLWISE=columnwise, GROUPED=grouped, G_P2=group_pow2(num_groups),
+               SIGN_MASK=RHT_SIGN_MASK)
+    col_amax = rht_amax if rht and columnwise else amax
+    return row, row_s, amax.clone(), col, col_s, col_amax.clone()
+
+
+def check_nvfp4_shape(m: int, k: int, rowwise: bool, columnwise: bool, rht: bool, block_2d: bool) -> None:
+    if block_2d and rht:
+        raise ValueError("the random Hadamard transform applies to 1x16 (activation/gradient) copies only")
+    if rowwise and k % 2:
+        raise ValueError(f"NVFP4 packs two values per byte: the last dimension ({k}) must be even")
+    if columnwise and m % 2:
+        raise ValueError(f"NVFP4 columnwise data packs two rows per byte: the row count ({m}) must be even")
+    if columnwise and rht and m % RHT_SIZE:
+        raise ValueError(f"the random Hadamard transform needs the quantized dimension ({m}) to be a multiple of "
+                         f"{RHT_SIZE}; pad the rows or use NVFP4BlockScaling(disable_rht=True)")
+
+
+def draw_seeds(stochastic: bool, generator: torch.Generator | None, device: torch.device):
+    """Two Philox seeds as a device tensor, drawn from `generator` without a host sync."""
+    if not stochastic:
+        return None
+    return torch.randint(0, 2 ** 62, (2,), generator=generator, dtype=torch.int64, device=device)
+
+
+def quantize_nvfp4(x: torch.Tensor, block_2d: bool = False, rowwise: bool = True, columnwise: bool = False,
+                   rht: bool = False, stochastic: bool = False, generator: torch.Generator | None = None):
+    """NVFP4-quantize x [M, K]; returns the reference's 6-tuple (None for copies not asked for)."""
+    x = as_rows(x)
+    check_nvfp4_shape(*x.shape, rowwise, columnwise, rht, block_2d)
+    row, rs, amax, col, cs, camax = torch.ops.qmoe.quantize_nvfp4(
+        x, None, 1, block_2d, rowwise, columnwise, rht, draw_seeds(stochastic, generator, x.device))
+    return (row if rowwise else None, rs if rowwise else None, amax.reshape(()),
+            col if columnwise else None, cs if columnwise else None, camax.reshape(()) if columnwise else None)
+
+
+# ---------------------------------------------------------------- dequantization
+
+@triton.autotune(configs=tile_configs((32, 64), (128,), (4,)), key=["R", "C"],
+                 prune_configs_by={"early_config_prune": prune_oversized})
+@triton.jit
+def _dequantize_nvfp4_kernel(
+        # pointers
+        data_ptr, s_ptr, amax_ptr, out_ptr,
+        # sizes (C: unpacked columns)
+        R, C,
+        # strides
+        stride_dr, stride_sr, stride_sc,
+        # meta
+        BR: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """out [R, C] = e2m1(code) * float(s_b) * S_dec for packed codes [R, C/2]."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BK + tl.arange(0, BK)
+    mask = (rows < R)[:, None] & (cols < C)[None, :]
+    byte = tl.load(data_ptr + rows[:, None].to(tl.int64) * stride_dr + (cols // 2)[None, :], mask=mask, other=0)
+    code = (byte.to(tl.int32) >> ((cols % 2) * 4)[None, :]) & 0xF
+    v = e2m1_value(code & 7)
+    v = tl.where((code & 8) != 0, -v, v)
+    sb = tl.load(s_ptr + (rows // BR)[:, None].to(tl.int64) * stride_sr + (cols // 16)[None, :] * stride_sc,
+                 mask=mask, other=0.0).to(tl.float32)
+    s_dec = reciprocal(tensor_scale(tl.load(amax_ptr)))
+    y = v * sb * s_dec
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton_op("qmoe::dequantize_nvfp4", mutates_args=())
+def _dequantize_nvfp4_op(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, block_rows: int,
+                         out_dtype: torch.dtype) -> torch.Tensor:
+    r, c = data.shape[0], data.shape[1] * 2
+    out = torch.empty((r, c), dtype=out_dtype, device=data.device)
+    if out.numel():
+        grid = lambda meta: (triton.cdiv(r, meta["BM"]), triton.cdiv(c, meta["BK"]))  # noqa: E731
+        launch(_dequantize_nvfp4_kernel, grid,
+               (data, scale, amax.float().reshape(1), out, r, c, data.stride(0), scale.stride(0), scale.stride(1)),
+               _SMALL, out.numel(), BR=block_rows)
+    return out
+
+
+def dequantize_nvfp4(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, block_2d: bool = False,
+                     dtype=torch.float32):
+    """float(q) * float(s_b) * S_dec, for packed data [M, K/2] and its block scales."""
+    if data.dim() != 2 or data.dtype != torch.uint8 or data.stride(1) != 1:
+        raise ValueError(f"dequantize_nvfp4 takes packed uint8 data [M, K/2] with unit column stride, got "
+                         f"{data.dtype} of shape {tuple(data.shape)}")
+    return torch.ops.qmoe.dequantize_nvfp4(data, scale, amax, NVFP4_BLOCK if block_2d else 1, dtype)

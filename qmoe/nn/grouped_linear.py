@@ -1,0 +1,178 @@
+"""`qmoe.nn.GroupedLinear`: E experts' linear layers applied to their own groups of rows."""
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+from torch import nn
+
+from qmoe.autocast import RecipeState, autocast_state
+from qmoe.ops.grouped_gemm import select_grouped_path
+from qmoe.ops.grouped_linear import grouped_linear
+
+_PER_EXPERT = re.compile(r"^(weight|bias)(\d+)$")
+
+
+class GroupedLinear(nn.Module):
+    """y[rows of expert g] = x_g @ W_g^T (+ b_g, scaled per row with scale_bias).
+
+    forward(x [R, in_features], split_sizes [E] int tensor on x's device, scales [R] or None)
+    -> [R, out_features]. Rows past sum(split_sizes) join the last group (moe_permute's tail).
+
+    Parameters are single grouped (`weight [E, N, K]`, `bias [E, N]`) or per expert (`weight0..`,
+    `bias0..`); `load_state_dict` accepts either form for either layout. Inside
+    `qmoe.autocast(recipe=...)` input, weights and grad_output are quantized per the recipe's roles.
+
+    grouped_path: "auto" (grouped where supported), "grouped" (raises where unsupported) or
+    "split" (host split sizes, each expert on its own: the cross-check).
+    scale_bias: the bias is multiplied by scales[row] (e.g. the routing prob); gradients flow to
+    bias and scales.
+    delay_wgrad_compute: backward computes only dgrad; call backward_dw() later for the weight
+    gradients (pipeline schedules overlap it with other work).
+    """
+
+    def __init__(self, num_groups: int, in_features: int, out_features: int, bias: bool = True,
+                 single_grouped_weight: bool = True, single_grouped_bias: bool = True, scale_bias: bool = False,
+                 delay_wgrad_compute: bool = False, grouped_path: str = "auto", params_dtype=None, device=None):
+        super().__init__()
+        for name, v in (("num_groups", num_groups), ("in_features", in_features), ("out_features", out_features)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"GroupedLinear {name} must be a positive integer, got {v!r}")
+        if scale_bias and not bias:
+            raise ValueError("scale_bias=True needs bias=True")
+        select_grouped_path(grouped_path, "cpu")  # validates the name
+        self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
+        self.single_grouped_weight, self.single_grouped_bias = single_grouped_weight, single_grouped_bias
+        self.use_bias, self.scale_bias = bias, scale_bias
+        self.delay_wgrad_compute, self.grouped_path = delay_wgrad_compute, grouped_path
+        kw = dict(dtype=params_dtype, device=device)
+        e, n, k = num_groups, out_features, in_features
+        if single_grouped_weight:
+            self.weight = nn.Parameter(torch.empty(e, n, k, **kw))
+        else:
+            for g in range(e):
+                self.register_parameter(f"weight{g}", nn.Parameter(torch.empty(n, k, **kw)))
+        if bias:
+            if single_grouped_bias:
+                self.bias = nn.Parameter(torch.empty(e, n, **kw))
+            else:
+                for g in range(e):
+                    self.register_parameter(f"bias{g}", nn.Parameter(torch.empty(n, **kw)))
+        else:
+            self.bias = None
+        self.reset_parameters()
+        self.recipe_state = RecipeState()
+        self._wgrad_queue: list = []
+        self._register_load_state_dict_pre_hook(self._convert_state_dict_layout)
+
+    # ---- parameters
+    def weights(self) -> list[nn.Parameter]:
+        return [self.weight] if self.single_grouped_weight else \
+            [getattr(self, f"weight{g}") for g in range(self.num_groups)]
+
+    def biases(self) -> list[nn.Parameter]:
+        if not self.use_bias:
+            return []
+        return [self.bias] if self.single_grouped_bias else \
+            [getattr(self, f"bias{g}") for g in range(self.num_groups)]
+
+    def stacked_weight(self) -> torch.Tensor:
+        return self.weight if self.single_grouped_weight else torch.stack(self.weights())
+
+    def stacked_bias(self) -> torch.Tensor | None:
+        if not self.use_bias:
+            return None
+        return self.bias if self.single_grouped_bias else torch.stack(self.biases())
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        bound = 1 / math.sqrt(self.in_features)
+        for w in self.weights():
+            nn.init.uniform_(w, -bound, bound)
+        for b in self.biases():
+            nn.init.uniform_(b, -bound, bound)
+
+    def _convert_state_dict_layout(self, state_dict, prefix, *args, **kwargs):
+        """Accept single-grouped and per-expert keys for either layout (both directions)."""
+        for name, single in (("weight", self.single_grouped_weight), ("bias", self.single_grouped_bias)):
+            if name == "bias" and not self.use_bias:
+                continue
+            grouped_key = prefix + name
+            per = {}
+            for key in list(state_dict):
+                if key.startswith(prefix):
+                    m = _PER_EXPERT.match(key[len(prefix):])
+                    if m and m.group(1) == name:
+                        per[int(m.group(2))] = key
+            has_grouped = grouped_key in state_dict
+            if has_grouped and per:
+                raise ValueError(f"state_dict holds both {grouped_key!r} and per-expert {name}0..: ambiguous; "
+                                 f"keep one form")
+            if per and sorted(per) != list(range(self.num_groups)):
+                missing = sorted(set(range(self.num_groups)) - set(per))
+                raise ValueError(f"state_dict's per-expert {name}s are incomplete for {self.num_groups} experts "
+                                 f"(missing {prefix}{name}{missing[:4]}..., extra {sorted(set(per) - set(range(self.num_groups)))})")
+            if single and per:
+                state_dict[grouped_key] = torch.stack([state_dict.pop(per[g]) for g in range(self.num_groups)])
+            elif not single and has_grouped:
+                stacked = state_dict.pop(grouped_key)
+                if stacked.shape[0] != self.num_groups:
+                    raise ValueError(f"{grouped_key} has {stacked.shape[0]} experts, this layer {self.num_groups}")
+                for g in range(self.num_groups):
+                    state_dict[f"{prefix}{name}{g}"] = stacked[g].clone()
+
+    # ---- compute
+    def forward(self, x: torch.Tensor, split_sizes: torch.Tensor, scales: torch.Tensor | None = None):
+        self._check_inputs(x, split_sizes, scales)
+        state = autocast_state()
+        recipe = state.active_recipe
+        quantizers = self.recipe_state.get(recipe, state.amax_reduction_group) if recipe is not None else None
+        path = select_grouped_path(self.grouped_path, x.device)
+        sink = self._wgrad_queue if self.delay_wgrad_compute and torch.is_grad_enabled() else None
+        return grouped_linear(x, split_sizes, self.stacked_weight(), self.stacked_bias(),
+                              scales if self.scale_bias else None, quantizers, path, sink)
+
+    def _check_inputs(self, x, split_sizes, scales):
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() != 2:
+            raise TypeError(f"GroupedLinear expects a floating-point x [R, {self.in_features}], got "
+                            f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if x.shape[1] != self.in_features:
+            raise ValueError(f"GroupedLinear expects x [R, {self.in_features}], got {tuple(x.shape)}")
+        if not isinstance(split_sizes, torch.Tensor) or split_sizes.dtype not in (torch.int32, torch.int64):
+            raise TypeError("split_sizes must be an int32/int64 tensor [E] on x's device")
+        if split_sizes.shape != (self.num_groups,):
+            raise ValueError(f"split_sizes must have shape [{self.num_groups}], got {tuple(split_sizes.shape)}")
+        if split_sizes.device != x.device:
+            raise ValueError(f"split_sizes is on {split_sizes.device}, x on {x.device}: keep them together")
+        if self.scale_bias:
+            if scales is None:
+                raise ValueError("scale_bias=True needs scales [R]")
+            if scales.shape != (x.shape[0],) or not scales.is_floating_point():
+                raise ValueError(f"scales must be a float tensor [R] = [{x.shape[0]}], got "
+                                 f"{tuple(scales.shape)} {scales.dtype}")
+        elif scales is not None:
+            raise ValueError("scales are only used with scale_bias=True")
+
+    def backward_dw(self) -> None:
+        """Run the deferred weight-gradient GEMMs and accumulate into the weights' .grad.
+
+        Runs the parameters' post-accumulate-grad hooks, as a normal backward would.
+        """
+        queue, self._wgrad_queue = self._wgrad_queue, []
+        for fn in queue:
+            dw = fn()
+            params = self.weights()
+            grads = [dw] if self.single_grouped_weight else list(dw.unbind(0))
+            for p, g in zip(params, grads):
+                g = g.to(p.dtype)
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad += g
+                for hook in getattr(p, "_post_accumulate_grad_hooks", None) and p._post_accumulate_grad_hooks.values() or ():
+                    hook(p)
+
+    def extra_repr(self) -> str:
+        return (f"num_groups={self.num_groups}, in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.use_bias}, grouped_path={self.grouped_path!r}")

@@ -1,0 +1,86 @@
+"""`qmoe.nn.GroupedMLP`: every expert's FC1 -> activation (times the routing prob) -> FC2."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qmoe.nn.grouped_linear import GroupedLinear
+from qmoe.ops.activation import expert_activation
+from qmoe.reference.activation import check_activation, deinterleave_glu, interleave_glu, is_glu
+
+
+class GroupedMLP(nn.Module):
+    """E experts' MLPs over permuted rows: FC2(act(FC1(x)) * prob) with FC2's bias scaled by prob too.
+
+    forward(x [R, H], split_sizes [E] int on x's device, probs [R] fp32 or None) -> [R, H].
+    The prob multiplies the activation output (and FC2's bias), so each row's expert output is
+    prob * expert(x) and the prob receives its gradient; padding rows (prob 0) come out zero.
+
+    FC1 is `fc1.weight [E, 2F, H]` for GLU activations (gate rows first, then linear rows) and
+    `[E, F, H]` otherwise; FC2 is `fc2.weight [E, H, F]`. `glu_interleave_size=k` stores FC1's
+    rows physically as alternating k-row gate/linear blocks (so an activation fused into FC1's
+    epilogue sees both halves of a column block in one tile); `state_dict()` and
+    `load_state_dict()` always use the logical layout.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str = "swiglu",
+                 glu_interleave_size: int | None = None, bias: bool = False, grouped_path: str = "auto",
+                 delay_wgrad_compute: bool = False, single_grouped_weight: bool = True, params_dtype=None,
+                 device=None):
+        super().__init__()
+        self.activation = check_activation(activation)
+        glu = is_glu(activation)
+        if glu_interleave_size is not None:
+            if not glu:
+                raise ValueError(f"glu_interleave_size applies to GLU activations, not {activation!r}")
+            if isinstance(glu_interleave_size, bool) or not isinstance(glu_interleave_size, int) \
+                    or glu_interleave_size < 1 or ffn_hidden_size % glu_interleave_size:
+                raise ValueError(f"glu_interleave_size={glu_interleave_size!r} must be a positive divisor of "
+                                 f"ffn_hidden_size={ffn_hidden_size}")
+        self.glu_interleave_size = glu_interleave_size
+        self.num_experts, self.hidden_size, self.ffn_hidden_size = num_experts, hidden_size, ffn_hidden_size
+        kw = dict(bias=bias, grouped_path=grouped_path, delay_wgrad_compute=delay_wgrad_compute,
+                  single_grouped_weight=single_grouped_weight, single_grouped_bias=single_grouped_weight,
+                  params_dtype=params_dtype, device=device)
+        self.fc1 = GroupedLinear(num_experts, hidden_size, (2 if glu else 1) * ffn_hidden_size, **kw)
+        self.fc2 = GroupedLinear(num_experts, ffn_hidden_size, hidden_size, scale_bias=bias, **kw)
+        if glu_interleave_size:
+            self._register_state_dict_hook(self._logical_state_dict)
+            self._register_load_state_dict_pre_hook(self._physical_state_dict)
+
+    # ---- GLU interleaving between the logical (state_dict) and physical (parameter) layouts
+    def _glu_keys(self, prefix):
+        keys = [prefix + "fc1.weight", prefix + "fc1.bias"]
+        keys += [f"{prefix}fc1.weight{g}" for g in range(self.num_experts)]
+        keys += [f"{prefix}fc1.bias{g}" for g in range(self.num_experts)]
+        return keys
+
+    def _convert(self, state_dict, prefix, fn):
+        k = self.glu_interleave_size
+        for key in self._glu_keys(prefix):
+            if key in state_dict:
+                t = state_dict[key]
+                is_bias = ".bias" in key[len(prefix):]
+                state_dict[key] = fn(t.unsqueeze(-1), k).squeeze(-1) if is_bias else fn(t, k)
+
+    def _logical_state_dict(self, module, state_dict, prefix, local_metadata):
+        self._convert(state_dict, prefix, deinterleave_glu)
+        return state_dict
+
+    def _physical_state_dict(self, state_dict, prefix, *args, **kwargs):
+        self._convert(state_dict, prefix, interleave_glu)
+
+    # ---- compute
+    def forward(self, x: torch.Tensor, split_sizes: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
+        if probs is not None and (probs.shape != (x.shape[0],) or not probs.is_floating_point()):
+            raise ValueError(f"probs must be a float tensor [R] = [{x.shape[0]}], got {tuple(probs.shape)}")
+        h = self.fc1(x, split_sizes)
+        a = expert_activation(h, probs, self.activation, self.glu_interleave_size)
+        scales = None
+        if self.fc2.scale_bias:
+            scales = probs.to(a.dtype) if probs is not None else torch.ones(x.shape[0], dtype=a.dtype, device=x.device)
+        return self.fc2(a, split_sizes, scales)
+
+    def backward_dw(self) -> None:
+        self.fc1.backward_dw()
+        self.fc2.backward_dw()

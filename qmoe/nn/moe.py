@@ -1,0 +1,79 @@
+"""`qmoe.nn.MoELayer`: router -> permute (padded to the recipe's alignment) -> experts -> unpermute.
+
+Dimension legend: T tokens, H hidden, F ffn, E experts, K top-k, R = T*K + E*(align-1) rows.
+The whole layer is dropless by default, uses static shapes (R depends only on T, K, E and the
+recipe) and keeps split sizes on the device, so forward and backward run without a host sync
+on the grouped path and can be captured in one CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qmoe import ops
+from qmoe.autocast import autocast_state
+from qmoe.nn.grouped_mlp import GroupedMLP
+from qmoe.nn.router import TopKRouter
+
+
+class MoELayer(nn.Module):
+    """A Mixture-of-Experts feed-forward layer whose expert GEMMs follow the active recipe.
+
+    forward(x [..., H]) -> [..., H]. After each forward `layer.aux_loss` is the sum of the enabled
+    auxiliary losses (a scalar with autograd; zero when all coefficients are 0): add it to the loss.
+    For the sequence-level loss a 3-D input is read as [B, S, H] (batch-major).
+
+    Parameters: `router.weight [E, H]` (fp32), `experts.fc1.weight [E, 2F, H]` for GLU activations
+    (gate rows first), `experts.fc2.weight [E, H, F]`, biases `[E, 2F]` / `[E, H]` with bias=True.
+
+    >>> layer = qmoe.nn.MoELayer(hidden_size=256, ffn_hidden_size=512, num_experts=8, top_k=2)
+    >>> with qmoe.autocast(recipe=MXFP8BlockScaling()):
+    ...     y = layer(torch.randn(4, 64, 256))
+    >>> (y.square().mean() + layer.aux_loss).backward()
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int,
+                 activation: str = "swiglu", score_function: str = "softmax", pre_softmax: bool = False,
+                 num_groups: int | None = None, group_topk: int | None = None, scaling_factor: float | None = None,
+                 expert_bias: bool = False, aux_loss_coeff: float = 0.0, seq_aux_loss_coeff: float = 0.0,
+                 z_loss_coeff: float = 0.0, capacity_factor: float | None = None, bias: bool = False,
+                 params_dtype=None, device=None, glu_interleave_size: int | None = None,
+                 grouped_path: str = "auto", delay_wgrad_compute: bool = False):
+        super().__init__()
+        self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
+        self.router = TopKRouter(hidden_size, num_experts, top_k, score_function=score_function,
+                                 pre_softmax=pre_softmax, num_groups=num_groups, group_topk=group_topk,
+                                 scaling_factor=scaling_factor, expert_bias=expert_bias,
+                                 aux_loss_coeff=aux_loss_coeff, seq_aux_loss_coeff=seq_aux_loss_coeff,
+                                 z_loss_coeff=z_loss_coeff, capacity_factor=capacity_factor, device=device)
+        self.experts = GroupedMLP(num_experts, hidden_size, ffn_hidden_size, activation=activation,
+                                  glu_interleave_size=glu_interleave_size, bias=bias, grouped_path=grouped_path,
+                                  delay_wgrad_compute=delay_wgrad_compute, params_dtype=params_dtype,
+                                  device=device)
+        self.aux_loss: torch.Tensor = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 1 \
+                or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"MoELayer expects a floating-point input [..., {self.hidden_size}], got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        shape = x.shape
+        tokens = x.reshape(-1, self.hidden_size)
+        seq_length = shape[-2] if x.dim() >= 3 else None
+        probs, routing_map = self.router(tokens, seq_length=seq_length)
+        recipe = autocast_state().active_recipe
+        align = recipe.align_size if recipe is not None else 1
+        # R rounded up to whole blocks: the zero tail joins the last expert's group (absorb_tail)
+        # without breaking any block a recipe needs (NVFP4's 16-row Hadamard runs, say)
+        rows = tokens.shape[0] * self.top_k + self.num_experts * (align - 1)
+        rows = -(-rows // align) * align
+        permuted, row_probs, row_id_map, split_sizes = ops.moe_permute(
+            tokens, routing_map, probs, align_size=align, top_k=self.top_k, num_rows=rows)
+        y = self.experts(permuted, split_sizes.to(torch.int64), row_probs)
+        out = ops.moe_unpermute(y, row_id_map)
+        self.aux_loss = self.router.aux_loss
+        return out.reshape(shape)
+
+    def backward_dw(self) -> None:
+        """Deferred expert weight gradients (with delay_wgrad_compute=True)."""
+        self.experts.backward_dw()

@@ -1,0 +1,89 @@
+"""`qmoe.nn.TopKRouter`: fp32 router logits, top-k selection, capacity and the auxiliary losses."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qmoe import ops
+from qmoe.reference.router import compute_scores, parse_score_function
+
+
+class TopKRouter(nn.Module):
+    """Routes each token to `top_k` of `num_experts` experts.
+
+    forward(x [T, H]) -> (probs [T, E] fp32, zero where not chosen; routing_map [T, E] bool).
+    The router runs in fp32 whatever the input dtype (`weight [E, H]` is kept in fp32), so
+    selection does not flip with the activation precision. After a forward, `self.aux_loss`
+    holds the sum of the enabled auxiliary losses (0 when all coefficients are 0) and
+    `self.tokens_per_expert` the counts. With `expert_bias=True` the bias shifts selection only
+    and is updated in place after every training forward (aux-loss-free balancing).
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, score_function="softmax",
+                 pre_softmax: bool = False, num_groups: int | None = None, group_topk: int | None = None,
+                 scaling_factor: float | None = None, expert_bias: bool = False,
+                 expert_bias_update_rate: float = 1e-3, aux_loss_coeff: float = 0.0,
+                 seq_aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
+                 capacity_factor: float | None = None, device=None):
+        super().__init__()
+        for name, v in (("hidden_size", hidden_size), ("num_experts", num_experts), ("top_k", top_k)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"TopKRouter {name} must be a positive integer, got {v!r}")
+        if top_k > num_experts:
+            raise ValueError(f"top_k={top_k} exceeds num_experts={num_experts}")
+        for name, v in (("aux_loss_coeff", aux_loss_coeff), ("seq_aux_loss_coeff", seq_aux_loss_coeff),
+                        ("z_loss_coeff", z_loss_coeff)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise ValueError(f"TopKRouter {name} must be a number >= 0, got {v!r}")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.score_function = parse_score_function(score_function)
+        self.pre_softmax, self.num_groups, self.group_topk = pre_softmax, num_groups, group_topk
+        self.scaling_factor, self.capacity_factor = scaling_factor, capacity_factor
+        self.aux_loss_coeff, self.seq_aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, seq_aux_loss_coeff, \
+            z_loss_coeff
+        self.expert_bias_update_rate = expert_bias_update_rate
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32, device=device))
+        nn.init.normal_(self.weight, std=hidden_size ** -0.5)
+        if expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=device))
+        else:
+            self.expert_bias = None
+        self.aux_loss: torch.Tensor | None = None
+        self.tokens_per_expert: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, seq_length: int | None = None):
+        """x: [T, H] any float dtype; seq_length: tokens per sequence for the sequence-level loss
+        (T must be a multiple; default: all T tokens form one sequence)."""
+        logits = x.float() @ self.weight.t()
+        probs, routing_map = ops.topk_route(
+            logits, self.top_k, score_function=self.score_function.value, pre_softmax=self.pre_softmax,
+            num_groups=self.num_groups, group_topk=self.group_topk, scaling_factor=self.scaling_factor,
+            expert_bias=self.expert_bias)
+        if self.capacity_factor is not None:
+            probs, routing_map = ops.apply_capacity(probs, routing_map, self.capacity_factor)
+        tokens_per_expert = routing_map.sum(dim=0)
+        self.tokens_per_expert = tokens_per_expert
+        self.aux_loss = self._aux_losses(logits, routing_map, tokens_per_expert, seq_length)
+        if self.expert_bias is not None and self.training:
+            ops.update_expert_bias(self.expert_bias, tokens_per_expert, self.expert_bias_update_rate)
+        return probs, routing_map
+
+    def _aux_losses(self, logits, routing_map, tokens_per_expert, seq_length):
+        loss = logits.new_zeros(())
+        if not (self.aux_loss_coeff or self.seq_aux_loss_coeff or self.z_loss_coeff):
+            return loss
+        num_tokens = logits.shape[0]
+        if self.aux_loss_coeff or self.seq_aux_loss_coeff:
+            # balance losses see every expert's score (normalised), not only the chosen ones
+            scores = compute_scores(logits, self.score_function, pre_softmax=True)
+            if self.score_function.value != "softmax":
+                scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.aux_loss_coeff:
+            loss = loss + ops.moe_aux_loss(scores, tokens_per_expert, num_tokens, self.num_experts, self.top_k,
+                                           self.aux_loss_coeff)
+        if self.seq_aux_loss_coeff:
+            loss = loss + ops.seq_aux_loss(scores, routing_map, seq_length or num_tokens, self.top_k,
+                                           self.seq_aux_loss_coeff)
+        if self.z_loss_coeff:
+            loss = loss + ops.z_loss(logits, self.z_loss_coeff)
+        return loss

@@ -1,0 +1,181 @@
+"""Grouped linear (the experts' GEMMs) as one autograd Function: quantize, GEMM, bias, backward.
+
+Dimensions: R packed rows (tokens of all experts, each group padded to the recipe's
+align_size), E experts, K in features, N out features.
+
+    y[rows of g] = x_g @ W_g^T (+ bias_g, times scales[row] with scale_bias)
+
+Paths (DESIGN.md): "grouped" quantizes all groups into one GroupedTensor and runs one grouped
+GEMM (split sizes stay on the device); "split" reads the split sizes on the host and quantizes
+and multiplies every group on its own: the cross-check, and the fallback. Weights are quantized
+once per forward (rowwise for fprop plus columnwise for dgrad, in one call) and reused by dgrad;
+backward keeps the quantized columnwise copies of x, not x itself.
+"""
+from __future__ import annotations
+
+import torch
+
+from qmoe.backend import implementation
+from qmoe.ops.grouped_gemm import k_grouped_gemm, m_grouped_gemm, quantize_weights
+from qmoe.ops.linear import gemm_nt
+from qmoe.quant import GroupedTensor
+
+
+def absorb_tail(split_sizes: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Split sizes whose last group also takes the rows past their sum (device op, no sync).
+
+    `moe_permute` returns a static row count with unused zero rows at the end; giving them to the
+    last group changes no amax, scale or product of the real rows.
+    """
+    tail = num_rows - split_sizes.sum()
+    return torch.cat((split_sizes[:-1], (split_sizes[-1:] + tail)))
+
+
+def _offsets(split_sizes: torch.Tensor) -> torch.Tensor:
+    return torch.cat((split_sizes.new_zeros(1), split_sizes.cumsum(0)))
+
+
+def _drop_rowwise(t):
+    t.rowwise_data = t.rowwise_scale_inv = None
+    return t
+
+
+class _SplitOperands:
+    """Per-group quantized tensors of the split path (host split sizes)."""
+
+    def __init__(self, sizes: list[int]):
+        self.sizes = sizes
+        self.bounds = []
+        start = 0
+        for m in sizes:
+            self.bounds.append((start, start + m))
+            start += m
+
+
+def _split_quantize(x, bounds, q, rowwise, columnwise):
+    e = len(bounds)
+    return [q.for_group(g, e, x.device).quantize(x[a:b], rowwise=rowwise, columnwise=columnwise) if b > a else None
+            for g, (a, b) in enumerate(bounds)]
+
+
+def _split_weights(w, q, rowwise, columnwise):
+    e = w.shape[0]
+    return [q.for_group(g, e, w.device).quantize(w[g], rowwise=rowwise, columnwise=columnwise) for g in range(e)]
+
+
+class GroupedLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, split_sizes, weight, bias, scales, quantizers, path, wgrad_sink):
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        e, n, _ = weight.shape
+        split_sizes = absorb_tail(split_sizes, x.shape[0])
+        ctx.path, ctx.quantizers, ctx.wgrad_sink = path, quantizers, wgrad_sink
+        ctx.w_dtype, ctx.has_bias, ctx.has_scales = weight.dtype, bias is not None, scales is not None
+        offsets = _offsets(split_sizes)
+        if path == "split":
+            ctx.split = _SplitOperands([int(s) for s in split_sizes.tolist()])  # the split path reads the host
+        if quantizers is None:
+            w = weight.to(x.dtype)
+            if path == "grouped":
+                y = m_grouped_gemm(x, w, split_sizes, out_dtype=x.dtype)
+            else:
+                y = torch.cat([x[a:b] @ w[g].t() for g, (a, b) in enumerate(ctx.split.bounds)], 0)
+            ctx.save_for_backward(x if need_wgrad else None, w if need_dgrad else None, split_sizes, offsets,
+                                  bias, scales)
+        else:
+            q_in, q_w = quantizers["input"], quantizers["weight"]
+            if path == "grouped":
+                xq = GroupedTensor.quantize(x, split_sizes, q_in, rowwise=True, columnwise=need_wgrad, validate=False)
+                wq = quantize_weights(weight, q_w, rowwise=True, columnwise=need_dgrad)
+                y = m_grouped_gemm(xq, wq, out_dtype=x.dtype)
+                ctx.xq = _drop_rowwise(xq) if need_wgrad else None
+                ctx.wq = _drop_rowwise(wq) if need_dgrad else None
+            else:
+                xs = _split_quantize(x, ctx.split.bounds, q_in, True, need_wgrad)
+                ws = _split_weights(weight, q_w, True, need_dgrad)
+                y = x.new_zeros(x.shape[0], n)
+                for g, (a, b) in enumerate(ctx.split.bounds):
+                    if b > a:
+                        y[a:b] = gemm_nt(xs[g], ws[g], False, False, x.dtype)
+                ctx.xq = [_drop_rowwise(t) if t is not None else None for t in xs] if need_wgrad else None
+                ctx.wq = [_drop_rowwise(t) for t in ws] if need_dgrad else None
+            ctx.save_for_backward(None, None, split_sizes, offsets, bias, scales)
+        if bias is not None:
+            y = implementation("bias", "grouped_bias_forward", y)(y, bias, offsets, scales)
+        ctx.x_shape = x.shape
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, split_sizes, offsets, bias, scales = ctx.saved_tensors
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        dy = dy.contiguous()
+        dx = dw = dbias = dscales = None
+        if ctx.quantizers is None:
+            dy_c = dy.to(w.dtype if w is not None else x.dtype)
+            if need_dgrad:
+                dx = (m_grouped_gemm(dy_c, w, split_sizes, b_columnwise=True, out_dtype=dy.dtype)
+                      if ctx.path == "grouped" else _split_dgrad_plain(dy_c, w, ctx.split, ctx.x_shape))
+            if need_wgrad:
+                def wgrad(dy_c=dy_c, x=x):
+                    if ctx.path == "grouped":
+                        return k_grouped_gemm(dy_c, x, split_sizes, out_dtype=torch.float32)
+                    return torch.stack([dy_c[a:b].float().t() @ x[a:b].float() for a, b in ctx.split.bounds])
+        else:
+            q_grad = ctx.quantizers["grad_output"]
+            if ctx.path == "grouped":
+                gq = GroupedTensor.quantize(dy, split_sizes, q_grad, rowwise=need_dgrad, columnwise=need_wgrad,
+                                            validate=False)
+                if need_dgrad:
+                    dx = m_grouped_gemm(gq, ctx.wq, b_columnwise=True, out_dtype=dy.dtype)
+                if need_wgrad:
+                    def wgrad(gq=gq, xq=ctx.xq):
+                        return k_grouped_gemm(gq, xq, out_dtype=torch.float32)
+            else:
+                gs = _split_quantize(dy, ctx.split.bounds, q_grad, need_dgrad, need_wgrad)
+                if need_dgrad:
+                    dx = dy.new_zeros(ctx.x_shape)
+                    for g, (a, b) in enumerate(ctx.split.bounds):
+                        if b > a:
+                            dx[a:b] = gemm_nt(gs[g], ctx.wq[g], False, True, dy.dtype)
+                if need_wgrad:
+                    def wgrad(gs=gs, xs=ctx.xq, shape=(len(ctx.split.sizes), dy.shape[1], ctx.x_shape[1])):
+                        out = torch.zeros(shape, dtype=torch.float32, device=dy.device)
+                        for g, (a, b) in enumerate(ctx.split.bounds):
+                            if b > a:
+                                out[g] = gemm_nt(gs[g], xs[g], True, True, torch.float32)
+                        return out
+        if need_wgrad:
+            if ctx.wgrad_sink is not None:
+                ctx.wgrad_sink.append(wgrad)  # delay_wgrad_compute: the module runs it in backward_dw()
+            else:
+                dw = wgrad().to(ctx.w_dtype)
+        if ctx.has_bias and (ctx.needs_input_grad[3] or ctx.needs_input_grad[4]):
+            fn = implementation("bias", "grouped_bias_backward", dy)
+            dbias, dscales = fn(dy, bias, offsets, scales, ctx.needs_input_grad[4])
+            dbias = dbias.to(bias.dtype) if ctx.needs_input_grad[3] else None
+            dscales = dscales.to(scales.dtype) if dscales is not None else None
+        ctx.xq = ctx.wq = None
+        return dx, None, dw, dbias, dscales, None, None, None
+
+
+def _split_dgrad_plain(dy, w, split, x_shape):
+    dx = dy.new_zeros(x_shape)
+    for g, (a, b) in enumerate(split.bounds):
+        if b > a:
+            dx[a:b] = dy[a:b] @ w[g]
+    return dx
+
+
+def grouped_linear(x: torch.Tensor, split_sizes: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   scales: torch.Tensor | None = None, quantizers: dict | None = None, path: str = "grouped",
+                   wgrad_sink: list | None = None) -> torch.Tensor:
+    """y [R, N] = grouped x [R, K] @ weight[g]^T (+ bias[g] (* scales[row])).
+
+    split_sizes: [E] int on x's device; rows past their sum join the last group (absorb_tail).
+    weight: [E, N, K]; bias: [E, N] or None; scales: [R] per-row bias scale or None.
+    quantizers: {"input", "weight", "grad_output"} from the active recipe, or None (high precision).
+    path: "grouped" or "split". wgrad_sink: a list to defer weight gradients into (callables
+    returning fp32 [E, N, K]); None computes them in backward.
+    """
+    return GroupedLinearFunction.apply(x, split_sizes, weight, bias, scales, quantizers, path, wgrad_sink)
