@@ -17,6 +17,14 @@ from qmoe.formats import FLT_MAX
 _PENDING_FORWARD: contextvars.ContextVar[list | None] = contextvars.ContextVar("qmoe_pending_forward",
                                                                                default=None)
 _PENDING_BACKWARD: list[tuple["DelayedScalingState", object]] = []
+# Watchers (qmoe.graph.capture) told about every state before it changes and every forward
+# registration, so a capture can restore state after its warm-up and re-register at replay.
+_OBSERVERS: list = []
+
+
+def _observe(state: "DelayedScalingState", forward: bool = False) -> None:
+    for obs in _OBSERVERS:
+        obs.see(state.parent or state, forward)
 
 
 class DelayedScalingState:
@@ -62,10 +70,12 @@ class DelayedScalingState:
 
     def record(self, amax: torch.Tensor) -> None:
         """Fold this call's amax into the newest history entry (max over calls in one step)."""
+        _observe(self)
         self.amax_history[0] = torch.maximum(self.amax_history[0], amax.to(self.amax_history.dtype))
 
     def update(self) -> None:
         """Roll the window and recompute the scale; slots whose newest amax is 0 stay as they are."""
+        _observe(self)
         hist = self.amax_history
         newest = hist[0]
         active = newest != 0
@@ -108,6 +118,7 @@ def update_delayed_scaling(states: list[DelayedScalingState], group=None) -> Non
 
 def register_forward(state: DelayedScalingState) -> None:
     state = state.parent or state
+    _observe(state, forward=True)
     pending = _PENDING_FORWARD.get()
     if pending is not None:
         pending.append(state)

@@ -93,6 +93,9 @@ class GroupedTensor:
             raise ValueError("GroupedTensor.quantize needs rowwise=True, columnwise=True or both")
         splits = check_split_sizes(split_sizes, x.shape[0], x.device, validate)
         quantizer.check_shape(x.shape[0], x.shape[1], rowwise, columnwise)
+        if validate:  # the sizes were read on the host anyway: check each group as if alone
+            for m in splits.tolist():
+                quantizer.check_shape(m, x.shape[1], rowwise, columnwise)
         parts = quantizer._quantize_grouped(x, splits, rowwise, columnwise)
         return cls(quantizer, x.shape, x.dtype, splits, **parts)
 

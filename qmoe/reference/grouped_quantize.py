@@ -134,4 +134,4 @@ def grouped_quantize_nvfp4(x, split_sizes, block_2d=False, rowwise=True, columnw
     return (pack_e2m1(row) if rowwise else None, row_s if rowwise else None,
             torch.stack(amaxes) if amaxes else empty,
             pack_e2m1(col) if columnwise else None, col_s,
-            torch.stack(col_amaxes) if col_amaxes else empty)
+            (torch.stack(col_amaxes) if col_amaxes else empty) if columnwise else None)
