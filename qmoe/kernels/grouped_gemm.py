@@ -14,7 +14,10 @@ whole call is host-sync-free and CUDA-graph capturable. Routes:
       "dequant"  one exact bf16 dequantize pass per operand, then a bf16 grouped GEMM
                  (torch._grouped_mm for MXFP8 with bf16 out, else Triton with the NVFP4
                  tensor factors in its epilogue): the compute-bound route
-  "auto" picks "dequant" from DEQUANT_MIN_ROWS rows per group on (benchmarks/bench_gemm.py).
+  "auto" picks "dequant" from DEQUANT_MIN_ROWS rows per group on. Measured on an H200
+  (benchmarks/results/gemm.json, "other_route"): at 2048-4096 rows per expert "dequant" runs
+  MXFP8 at 620-690 TFLOP/s against 220-240 fused; at 512 rows 373 against 225; at 16-64 rows
+  the fused kernel wins (MXFP8 99 against 36 TFLOP/s at 32 rows).
 
 sm100+ has native MXFP8/NVFP4 grouped GEMMs in torch; qmoe keeps them behind
 `native_block_scaled_gemm`, which raises qmoe.UnsupportedError until they are wired and tested
@@ -37,6 +40,7 @@ from qmoe.reference.quantize_nvfp4 import nvfp4_tensor_scale
 _CODE = {Scaling.NONE: 0, Scaling.TENSOR: 1, Scaling.BLOCK: 2, Scaling.MX: 3, Scaling.NVFP4: 4}
 # Rows per group from which the exact dequantize-then-bf16-GEMM route beats in-register
 # dequantization (compute-bound); below it the fused kernel reads 8/4-bit weights directly.
+# Between the measured 64 (fused 2.7x faster) and 512 (dequant 1.7x faster).
 DEQUANT_MIN_ROWS = 256
 
 
@@ -50,25 +54,46 @@ class TileConfig:
     warps: int
     stages: int
     group_m: int = 8
+    ctas_per_sm: int = 1  # persistent programs per SM (m-grouped): more hide memory latency
+    lag: bool = False  # BLOCK: scale and add each step's product one iteration later
+    dq: tuple[int, int, int] | None = None  # "dequant" route: rows, columns, warps per program
+
+
+# Dequantize-pass tiles (rows, columns, warps), measured on an H200 (benchmarks/results/gemm.json's
+# sweep): MXFP8 streams best in wide tiles; NVFP4's nibble unpacking in small ones.
+DEQUANT_TILES = {Scaling.MX: (64, 256, 8), Scaling.NVFP4: (32, 64, 4)}
 
 
 def tile_configs(scaling: Scaling, small_m: bool) -> list[TileConfig]:
-    """Candidate tiles per scaling, best first (the benchmark's --sweep times them all).
+    """Candidate tiles per scaling, the default first (the benchmark's --sweep times the rest).
 
-    Chosen for sm90's 228 KB shared memory and 64-row wgmma: 128-row tiles with 8 warps for
-    compute-bound groups, 64-row tiles when groups hold few rows. FP8 takes BK = 128 (one
-    BLOCK scale step; 128 B per row for the copy engine); dequantizing bodies take BK = 64 to
-    keep the register-resident bf16 tiles small.
+    sm90: 228 KB shared memory, 64-row wgmma per warpgroup. Compute-bound groups take 128-row
+    tiles with 8 warps; FP8 takes BK = 128 (one BLOCK scale step, 128-byte rows), the bodies
+    that dequantize in registers BK = 64 to keep their bf16 tiles small. Few rows per group
+    (small_m, memory-bound) take 64-row tiles and several programs per SM, so more weight
+    bytes are in flight.
     """
-    bm = 64 if small_m else 128
+    if small_m:
+        return [TileConfig(64, 128, 128, 4, 3, ctas_per_sm=2), TileConfig(64, 64, 128, 4, 4, ctas_per_sm=4),
+                TileConfig(64, 128, 64, 4, 4, ctas_per_sm=2), TileConfig(64, 256, 128, 8, 3),
+                TileConfig(64, 128, 256, 4, 2, ctas_per_sm=2)]
     if scaling is Scaling.NONE:
-        return [TileConfig(bm, 256, 64, 8, 3), TileConfig(bm, 128, 64, 4, 4), TileConfig(bm, 128, 64, 8, 3)]
+        return [TileConfig(128, 256, 64, 8, 3), TileConfig(128, 128, 64, 8, 4), TileConfig(128, 256, 64, 8, 4)]
     if scaling is Scaling.TENSOR:
-        return [TileConfig(bm, 256, 128, 8, 3), TileConfig(bm, 128, 128, 4, 4), TileConfig(bm, 128, 128, 8, 4)]
-    if scaling is Scaling.BLOCK:  # two fp32 accumulators (dot + promoted sum): 128 x 128 per 8 warps
-        return [TileConfig(bm, 128, 128, 8, 3), TileConfig(bm, 128, 128, 4, 3), TileConfig(bm, 64, 128, 4, 4)]
-    return [TileConfig(bm, 128, 64, 8, 3), TileConfig(bm, 128, 64, 4, 3), TileConfig(bm, 256, 64, 8, 3),
-            TileConfig(bm, 128, 128, 8, 2)]
+        return [TileConfig(128, 256, 128, 8, 3), TileConfig(128, 128, 128, 8, 4)]
+    if scaling is Scaling.BLOCK:  # two fp32 accumulators (three with lag): 128 x 128 per 8 warps
+        return [TileConfig(128, 128, 128, 8, 3), TileConfig(128, 128, 128, 8, 3, lag=True),
+                TileConfig(128, 128, 128, 8, 4, lag=True), TileConfig(64, 128, 128, 4, 4, ctas_per_sm=2, lag=True)]
+    return [TileConfig(128, 128, 64, 8, 3), TileConfig(128, 256, 64, 8, 3)]
+
+
+def k_tile_config(scaling: Scaling) -> TileConfig:
+    """wgrad tiles (one program per output tile, no persistence). Measured on an H200 at the
+    DeepSeek-V3 FC1 shape: FP8 block wgrad runs 1.2x faster in 64-row tiles of 4 warps with the
+    lagged promotion than in the forward's 128 x 128 tiles."""
+    if scaling is Scaling.BLOCK:
+        return TileConfig(64, 128, 128, 4, 4, lag=True)
+    return tile_configs(scaling, small_m=False)[0]
 
 
 def _fp32_config(cfg: TileConfig) -> TileConfig:
@@ -179,7 +204,7 @@ def _launch_m(a: _Operand, b: _Operand, offsets, total_rows, n_out, k, groups, s
         cfg = tile_configs(scaling, small_m=total_rows <= 96 * groups)[0]
         cfg = _fp32_config(cfg) if plain_fp32 else cfg
     upper = (ceil_div(total_rows, cfg.bm) + groups + 1) * ceil_div(n_out, cfg.bn)
-    programs = max(1, min(_sms(device), upper))
+    programs = max(1, min(_sms(device) * cfg.ctas_per_sm, upper))
     fa = a.factor if a.factor is not None else a.data
     fb = b.factor if b.factor is not None else b.data
     jit._m_grouped_gemm_kernel[(programs,)](
@@ -191,7 +216,8 @@ def _launch_m(a: _Operand, b: _Operand, offsets, total_rows, n_out, k, groups, s
         HAS_FACTOR=a.factor is not None, PRECISE=out_dtype == torch.float32,
         INPUT_PRECISION="tf32x3" if plain_fp32 else None,
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, GP=triton.next_power_of_2(groups + 1),
-        NUM_PROGRAMS=programs, MASK_K=k % cfg.bk != 0, num_warps=cfg.warps, num_stages=cfg.stages)
+        NUM_PROGRAMS=programs, MASK_K=k % cfg.bk != 0, LAG=cfg.lag and scaling is Scaling.BLOCK,
+        num_warps=cfg.warps, num_stages=cfg.stages)
     return out
 
 
@@ -212,14 +238,17 @@ def _torch_grouped_mm(a16, mat_b, offsets, total_rows):
 
 
 def _dequantize(op: _Operand, scaling: Scaling, rows: int, cols: int, row_group: int, col_group: int,
-                out: torch.Tensor, out_strides: tuple[int, int], cidx: torch.Tensor | None = None):
+                out: torch.Tensor, out_strides: tuple[int, int], cidx: torch.Tensor | None = None,
+                tile: tuple[int, int, int] | None = None):
     """Exact bf16 values (MX: q*2^k; NVFP4: q*s_b) of an [rows, cols] operand into `out`.
 
     Rows come in groups of `row_group` rows, columns in groups of `col_group` (weights: one
     expert each); cidx [cols] int32 gives each column's scale column for token groups.
     """
     br, bc = op.block
-    block_r, block_c = 32, 64
+    block_r, block_c, warps = tile or DEQUANT_TILES[scaling]
+    if rows == 0 or cols == 0:
+        return out
     gather = cidx is not None or col_group % block_c != 0 or cols % block_c != 0
     if gather and cidx is None:
         c = torch.arange(cols, device=op.data.device, dtype=torch.int32)
@@ -228,30 +257,32 @@ def _dequantize(op: _Operand, scaling: Scaling, rows: int, cols: int, row_group:
         op.data, op.scale, out, cidx if gather else op.data,
         rows, cols, row_group, ceil_div(row_group, br), col_group, ceil_div(col_group, bc),
         op.stride_r, op.stride_k, op.s_stride_r, op.s_stride_k, out_strides[0], out_strides[1],
-        SCALING=_CODE[scaling], BR=br, BC=bc, GATHER=gather, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+        SCALING=_CODE[scaling], BR=br, BC=bc, GATHER=gather, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
     return out
 
 
-def _m_dequant_route(a, b, a_op, b_op, scaling, b_columnwise, out_dtype):
+def _m_dequant_route(a, b, a_op, b_op, scaling, b_columnwise, out_dtype, cfg=None):
     device = a_op.data.device
     e = b.num_groups
     n_w, k_w = b.shape[0] // e, b.shape[1]
     total_rows, k = a.shape[0], a.shape[1]
+    dq = cfg.dq if cfg is not None else None
     a16 = _dequantize(a_op, scaling, total_rows, k, max(total_rows, 1), k,
-                      torch.empty((total_rows, k), dtype=torch.bfloat16, device=device), (k, 1))
+                      torch.empty((total_rows, k), dtype=torch.bfloat16, device=device), (k, 1), tile=dq)
     w16 = torch.empty((e, n_w, k_w), dtype=torch.bfloat16, device=device)  # W_g, either copy
     if b_columnwise:  # [K, E*N] -> W_g [N, K]: element (r, c) lands at c*K + r
-        _dequantize(b_op, scaling, k_w, e * n_w, k_w, n_w, w16, (1, k_w))
+        _dequantize(b_op, scaling, k_w, e * n_w, k_w, n_w, w16, (1, k_w), tile=dq)
         mat_b, plain = w16, _Operand(w16, 1, k_w, n_w * k_w)
     else:
-        _dequantize(b_op, scaling, e * n_w, k_w, n_w, k_w, w16, (k_w, 1))
+        _dequantize(b_op, scaling, e * n_w, k_w, n_w, k_w, w16, (k_w, 1), tile=dq)
         mat_b, plain = w16.transpose(1, 2), _Operand(w16, k_w, 1, n_w * k_w)
     n_out = mat_b.shape[2]
     if scaling is Scaling.MX and _torch_grouped_mm_ok(a16, mat_b, out_dtype):
         return _torch_grouped_mm(a16, mat_b, a.offsets, total_rows)
     a_plain = _Operand(a16, k, 1, factor=a_op.factor)
     plain.factor = b_op.factor
-    return _launch_m(a_plain, plain, a.offsets, total_rows, n_out, k, e, Scaling.NONE, out_dtype)
+    gemm_cfg = cfg if cfg is not None and cfg.bm >= 128 else None
+    return _launch_m(a_plain, plain, a.offsets, total_rows, n_out, k, e, Scaling.NONE, out_dtype, gemm_cfg)
 
 
 def m_grouped_gemm(a, b, split_sizes=None, *, b_columnwise: bool = False, out_dtype=torch.bfloat16):
@@ -280,7 +311,7 @@ def m_grouped_gemm_with(a, b, split_sizes=None, *, b_columnwise=False, out_dtype
         emulated = scaling in (Scaling.MX, Scaling.NVFP4)
         route = "dequant" if emulated and a.shape[0] >= DEQUANT_MIN_ROWS * b.num_groups else "fused"
     if route == "dequant" and scaling in (Scaling.MX, Scaling.NVFP4):
-        return _m_dequant_route(a, b, a_op, b_op, scaling, b_columnwise, out_dtype)
+        return _m_dequant_route(a, b, a_op, b_op, scaling, b_columnwise, out_dtype, config)
     return _launch_m(a_op, b_op, a.offsets, a.shape[0], n_out, contraction, b.num_groups, scaling, out_dtype,
                      config)
 
@@ -291,10 +322,11 @@ def _launch_k(a: _Operand, b: _Operand, offsets, n, k, groups, scaling, out, acc
     if n == 0 or k == 0 or groups == 0:
         return out
     plain_fp32 = scaling is Scaling.NONE and a.data.dtype == torch.float32
+    tokens_contiguous = a.stride_k == 1 and b.stride_k == 1
     if cfg is None:
-        cfg = tile_configs(scaling, small_m=False)[0]
+        cfg = k_tile_config(scaling)
         cfg = _fp32_config(cfg) if plain_fp32 else cfg
-    align = 16 // a.data.element_size() * (2 if scaling is Scaling.NVFP4 else 1)
+    align = 16 // a.data.element_size() * (2 if scaling is Scaling.NVFP4 else 1) if tokens_contiguous else 1
     grid = (groups * ceil_div(n, cfg.bm) * ceil_div(k, cfg.bn),)
     jit._k_grouped_gemm_kernel[grid](
         a.data, b.data, out, offsets, a.scale_or_data(), b.scale_or_data(),
@@ -306,7 +338,7 @@ def _launch_k(a: _Operand, b: _Operand, offsets, n, k, groups, scaling, out, acc
         SCALING=_CODE[scaling], A_BC=a.block[1], B_BC=b.block[1], HAS_SOFFS=a.soffs is not None,
         HAS_FACTOR=a.factor is not None, ACCUMULATE=accumulate, PRECISE=out.dtype == torch.float32,
         INPUT_PRECISION="tf32x3" if plain_fp32 else None,
-        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, ALIGN=align,
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, ALIGN=align, LAG=cfg.lag and scaling is Scaling.BLOCK,
         num_warps=cfg.warps, num_stages=cfg.stages)
     return out
 
@@ -347,9 +379,11 @@ def k_grouped_gemm_with(a, b, split_sizes=None, *, out_dtype=torch.bfloat16, out
         ops16 = []
         for x, op, f in ((a, a_op, n), (b, b_op, k)):
             x16 = torch.empty((f, total), dtype=torch.bfloat16, device=op.data.device)
-            _dequantize(op, scaling, f, total, f, total, x16, (total, 1), _token_cidx(x, op, total))
+            _dequantize(op, scaling, f, total, f, total, x16, (total, 1), _token_cidx(x, op, total),
+                        tile=config.dq if config is not None else None)
             ops16.append(_Operand(x16, total, 1, factor=op.factor))
-        return _launch_k(ops16[0], ops16[1], a.offsets, n, k, groups, Scaling.NONE, out, accumulate, config)
+        gemm_cfg = config if config is not None and config.bm >= 128 else None
+        return _launch_k(ops16[0], ops16[1], a.offsets, n, k, groups, Scaling.NONE, out, accumulate, gemm_cfg)
     return _launch_k(a_op, b_op, a.offsets, n, k, groups, scaling, out, accumulate, config)
 
 

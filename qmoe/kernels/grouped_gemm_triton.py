@@ -123,12 +123,9 @@ def _block_scale(s_ptr, srows, row_ok, kk, s_stride_r, s_stride_k, BC: tl.conste
 
 
 @triton.jit
-def _mma(acc, a, b, sa, sb, SCALING: tl.constexpr, PRECISE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-         BK: tl.constexpr):
-    """acc += a @ b^T with the scaling's accumulation rule."""
-    if SCALING == _BLOCK:
-        acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
-    elif SCALING == _TENSOR:
+def _mma(acc, a, b, SCALING: tl.constexpr, PRECISE: tl.constexpr, INPUT_PRECISION: tl.constexpr, BK: tl.constexpr):
+    """acc += a @ b^T (all scalings but BLOCK)."""
+    if SCALING == _TENSOR:
         if PRECISE:  # promote each BK step to fp32: Hopper's FP8 accumulator keeps ~14 bits
             acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BK)
         else:
@@ -136,6 +133,23 @@ def _mma(acc, a, b, sa, sb, SCALING: tl.constexpr, PRECISE: tl.constexpr, INPUT_
     else:
         acc = tl.dot(a, tl.trans(b), acc, input_precision=INPUT_PRECISION)
     return acc
+
+
+@triton.jit
+def _promote(acc, prev, psa, psb, a, b, sa, sb, LAG: tl.constexpr):
+    """BLOCK: one fresh dot per 128-K step, promoted into fp32 times the two block scales.
+
+    With LAG, a step's product is scaled and added one iteration later, so its tensor-core
+    work overlaps the next step's loads (same products, summed in the same order).
+    """
+    if LAG:
+        acc += prev * (psa[:, None] * psb[None, :])
+        prev = tl.dot(a, tl.trans(b))
+        psa = sa
+        psb = sb
+    else:
+        acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+    return acc, prev, psa, psb
 
 
 # ---------------------------------------------------------------- m-grouped: fprop and dgrad
@@ -153,7 +167,7 @@ def _m_grouped_gemm_kernel(
         SCALING: tl.constexpr, A_BC: tl.constexpr, B_BR: tl.constexpr, B_BC: tl.constexpr,
         HAS_FACTOR: tl.constexpr, PRECISE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, GP: tl.constexpr,
-        NUM_PROGRAMS: tl.constexpr, MASK_K: tl.constexpr):
+        NUM_PROGRAMS: tl.constexpr, MASK_K: tl.constexpr, LAG: tl.constexpr):
     """out[T, N] = A_g [M_g, K] @ B_g [N, K]^T per group, persistent over a static grid.
 
     Group g owns rows offs[g]:offs[g+1] of A and out; B_g starts g * b_group_stride into b.
@@ -186,17 +200,22 @@ def _m_grouped_gemm_kernel(
         sb_base = sb_ptr + gb * sb_group_stride
         k_end = tl.where(g < num_groups, K, 0)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
+        prev = tl.zeros((BM, BN), dtype=tl.float32)  # LAG: the last step's unscaled BLOCK product
+        psa = tl.zeros((BM,), dtype=tl.float32)
+        psb = tl.zeros((BN,), dtype=tl.float32)
         for kk in range(0, k_end, BK):
             a = _tile(a_ptr, sa_ptr, rows, rows, row_ok, kk, K, 0, stride_am, stride_ak, s_stride_am, s_stride_ak,
                       SCALING, A_BC, BM, BK, MASK_K, True)
             b = _tile(b_base, sb_base, cols, cols // B_BR, col_ok, kk, K, 0, stride_bn, stride_bk,
                       s_stride_bn, s_stride_bk, SCALING, B_BC, BN, BK, MASK_K, True)
-            sa = 0.0
-            sb = 0.0
             if SCALING == _BLOCK:
                 sa = _block_scale(sa_ptr, rows, row_ok, kk, s_stride_am, s_stride_ak, A_BC)
                 sb = _block_scale(sb_base, cols // B_BR, col_ok, kk, s_stride_bn, s_stride_bk, B_BC)
-            acc = _mma(acc, a, b, sa, sb, SCALING, PRECISE, INPUT_PRECISION, BK)
+                acc, prev, psa, psb = _promote(acc, prev, psa, psb, a, b, sa, sb, LAG)
+            else:
+                acc = _mma(acc, a, b, SCALING, PRECISE, INPUT_PRECISION, BK)
+        if LAG:
+            acc += prev * (psa[:, None] * psb[None, :])
         if HAS_FACTOR:
             acc = acc * (tl.load(fa_ptr + gb) * tl.load(fb_ptr + gb))
         out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_on
@@ -210,7 +229,7 @@ def _k_loop(a_ptr, b_ptr, sa_ptr, sb_ptr, rows, row_ok, cols, col_ok, start, end
             stride_an, stride_at, stride_bk, stride_bt, s_stride_an, s_stride_at, s_stride_bk, s_stride_bt,
             SCALING: tl.constexpr, A_BC: tl.constexpr, B_BC: tl.constexpr, PRECISE: tl.constexpr,
             INPUT_PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-            ALIGNED: tl.constexpr):
+            ALIGNED: tl.constexpr, LAG: tl.constexpr):
     """Sum over the group's tokens start..end of A[rows, t] * B[cols, t] (fp32 [BM, BN])."""
     length = end - start
     a_base = a_ptr
@@ -225,17 +244,22 @@ def _k_loop(a_ptr, b_ptr, sa_ptr, sb_ptr, rows, row_ok, cols, col_ok, start, end
         a_base = a_ptr + start.to(tl.int64) * stride_at
         b_base = b_ptr + start.to(tl.int64) * stride_bt
     acc = tl.zeros((BM, BN), dtype=tl.float32)
+    prev = tl.zeros((BM, BN), dtype=tl.float32)
+    psa = tl.zeros((BM,), dtype=tl.float32)
+    psb = tl.zeros((BN,), dtype=tl.float32)
     for kk in range(0, length, BK):
         a = _tile(a_base, sa_ptr, rows, rows, row_ok, kk, length, elem0, stride_an, stride_at, s_stride_an,
                   s_stride_at, SCALING, A_BC, BM, BK, True, ALIGNED)
         b = _tile(b_base, sb_ptr, cols, cols, col_ok, kk, length, elem0, stride_bk, stride_bt, s_stride_bk,
                   s_stride_bt, SCALING, B_BC, BN, BK, True, ALIGNED)
-        sa = 0.0
-        sb = 0.0
         if SCALING == _BLOCK:
             sa = _block_scale(sa_ptr, rows, row_ok, kk, s_stride_an, s_stride_at, A_BC)
             sb = _block_scale(sb_ptr, cols, col_ok, kk, s_stride_bk, s_stride_bt, B_BC)
-        acc = _mma(acc, a, b, sa, sb, SCALING, PRECISE, INPUT_PRECISION, BK)
+            acc, prev, psa, psb = _promote(acc, prev, psa, psb, a, b, sa, sb, LAG)
+        else:
+            acc = _mma(acc, a, b, SCALING, PRECISE, INPUT_PRECISION, BK)
+    if LAG:
+        acc += prev * (psa[:, None] * psb[None, :])
     return acc
 
 
@@ -252,12 +276,12 @@ def _k_grouped_gemm_kernel(
         SCALING: tl.constexpr, A_BC: tl.constexpr, B_BC: tl.constexpr, HAS_SOFFS: tl.constexpr,
         HAS_FACTOR: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISE: tl.constexpr,
         INPUT_PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-        GROUP_M: tl.constexpr, ALIGN: tl.constexpr):
+        GROUP_M: tl.constexpr, ALIGN: tl.constexpr, LAG: tl.constexpr):
     """out[g] [N, K] = A[:, tokens of g] @ B[:, tokens of g]^T; one program per output tile.
 
     A is [N, T] and B [K, T] (columnwise copies: tokens contiguous). Groups whose start and
-    end are multiples of ALIGN (16 bytes of data) take a loop the compiler can vectorise;
-    others take the general one. An empty group loops zero times and writes zeros.
+    end are multiples of ALIGN (16 bytes of data; 1 when tokens are not contiguous) take a
+    loop the compiler can vectorise; others take the general one. An empty group loops zero times and writes zeros.
     """
     pid = tl.program_id(0)
     num_m = tl.cdiv(N, BM)
@@ -276,15 +300,20 @@ def _k_grouped_gemm_kernel(
     if HAS_SOFFS:  # 1-D block scales: the group's first scale column
         sa_base = sa_ptr + tl.load(soffs_a_ptr + g) * s_stride_at
         sb_base = sb_ptr + tl.load(soffs_b_ptr + g) * s_stride_bt
-    if (start % ALIGN == 0) & (end % ALIGN == 0):
-        acc = _k_loop(a_ptr, b_ptr, sa_base, sb_base, rows, row_ok, cols, col_ok,
-                      start // ALIGN * ALIGN, end // ALIGN * ALIGN,
-                      stride_an, stride_at, stride_bk, stride_bt, s_stride_an, s_stride_at, s_stride_bk, s_stride_bt,
-                      SCALING, A_BC, B_BC, PRECISE, INPUT_PRECISION, BM, BN, BK, True)
+    if ALIGN > 1:  # tokens contiguous: aligned groups take the vectorisable loop
+        if (start % ALIGN == 0) & (end % ALIGN == 0):
+            acc = _k_loop(a_ptr, b_ptr, sa_base, sb_base, rows, row_ok, cols, col_ok,
+                          start // ALIGN * ALIGN, end // ALIGN * ALIGN, stride_an, stride_at, stride_bk, stride_bt,
+                          s_stride_an, s_stride_at, s_stride_bk, s_stride_bt,
+                          SCALING, A_BC, B_BC, PRECISE, INPUT_PRECISION, BM, BN, BK, True, LAG)
+        else:
+            acc = _k_loop(a_ptr, b_ptr, sa_base, sb_base, rows, row_ok, cols, col_ok, start, end,
+                          stride_an, stride_at, stride_bk, stride_bt, s_stride_an, s_stride_at, s_stride_bk, s_stride_bt,
+                          SCALING, A_BC, B_BC, PRECISE, INPUT_PRECISION, BM, BN, BK, False, LAG)
     else:
         acc = _k_loop(a_ptr, b_ptr, sa_base, sb_base, rows, row_ok, cols, col_ok, start, end,
                       stride_an, stride_at, stride_bk, stride_bt, s_stride_an, s_stride_at, s_stride_bk, s_stride_bt,
-                      SCALING, A_BC, B_BC, PRECISE, INPUT_PRECISION, BM, BN, BK, False)
+                      SCALING, A_BC, B_BC, PRECISE, INPUT_PRECISION, BM, BN, BK, False, LAG)
     if HAS_FACTOR:
         acc = acc * (tl.load(fa_ptr + g) * tl.load(fb_ptr + g))
     out = out_ptr + g.to(tl.int64) * stride_og + rows.to(tl.int64)[:, None] * stride_on + cols[None, :] * stride_ok
