@@ -17,8 +17,15 @@ import torch
 
 from qmoe.backend import implementation
 from qmoe.ops.grouped_gemm import k_grouped_gemm, m_grouped_gemm, quantize_weights
-from qmoe.ops.linear import gemm_nt
-from qmoe.quant import GroupedTensor
+from qmoe.quant import GroupedTensor, QuantizedTensor
+
+
+def gemm_nt(a: QuantizedTensor, b: QuantizedTensor, a_columnwise: bool, b_columnwise: bool,
+            out_dtype: torch.dtype) -> torch.Tensor:
+    """dequant(a) @ dequant(b)^T accumulated in fp32 (the NUMERICS.md contract; the split path)."""
+    a2 = a.dequantize(torch.float32, columnwise=a_columnwise)
+    b2 = b.dequantize(torch.float32, columnwise=b_columnwise)
+    return (a2.reshape(-1, a2.shape[-1]) @ b2.reshape(-1, b2.shape[-1]).t()).to(out_dtype)
 
 
 def absorb_tail(split_sizes: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -178,4 +185,11 @@ def grouped_linear(x: torch.Tensor, split_sizes: torch.Tensor, weight: torch.Ten
     path: "grouped" or "split". wgrad_sink: a list to defer weight gradients into (callables
     returning fp32 [E, N, K]); None computes them in backward.
     """
+    if path == "split" or split_sizes.device.type == "cpu":
+        # host-readable sizes are checked (the split path reads them anyway); device sizes on the
+        # grouped path stay unread (no host sync) and are trusted
+        host = split_sizes.tolist()
+        if any(s < 0 for s in host) or sum(host) > x.shape[0]:
+            raise ValueError(f"split_sizes must be non-negative and sum to at most the {x.shape[0]} rows of x, "
+                             f"got {host}")
     return GroupedLinearFunction.apply(x, split_sizes, weight, bias, scales, quantizers, path, wgrad_sink)
