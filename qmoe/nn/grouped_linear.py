@@ -130,7 +130,12 @@ class GroupedLinear(nn.Module):
         quantizers = self.recipe_state.get(recipe, state.amax_reduction_group) if recipe is not None else None
         path = select_grouped_path(self.grouped_path, x.device)
         sink = self._wgrad_queue if self.delay_wgrad_compute and torch.is_grad_enabled() else None
-        return grouped_linear(x, split_sizes, self.stacked_weight(), self.stacked_bias(),
+        weight = self.stacked_weight()
+        if sink is not None:
+            # deferred weight gradients arrive in backward_dw(): a stand-in leaf keeps autograd from
+            # running the weights' post-accumulate-grad hooks (with no gradient) during backward
+            weight = weight.detach().requires_grad_(weight.requires_grad)
+        return grouped_linear(x, split_sizes, weight, self.stacked_bias(),
                               scales if self.scale_bias else None, quantizers, path, sink)
 
     def _check_inputs(self, x, split_sizes, scales):
@@ -163,7 +168,8 @@ class GroupedLinear(nn.Module):
         for fn in queue:
             dw = fn()
             params = self.weights()
-            grads = [dw] if self.single_grouped_weight else list(dw.unbind(0))
+            # per-expert grads are clones: in-place accumulation into unbind() views is refused
+            grads = [dw] if self.single_grouped_weight else [d.clone() for d in dw.unbind(0)]
             for p, g in zip(params, grads):
                 g = g.to(p.dtype)
                 if p.grad is None:
