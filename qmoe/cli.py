@@ -1,4 +1,4 @@
-"""The `qmoe` command: `info`, `report` (the main job) and `bench <suite>`."""
+"""The `qmoe` command: `info`, `compare` (the main job), `report` and `bench <suite>`."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-BENCH_SUITES = ("quantize", "gemm", "routing", "moe", "ep")
+BENCH_SUITES = ("quantize", "gemm", "linear", "routing", "moe", "ep")
 
 
 def _cmd_info(args) -> int:
@@ -48,6 +48,28 @@ def _cmd_report(args) -> int:
     return 0
 
 
+def _cmd_compare(args) -> int:
+    from qmoe.compare import format_table, load_compare_config, plot_compare, rows_as_dicts, run_compare
+
+    kwargs = load_compare_config(args.config) if args.config else {}
+    if args.seed is not None:
+        kwargs["seed"] = args.seed
+    if args.steps is not None:
+        kwargs["steps"] = args.steps
+    rows = run_compare(**kwargs, device=args.device, progress=not args.no_progress)
+    print(format_table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows_as_dicts(rows), indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot_compare(rows, args.plot)
+        print(f"wrote {args.plot}")
+    failed = [r.recipe for r in rows if r.error]
+    if failed:
+        print(f"qmoe compare: {', '.join(failed)} failed (see the table)", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def _cmd_bench(args) -> int:
     root = Path(__file__).resolve().parents[1]
     if (root / "benchmarks").is_dir() and str(root) not in sys.path:
@@ -67,6 +89,16 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="how each recipe runs on this machine, and why")
     info.add_argument("--device", default=None)
     info.set_defaults(func=_cmd_info)
+    cmp = sub.add_parser("compare", help="an MoE layer's forward and backward under every recipe: error, time, path")
+    cmp.add_argument("--config", help="YAML/JSON file: recipes, shape {tokens, hidden, ffn, experts, top_k}, "
+                                      "seed, steps")
+    cmp.add_argument("--plot", help="save a figure (PNG) of error and time per recipe")
+    cmp.add_argument("--json", help="save the rows as JSON")
+    cmp.add_argument("--seed", type=int, default=None, help="overrides the config's seed (default 0)")
+    cmp.add_argument("--steps", type=int, default=None, help="timed steps per recipe (default 2 on CPU, 10 on CUDA)")
+    cmp.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    cmp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cmp.set_defaults(func=_cmd_compare)
     rep = sub.add_parser("report", help="quantize realistic tensors with every recipe and compare")
     rep.add_argument("--config", help="YAML/JSON file: recipes, shapes {tokens, hidden, ffn}, seed")
     rep.add_argument("--plot", help="save a figure (PNG) of the results")

@@ -45,7 +45,7 @@ def e2m1_round_nearest(a: torch.Tensor) -> torch.Tensor:
 def e2m1_round_stochastic(a: torch.Tensor, rand: torch.Tensor) -> torch.Tensor:
     """Magnitude codes for |y| in [0, 6]: up with probability (a - lo) / (hi - lo)."""
     grid = _GRID.to(a.device)
-    lo_code = (torch.bucketize(a, grid, right=True) - 1).clamp(0, 7)
+    lo_code = (torch.bucketize(a.contiguous(), grid, right=True) - 1).clamp(0, 7)
     hi_code = (lo_code + 1).clamp(max=7)
     lo, hi = grid[lo_code], grid[hi_code]
     p = torch.where(hi > lo, (a - lo) / (hi - lo), torch.zeros_like(a))

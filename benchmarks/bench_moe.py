@@ -1,0 +1,263 @@
+"""MoE layer benchmark: qmoe.nn.MoELayer forward + backward per recipe against a plain PyTorch MoE.
+
+Run: `qmoe bench moe [--quick] [--shapes ...] [--recipes ...]` or
+`PYTHONPATH=. python -m benchmarks.bench_moe`.
+
+Per shape, one run measures the plain PyTorch bf16 dropless MoE (`benchmarks/plain_moe.py`,
+SwiGLU experts on `torch._grouped_mm`, BASELINES.md's peer) and qmoe's MoELayer in bf16 and
+under every recipe, all with the same bf16 weights, input and upstream gradient. A step is
+forward + backward (input, router and expert weight gradients). Reported per row: the eager
+median step time, the median replay time of the whole step captured in one CUDA graph
+(`torch.cuda.CUDAGraph`; when capture fails the error is recorded instead), tokens/s from the
+eager time, peak memory of the eager steps, and ratios to the peer and to qmoe bf16.
+Writes benchmarks/results/moe.json.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+
+import torch
+
+# (tokens, experts, top_k, hidden, ffn)
+SHAPES = {
+    "deepseek-v3-ep8": dict(tokens=8192, experts=32, top_k=8, hidden=7168, ffn=2048),
+    "mixtral": dict(tokens=16384, experts=8, top_k=2, hidden=4096, ffn=14336),
+    "qwen3-30b-a3b": dict(tokens=16384, experts=128, top_k=8, hidden=2048, ffn=768),
+}
+RECIPES = ("bf16", "delayed", "current", "block", "mxfp8", "nvfp4")
+QUICK_SHAPES = ("deepseek-v3-ep8",)
+TARGETS = ("FP8 block/current >= 1.4x qmoe bf16 on deepseek-v3-ep8; MXFP8 >= 0.95x qmoe bf16; "
+           "qmoe bf16 >= 1.0x the plain PyTorch MoE; graphed >= eager; FP8 peak memory <= 0.8x qmoe bf16")
+
+
+def _err(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400]
+
+
+def _time_ms(fn, warmup: int, iters: int) -> float:
+    """Median of per-iteration CUDA-event times, after warm-up."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _step_fn(module, x, dy, recipe):
+    """One forward + backward of `module` under `recipe` (None: high precision), grads reset first."""
+    import qmoe
+
+    params = list(module.parameters())
+
+    def step():
+        for p in params:
+            p.grad = None
+        x.grad = None
+        with qmoe.autocast(recipe=recipe, enabled=recipe is not None):
+            y = module(x)
+        y.backward(dy)
+    return step
+
+
+def _graphed_ms(step, warmup: int, iters: int):
+    """Capture the whole step (forward + backward) in one CUDA graph and time its replay.
+
+    Returns (ms, None) or (None, "why capture failed")."""
+    inner = []  # the step's own error: a failed capture's exit raises a vaguer one on top
+
+    def guarded():
+        try:
+            step()
+        except Exception as e:  # noqa: BLE001
+            inner.append(e)
+            raise
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # capture wants warmed-up allocations made off the main stream
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            guarded()
+        ms = _time_ms(graph.replay, warmup, iters)
+        del graph
+        return ms, None
+    except Exception as e:  # noqa: BLE001 - a layer that cannot be captured is a result, not a crash
+        try:
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001
+            pass
+        return None, _err(inner[0] if inner else e)
+
+
+def _measure(module, x, dy, recipe, warmup: int, iters: int, graphed: bool) -> dict:
+    """Eager and graphed step times and the eager peak memory of one module under one recipe."""
+    step = _step_fn(module, x, dy, recipe)
+    _drop_grads(module, x)  # earlier runs' gradients (a graph's pool included) are not this run's memory
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    eager = _time_ms(step, warmup, iters)
+    peak = torch.cuda.max_memory_allocated() / 2 ** 30
+    out = dict(eager_ms=eager, peak_gib=peak, graphed_ms=None, graph_error=None)
+    if graphed:
+        out["graphed_ms"], out["graph_error"] = _graphed_ms(step, warmup, iters)
+    _drop_grads(module, x)
+    return out
+
+
+def _drop_grads(module, x):
+    for p in module.parameters():
+        p.grad = None
+    x.grad = None
+    _free()
+
+
+def _free():
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def bench_shape(rows, name, shape, recipes, warmup, iters, graphed, device="cuda"):
+    import qmoe
+    from benchmarks.plain_moe import PlainMoE
+    from qmoe.compare import resolve_path
+    from qmoe.recipes import recipe_from_config
+
+    t, h = shape["tokens"], shape["hidden"]
+    torch.manual_seed(0)
+    layer = qmoe.nn.MoELayer(h, shape["ffn"], shape["experts"], shape["top_k"], params_dtype=torch.bfloat16,
+                             device=device)
+    x = torch.randn(t, h, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(t, h, device=device, dtype=torch.bfloat16)
+    # the peer: same weights, so the same routing and expert loads
+    peer = dict(peer_ms=None, peer_graphed_ms=None, peer_peak_gib=None, peer_error=None, peer_graph_error=None,
+                peer_impl=None)
+    layer_gib = sum(p.numel() * p.element_size() for p in layer.parameters()) / 2 ** 30
+    try:
+        moe = PlainMoE.from_moe_layer(layer, dtype=torch.bfloat16)
+        peer["peer_impl"] = "torch._grouped_mm" if moe.use_grouped_mm else "per-expert loop"
+        m = _measure(moe, x, dy, None, warmup, iters, graphed=graphed and moe.use_grouped_mm)
+        # qmoe's layer stays resident meanwhile: its weights are not the peer's memory
+        peer.update(peer_ms=m["eager_ms"], peer_graphed_ms=m["graphed_ms"], peer_peak_gib=m["peak_gib"] - layer_gib,
+                    peer_graph_error=m["graph_error"])
+        del moe
+    except Exception as e:  # noqa: BLE001
+        peer["peer_error"] = _err(e)
+    _free()
+    print(f"{name}: plain PyTorch MoE ({peer['peer_impl']}): eager {_fmt(peer['peer_ms'], '.3f')} ms, graphed "
+          f"{_fmt(peer['peer_graphed_ms'], '.3f')} ms, peak {_fmt(peer['peer_peak_gib'], '.2f')} GiB"
+          + (f"  ({peer['peer_error'] or peer['peer_graph_error']})"
+             if peer["peer_error"] or peer["peer_graph_error"] else ""), flush=True)
+    bf16_ms = None
+    for rname in recipes:
+        recipe = None if rname == "bf16" else recipe_from_config({"name": rname})
+        row = dict(shape=name, recipe=rname, **shape, eager_ms=None, graphed_ms=None, tokens_per_s=None,
+                   peak_gib=None, peer_ms=peer["peer_ms"], speedup_vs_peer=None, ratio_vs_qmoe_bf16=None,
+                   path=resolve_path("bf16" if recipe is None else recipe, layer, device), graph_error=None,
+                   error=None, **{k: v for k, v in peer.items() if k != "peer_ms"})
+        try:
+            row.update(_measure(layer, x, dy, recipe, warmup, iters, graphed))
+            row["tokens_per_s"] = t / (row["eager_ms"] / 1e3)
+            if row["peer_ms"]:
+                row["speedup_vs_peer"] = row["peer_ms"] / row["eager_ms"]
+            if rname == "bf16":
+                bf16_ms = row["eager_ms"]
+            if bf16_ms:
+                row["ratio_vs_qmoe_bf16"] = bf16_ms / row["eager_ms"]
+        except Exception as e:  # noqa: BLE001 - one recipe failing must not stop the others
+            row["error"] = _err(e)
+        _free()
+        rows.append(row)
+        _print_row(row)
+
+
+def _fmt(v, spec):
+    """format(v, spec), or a right-aligned '-' of the same width for a missing value."""
+    return format(v, spec) if isinstance(v, (int, float)) else format("-", spec.split(".")[0] or "")
+
+
+HEADER = (f"{'shape':<16} {'recipe':<8} {'eager ms':>9} {'graph ms':>9} {'tok/s':>10} {'peak GiB':>9} "
+          f"{'peer ms':>9} {'vs peer':>8} {'vs bf16':>8}  note")
+
+
+def _print_row(r):
+    note = r["error"] or (f"graph: {r['graph_error']}" if r["graph_error"] else r["path"])
+    print(f"{r['shape']:<16} {r['recipe']:<8} {_fmt(r['eager_ms'], '>9.3f')} {_fmt(r['graphed_ms'], '>9.3f')} "
+          f"{_fmt(r['tokens_per_s'], '>10.0f')} {_fmt(r['peak_gib'], '>9.2f')} {_fmt(r['peer_ms'], '>9.3f')} "
+          f"{_fmt(r['speedup_vs_peer'], '>7.2f')}x {_fmt(r['ratio_vs_qmoe_bf16'], '>7.2f')}x  {note}", flush=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="qmoe bench moe", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK_SHAPES)}, fewer iterations")
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), help="shapes to run (default: all)")
+    parser.add_argument("--recipes", nargs="+", choices=list(RECIPES), help="recipes to run (default: all)")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 5, --quick 2)")
+    parser.add_argument("--iters", type=int, default=None, help="timed steps (default 20, --quick 5)")
+    parser.add_argument("--no-graph", action="store_true", help="skip CUDA-graph capture")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                      "moe.json"))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench moe needs a CUDA GPU (qmoe's kernels run on sm90+); none found", file=sys.stderr)
+        return 2
+    import triton
+
+    from qmoe.backend import use_kernels
+    shapes = args.shapes or (list(QUICK_SHAPES) if args.quick else list(SHAPES))
+    recipes = args.recipes or list(RECIPES)
+    if "bf16" not in recipes:
+        print("note: without bf16 in --recipes, ratio_vs_qmoe_bf16 stays empty", file=sys.stderr)
+    else:
+        recipes = ["bf16"] + [r for r in recipes if r != "bf16"]  # bf16 first: the others' ratios need it
+    warmup = args.warmup if args.warmup is not None else (2 if args.quick else 5)
+    iters = args.iters if args.iters is not None else (5 if args.quick else 20)
+    if not use_kernels(torch.empty(1, device="cuda")):
+        print("warning: qmoe runs its pure-torch reference on this device (sm < 90 or QMOE_BACKEND=reference)",
+              file=sys.stderr)
+    print(HEADER)
+    rows = []
+    for name in shapes:
+        bench_shape(rows, name, SHAPES[name], recipes, warmup, iters, not args.no_graph)
+    result = dict(
+        suite="moe",
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
+        torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
+        qmoe_backend="triton" if use_kernels(torch.empty(1, device="cuda")) else "reference",
+        method=(f"forward + backward of one MoE layer (bf16 weights and activations, fp32 router; grads of input, "
+                f"router and experts); medians of {iters} CUDA-event-timed steps after {warmup} warm-up steps. "
+                f"eager_ms: eager steps; graphed_ms: replays of the whole step captured in one torch.cuda.CUDAGraph "
+                f"(graph_error when capture fails); tokens_per_s from eager_ms; peak_gib: torch.cuda."
+                f"max_memory_allocated over the eager steps (weights, grads and inputs included; peer_peak_gib "
+                f"excludes the qmoe layer's weights, resident meanwhile); "
+                f"peer: benchmarks/plain_moe.py, plain PyTorch bf16 MoE on torch._grouped_mm, same weights, same run; "
+                f"speedup_vs_peer = peer_ms / eager_ms; ratio_vs_qmoe_bf16 = qmoe bf16 eager_ms / eager_ms "
+                f"(> 1 is faster than qmoe bf16)"),
+        quick=args.quick, targets=TARGETS, rows=rows,
+    )
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
