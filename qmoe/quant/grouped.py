@@ -93,9 +93,9 @@ class GroupedTensor:
             raise ValueError("GroupedTensor.quantize needs rowwise=True, columnwise=True or both")
         splits = check_split_sizes(split_sizes, x.shape[0], x.device, validate)
         quantizer.check_shape(x.shape[0], x.shape[1], rowwise, columnwise)
-        if validate:  # the sizes were read on the host anyway: check each group as if alone
+        if validate:  # the sizes were read on the host anyway: check each group's own needs
             for m in splits.tolist():
-                quantizer.check_shape(m, x.shape[1], rowwise, columnwise)
+                quantizer.check_group_rows(m, columnwise)
         parts = quantizer._quantize_grouped(x, splits, rowwise, columnwise)
         return cls(quantizer, x.shape, x.dtype, splits, **parts)
 
@@ -129,6 +129,10 @@ class GroupedTensor:
             if self.rowwise_data is not None:
                 row = self.rowwise_data[a:b]
             if self.columnwise_data is not None:
+                if fp4 and (b - a) % 2:
+                    raise ValueError(f"group {g} has {b - a} rows: its NVFP4 columnwise copy packs two rows per "
+                                     f"byte and cannot stand alone; pad groups to an even size (align_size) "
+                                     f"or use the GroupedTensor's buffers directly")
                 col = (pack_e2m1(unpack_e2m1(self.columnwise_data)[:, a:b].contiguous()) if fp4
                        else self.columnwise_data[:, a:b])
             out.append(QuantizedTensor(

@@ -65,6 +65,9 @@ class Quantizer:
     def check_shape(self, m: int, k: int, rowwise: bool, columnwise: bool) -> None:
         """Raise ValueError for shapes this format cannot hold (before any work runs)."""
 
+    def check_group_rows(self, m: int, columnwise: bool) -> None:
+        """Raise ValueError if one group of m rows cannot be quantized inside a GroupedTensor."""
+
     def dequantize(self, qt: QuantizedTensor, dtype=torch.float32, columnwise: bool = False) -> torch.Tensor:
         raise NotImplementedError
 
@@ -244,6 +247,11 @@ class NVFP4Quantizer(Quantizer):
         if columnwise and self.rht and m % RHT_SIZE:
             raise ValueError(f"the random Hadamard transform of the columnwise copy needs M={m} to be a multiple "
                              f"of {RHT_SIZE}; pad the rows or use NVFP4BlockScaling(disable_rht=True)")
+
+    def check_group_rows(self, m, columnwise):
+        if columnwise and self.rht and m % RHT_SIZE:
+            raise ValueError(f"the random Hadamard transform needs every group's rows to be a multiple of "
+                             f"{RHT_SIZE}, got a group of {m}; pad groups (align_size) or disable_rht=True")
 
     def _generator_for(self, x):
         g = self.generator
