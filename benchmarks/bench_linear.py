@@ -67,6 +67,7 @@ def run(shapes, recipes, reps=10):
                 step(lambda: tao(x, w.transpose(-2, -1), ends, pad_token_groups_for_grouped_mm=False)), reps)
         except Exception as err:  # noqa: BLE001 - a missing peer is recorded, not fatal
             print(f"torchao peer unavailable: {err!r}", file=sys.stderr)
+        print(f"  {name} peers: " + ", ".join(f"{k[0]} {v:.3f} ms" for k, v in timings.items()), flush=True)
         layer = qmoe.nn.GroupedLinear(e, k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
         with torch.no_grad():
             layer.weight.copy_(w)
@@ -81,6 +82,7 @@ def run(shapes, recipes, reps=10):
                 fwd().backward(dy)
             try:
                 timings[("qmoe", rname)] = _bench(go, reps)
+                print(f"  {name} qmoe {rname}: {timings[('qmoe', rname)]:.3f} ms", flush=True)
             except Exception as err:  # noqa: BLE001
                 print(f"qmoe {rname} failed on {name}: {err!r}", file=sys.stderr)
         bf16 = timings[("torch._grouped_mm", "bf16")]
