@@ -2,16 +2,29 @@
 
 Dimensions: T tokens, E experts, K top-k, B sequences of L tokens (T = B * L, batch-major).
 
-Both balance losses are one weighted sum, sum over (t, e) of probs[t, e] * w[seq(t), e] with
-w = tokens_per_expert (one "sequence" of all T tokens) or the per-sequence counts, times a
-constant. So a loss is: tiles of [BLOCK_T, BLOCK_E] each write one fp32 partial (grid over
-rows x experts x sequences: any T and E fill the GPU, no cooperative launch), then one small
-program adds the partials in a fixed order (deterministic, no float atomics) and applies the
-constant, reading `num_tokens` from the device when it is a tensor. The gradient is that
-constant times w broadcast over each sequence's rows (for the batch-level loss, a stride-0
-view of one row).
+At training sizes a loss reads a few MB (microseconds of bandwidth), so what it costs is
+launches and host work. Each loss is therefore one forward and one backward launch:
+
+- Forward: every program reduces its tiles to one fp32 partial and stores it, then takes a
+  ticket from a zero-initialised counter; the program that takes the last ticket adds the
+  partials in slot order and writes the loss. One launch for any T and E (no cooperative
+  launch, no host read), and deterministic: no float atomics, the same bits on every run and
+  in graph replay. On the way it writes what the backward needs, so the backward never
+  re-reads the forward's inputs: the gradient for a unit grad_loss (the balance losses'
+  [B, E] rows; z_loss's [T, E] at host-bound sizes, else its per-row logsumexp).
+- Backward: one elementwise launch writing the contiguous [T, E] gradient, which autograd
+  keeps as `.grad` without the copy a stride-0 broadcast would cost. Scaling a unit gradient
+  is a plain broadcasting multiply: at host-bound sizes ATen's (its host cost is a fraction
+  of a Triton launch's), at bandwidth-bound sizes a Triton kernel's full-width stores.
+
+The launchers without a `check_` call (`aux_loss_forward`, `seq_aux_loss_forward`,
+`z_loss_forward`, `grad_from_rows`, `scaled_grad`, `broadcast_grad`, `z_loss_grad`) trust
+their caller: `qmoe.ops` validates once per call and then calls them. The twins named like
+the reference validate and call them.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -20,80 +33,176 @@ import triton.language as tl
 from qmoe.reference.aux_loss import (check_moe_aux_loss_args, check_seq_aux_loss_args,
                                      check_update_expert_bias_args, _check_coeff, _check_scores)
 
-# Tiles of about this many elements: large enough to stream at bandwidth, small enough that
-# even T = 128k, E = 64 gives thousands of programs.
-_TILE_ELEMENTS = 4096
-_MAX_BLOCK_E = 256
-_FINISH_BLOCK = 1024
+# Elements a program holds per step: 16 KB of fp32, 32 values a thread at 4 warps, so each
+# thread has eight 16-byte loads in flight; enough to stream at bandwidth, few registers.
+_TILE = 4096
+_MAX_BLOCK_E = 1024
+# Reductions run as persistent grids of this many programs per SM (fewer when there are fewer
+# tiles): enough warps in flight to saturate memory, and at most a few hundred partials.
+_PROGRAMS_PER_SM = 4
+# The last program adds the partials in chunks of this many.
+_FINISH_BLOCK = 512
+# Gradients of at most this many elements are written by one ATen broadcasting multiply, larger
+# ones by a Triton kernel (`grad_from_rows`): below it a backward costs host time (an ATen
+# launch is several times cheaper on the host than a Triton launch), above it bandwidth
+# (64 MB of fp32: ~15 us at H200 bandwidth, where full-width Triton stores win).
+_HOST_BOUND_NUMEL = 1 << 24
+# seq_aux_loss column block: 32 fp32 = 128 bytes a row, whole cache lines; narrow so that
+# B * E / 32 (b, column) pairs times a few row chunks fill the GPU.
+_SEQ_BLOCK_E = 32
+
+
+# ---------------------------------------------------------------- shared device helpers
 
 
 @triton.jit
-def _weighted_sum_kernel(
-    # pointers
-    x_ptr, w_ptr, partial_ptr,
-    # sizes
-    L, E,
-    # strides (rows)
-    stride_x, stride_w,
-    # meta
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-):
-    """partial[b, lt, eb] = sum of x[b*L + rows, cols] * w[b, cols] over one tile."""
-    lt, eb, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = lt * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = eb * BLOCK_E + tl.arange(0, BLOCK_E)
-    col_ok = cols < E
-    mask = (rows < L)[:, None] & col_ok[None, :]
-    row64 = b.to(tl.int64) * L + rows
-    x = tl.load(x_ptr + row64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + b * stride_w + cols, mask=col_ok, other=0).to(tl.float32)
-    total = tl.sum(tl.sum(x * w[None, :], axis=1), axis=0)
-    tl.store(partial_ptr + (b * tl.num_programs(1) + eb) * tl.num_programs(0) + lt, total)
+def _is_last_to_arrive(ticket_ptr, n):
+    """True in the last of `n` programs to call this on a zeroed counter.
+
+    The CUDA threadfence-reduction handshake: the barrier orders every thread's earlier
+    stores before the ticket, the ticket's acq_rel makes them visible to the program that
+    draws the last one (which then reads them with volatile loads, past the L1).
+    """
+    tl.debug_barrier()
+    return tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == n - 1
 
 
 @triton.jit
-def _count_kernel(
-    # pointers
-    map_ptr, counts_ptr,
-    # sizes
-    L, E,
-    # strides (rows)
-    stride_map,
-    # meta
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-):
-    """counts[b, e] += tokens of sequence b routed to e within one tile (integer atomics)."""
-    lt, eb, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = lt * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = eb * BLOCK_E + tl.arange(0, BLOCK_E)
-    col_ok = cols < E
-    mask = (rows < L)[:, None] & col_ok[None, :]
-    row64 = b.to(tl.int64) * L + rows
-    m = tl.load(map_ptr + row64[:, None] * stride_map + cols[None, :], mask=mask, other=0)
-    tl.atomic_add(counts_ptr + b * E + cols, tl.sum(m.to(tl.int32), axis=0), mask=col_ok)
-
-
-@triton.jit
-def _finish_kernel(
-    # pointers
-    partial_ptr, num_tokens_ptr, out_ptr,
-    # sizes
-    n,
-    # scalars
-    scale,
-    # meta
-    NUM_TOKENS_ON_DEVICE: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """out = sum(partial) * scale, divided by num_tokens^2 when that lives on the device."""
+def _sum_partials(partial_ptr, n, BLOCK: tl.constexpr):
+    """Sum of partial[0:n] in a fixed order (the same bits on every run)."""
     acc = tl.zeros([BLOCK], tl.float32)
     for start in range(0, n, BLOCK):
         idx = start + tl.arange(0, BLOCK)
-        acc += tl.load(partial_ptr + idx, mask=idx < n, other=0.0)
-    total = tl.sum(acc, axis=0) * scale
+        acc += tl.load(partial_ptr + idx, mask=idx < n, other=0.0, volatile=True)
+    return tl.sum(acc, axis=0)
+
+
+# ---------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _moe_aux_loss_kernel(
+    # pointers
+    probs_ptr, w_ptr, num_tokens_ptr, work_ptr, ticket_ptr, out_ptr,
+    # sizes
+    T, E,
+    # strides (rows; columns are contiguous)
+    stride_p,
+    # scalars
+    scale,
+    # meta
+    NUM_TOKENS_ON_DEVICE: tl.constexpr, WRITE_GRAD_ROW: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr, FINISH_BLOCK: tl.constexpr,
+):
+    """out = scale * sum_{t, e} probs[t, e] * w[e] (/ num_tokens^2 when that is a tensor).
+
+    A persistent grid: program p takes tiles p, p + P, ... and keeps one [BLOCK_T, BLOCK_E]
+    fp32 accumulator, so a tile costs a load and an FMA, and each program one partial.
+    work (fp32): [the gradient row scale * w (/ num_tokens^2), E values, if WRITE_GRAD_ROW |
+    one partial per program].
+    """
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    n_eb = tl.cdiv(E, BLOCK_E)
+    n_tiles = tl.cdiv(T, BLOCK_T) * n_eb
+    g_scale = scale
     if NUM_TOKENS_ON_DEVICE:
         nt = tl.load(num_tokens_ptr).to(tl.float32)
-        total = total / (nt * nt)
-    tl.store(out_ptr, total)
+        g_scale = scale / (nt * nt)
+    acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+    for tile in range(pid, n_tiles, nprog):
+        rows = (tile // n_eb) * BLOCK_T + tl.arange(0, BLOCK_T)
+        cols = (tile % n_eb) * BLOCK_E + tl.arange(0, BLOCK_E)
+        col_ok = cols < E
+        x = tl.load(probs_ptr + rows.to(tl.int64)[:, None] * stride_p + cols[None, :],
+                    mask=(rows < T)[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=col_ok, other=0).to(tl.float32)
+        acc += x * w[None, :]
+        if WRITE_GRAD_ROW:
+            if tile < n_eb:  # the first row block's programs: each column once
+                tl.store(work_ptr + cols, w * g_scale, mask=col_ok)
+    partial_ptr = work_ptr
+    if WRITE_GRAD_ROW:
+        partial_ptr = work_ptr + E
+    tl.store(partial_ptr + pid, tl.sum(tl.sum(acc, axis=1), axis=0))
+    if _is_last_to_arrive(ticket_ptr, nprog):
+        total = _sum_partials(partial_ptr, nprog, FINISH_BLOCK) * scale
+        if NUM_TOKENS_ON_DEVICE:
+            total = total / (nt * nt)
+        tl.store(out_ptr, total)
+
+
+@triton.jit
+def _seq_aux_loss_kernel(
+    # pointers
+    probs_ptr, map_ptr, scratch_ptr, ticket_ptr, out_ptr,
+    # sizes
+    B, L, E, CHUNK,
+    # strides (rows; columns are contiguous)
+    stride_p, stride_m,
+    # scalars
+    scale,
+    # meta
+    NUM_CHUNKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    FINISH_BLOCK: tl.constexpr,
+):
+    """Sequence-level loss: out = sum_{b, e} w[b, e] * P[b, e], w = scale * count[b, e].
+
+    count[b, e] and P[b, e] (routed tokens and summed probs of expert e in sequence b) are sums
+    over the L rows of a sequence, and the loss multiplies them, so a (b, column block) pair is
+    finished by whoever holds both whole sums. Program (chunk, pair) sums CHUNK rows; with one
+    chunk it holds them, otherwise it stores its partial sums and the last chunk of the pair to
+    arrive adds them in chunk order. The pair's finisher writes w (the backward's gradient
+    rows) and the pair's loss partial; the last pair to finish adds those and writes out.
+
+    scratch (fp32): w [B, E] | pair partials [B * n_eb] | chunk partial sums [NUM_CHUNKS, 2, B, E].
+    ticket (int32, zeroed): the pairs' ticket | one ticket per pair (NUM_CHUNKS > 1).
+    """
+    pid = tl.program_id(0)
+    n_eb = tl.cdiv(E, BLOCK_E)
+    n_pairs = B * n_eb
+    chunk = pid % NUM_CHUNKS
+    pair = pid // NUM_CHUNKS
+    b = pair // n_eb
+    cols = (pair % n_eb) * BLOCK_E + tl.arange(0, BLOCK_E)
+    col_ok = cols < E
+    row_end = tl.minimum(chunk * CHUNK + CHUNK, L)
+    seq_row0 = b.to(tl.int64) * L
+    acc_p = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+    acc_c = tl.zeros([BLOCK_T, BLOCK_E], tl.int32)
+    for r in range(chunk * CHUNK, row_end, BLOCK_T):
+        rows = r + tl.arange(0, BLOCK_T)
+        mask = (rows < row_end)[:, None] & col_ok[None, :]
+        rows64 = seq_row0 + rows
+        acc_p += tl.load(probs_ptr + rows64[:, None] * stride_p + cols[None, :], mask=mask,
+                         other=0.0).to(tl.float32)
+        acc_c += tl.load(map_ptr + rows64[:, None] * stride_m + cols[None, :], mask=mask,
+                         other=0).to(tl.int32)
+    psum = tl.sum(acc_p, axis=0)
+    count = tl.sum(acc_c, axis=0).to(tl.float32)  # exact: counts stay far below 2^24
+
+    w_ptr = scratch_ptr
+    pair_partial_ptr = scratch_ptr + B * E
+    finish = True
+    if NUM_CHUNKS > 1:
+        chunk_ptr = pair_partial_ptr + n_pairs
+        slot = (chunk * 2 * B + b) * E + cols
+        tl.store(chunk_ptr + slot, psum, mask=col_ok)
+        tl.store(chunk_ptr + slot + B * E, count, mask=col_ok)
+        finish = _is_last_to_arrive(ticket_ptr + 1 + pair, NUM_CHUNKS)
+        if finish:
+            psum = tl.zeros([BLOCK_E], tl.float32)
+            count = tl.zeros([BLOCK_E], tl.float32)
+            for c in range(NUM_CHUNKS):
+                slot = (c * 2 * B + b) * E + cols
+                psum += tl.load(chunk_ptr + slot, mask=col_ok, other=0.0, volatile=True)
+                count += tl.load(chunk_ptr + slot + B * E, mask=col_ok, other=0.0, volatile=True)
+    if finish:
+        w = count * scale
+        tl.store(w_ptr + b * E + cols, w, mask=col_ok)
+        tl.store(pair_partial_ptr + pair, tl.sum(w * psum, axis=0))
+        if _is_last_to_arrive(ticket_ptr, n_pairs):
+            tl.store(out_ptr, _sum_partials(pair_partial_ptr, n_pairs, FINISH_BLOCK))
 
 
 @triton.jit
@@ -101,28 +210,34 @@ def _broadcast_grad_kernel(
     # pointers
     grad_loss_ptr, w_ptr, num_tokens_ptr, out_ptr,
     # sizes
-    L, E,
+    T, L, E,
     # strides (rows)
-    stride_w, stride_out,
+    stride_w,
     # scalars
     scale,
     # meta
-    NUM_TOKENS_ON_DEVICE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    NUM_TOKENS_ON_DEVICE: tl.constexpr, ONE_SEQUENCE: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
 ):
-    """out[b*L + t, e] = grad_loss * scale * w[b, e] (/ num_tokens^2 when on the device)."""
-    lt, eb, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = lt * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = eb * BLOCK_E + tl.arange(0, BLOCK_E)
+    """out[t, e] = grad_loss * scale * w[t // L, e] (/ num_tokens^2 when on the device); out is
+    contiguous [T, E]."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     col_ok = cols < E
-    mask = (rows < L)[:, None] & col_ok[None, :]
-    g = tl.load(grad_loss_ptr).to(tl.float32) * scale
+    mask = (rows < T)[:, None] & col_ok[None, :]
+    g = tl.load(grad_loss_ptr).to(tl.float32)
     if NUM_TOKENS_ON_DEVICE:
         nt = tl.load(num_tokens_ptr).to(tl.float32)
         g = g / (nt * nt)
-    w = tl.load(w_ptr + b * stride_w + cols, mask=col_ok, other=0).to(tl.float32)
-    grad = tl.zeros([BLOCK_T, BLOCK_E], tl.float32) + (g * w)[None, :]
-    row64 = b.to(tl.int64) * L + rows
-    tl.store(out_ptr + row64[:, None] * stride_out + cols[None, :],
+    g = g * scale
+    if ONE_SEQUENCE:
+        w = tl.load(w_ptr + cols, mask=col_ok, other=0).to(tl.float32)
+        grad = tl.broadcast_to((g * w)[None, :], [BLOCK_T, BLOCK_E])
+    else:
+        seq = (rows // L).to(tl.int64)
+        w = tl.load(w_ptr + seq[:, None] * stride_w + cols[None, :], mask=mask, other=0).to(tl.float32)
+        grad = g * w
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * E + cols[None, :],
              grad.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -146,24 +261,48 @@ def _row_logsumexp(x_ptr, rows64, row_ok, E, stride_x, BLOCK_T: tl.constexpr, BL
 @triton.jit
 def _z_loss_kernel(
     # pointers
-    x_ptr, partial_ptr,
+    x_ptr, lse_ptr, partial_ptr, ticket_ptr, out_ptr, dx_ptr,
     # sizes
     T, E,
     # strides (rows)
     stride_x,
+    # scalars
+    scale,
     # meta
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    WRITE_GRAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    FINISH_BLOCK: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = rows < T
-    lse = _row_logsumexp(x_ptr, rows.to(tl.int64), row_ok, E, stride_x, BLOCK_T, BLOCK_E)
-    tl.store(partial_ptr + tl.program_id(0), tl.sum(tl.where(row_ok, lse * lse, 0.0), axis=0))
+    """out = scale * sum_t lse[t]^2 (scale = coeff / T); lse[t] is stored for the backward,
+    and with WRITE_GRAD the gradient for a unit grad_loss, dx = 2 * scale * lse * softmax(x)
+    (fp32, contiguous [T, E]), while the rows are hot in L2."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    acc = tl.zeros([BLOCK_T], tl.float32)
+    for blk in range(pid, tl.cdiv(T, BLOCK_T), nprog):
+        rows = blk * BLOCK_T + tl.arange(0, BLOCK_T)
+        row_ok = rows < T
+        rows64 = rows.to(tl.int64)
+        lse = _row_logsumexp(x_ptr, rows64, row_ok, E, stride_x, BLOCK_T, BLOCK_E)
+        tl.store(lse_ptr + rows, lse, mask=row_ok)
+        acc += tl.where(row_ok, lse * lse, 0.0)
+        if WRITE_GRAD:
+            g = scale * 2.0 * lse
+            for start in range(0, E, BLOCK_E):
+                cols = start + tl.arange(0, BLOCK_E)
+                mask = row_ok[:, None] & (cols < E)[None, :]
+                x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask,
+                            other=float("-inf")).to(tl.float32)
+                tl.store(dx_ptr + rows64[:, None] * E + cols[None, :],
+                         g[:, None] * tl.exp(x - lse[:, None]), mask=mask)
+    tl.store(partial_ptr + pid, tl.sum(acc, axis=0))
+    if _is_last_to_arrive(ticket_ptr, nprog):
+        tl.store(out_ptr, _sum_partials(partial_ptr, nprog, FINISH_BLOCK) * scale)
 
 
 @triton.jit
 def _z_loss_bwd_kernel(
     # pointers
-    grad_loss_ptr, x_ptr, dx_ptr,
+    grad_loss_ptr, x_ptr, lse_ptr, dx_ptr,
     # sizes
     T, E,
     # strides (rows)
@@ -171,13 +310,17 @@ def _z_loss_bwd_kernel(
     # scalars
     scale,
     # meta
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    HAS_LSE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
-    """dx = grad_loss * scale * 2 * lse * softmax(x), scale = coeff / T."""
+    """dx = grad_loss * scale * 2 * lse * softmax(x), scale = coeff / T; lse from the forward
+    when HAS_LSE, else recomputed."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < T
     rows64 = rows.to(tl.int64)
-    lse = _row_logsumexp(x_ptr, rows64, row_ok, E, stride_x, BLOCK_T, BLOCK_E)
+    if HAS_LSE:
+        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    else:
+        lse = _row_logsumexp(x_ptr, rows64, row_ok, E, stride_x, BLOCK_T, BLOCK_E)
     g = tl.load(grad_loss_ptr).to(tl.float32) * scale * 2.0 * lse
     for start in range(0, E, BLOCK_E):
         cols = start + tl.arange(0, BLOCK_E)
@@ -215,52 +358,214 @@ def _update_expert_bias_kernel(
         tl.store(bias_ptr + cols, (b + sign * rate).to(bias_ptr.dtype.element_ty), mask=ok)
 
 
-# ---------------------------------------------------------------- launchers
+# ---------------------------------------------------------------- launch geometry
+# Pure functions of shapes, memoised: in the hot path a launch costs a dict lookup, not a
+# recomputation of its grid.
 
 
-def _tiles(rows: int, e: int):
-    block_e = min(triton.next_power_of_2(max(e, 1)), _MAX_BLOCK_E)
-    block_t = max(1, min(_TILE_ELEMENTS // block_e, triton.next_power_of_2(max(rows, 1))))
-    # grid: row tiles on axis 0 (up to 2^31 - 1), E blocks and sequences on axes 1, 2 (< 65536)
+def _cdiv(a: int, b: int) -> int:
+    # Not triton.cdiv / next_power_of_2: on recent Triton those are constexpr functions whose
+    # host-side call costs microseconds.
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # Triton's interpreter: a few programs exercise the multi-program paths
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=4096)
+def _tile(t: int, e: int, max_block_e: int = _MAX_BLOCK_E):
+    """(BLOCK_T, BLOCK_E) of about _TILE elements for a [t, e] operand."""
+    block_e = min(_next_pow2(e), max_block_e)
+    block_t = max(1, min(_TILE // block_e, _next_pow2(t)))
     return block_t, block_e
+
+
+@functools.lru_cache(maxsize=4096)
+def _grad_geometry(t: int, e: int):
+    """(grid, BLOCK_T, BLOCK_E) of the elementwise gradient over [t, e]."""
+    block_t, block_e = _tile(t, e)
+    return (_cdiv(t, block_t), _cdiv(e, block_e)), block_t, block_e
+
+
+@functools.lru_cache(maxsize=4096)
+def _reduce_geometry(t: int, e: int, device: torch.device):
+    """(programs, BLOCK_T, BLOCK_E) of the persistent reductions over a [t, e] operand."""
+    block_t, block_e = _tile(t, e)
+    tiles = _cdiv(t, block_t) * _cdiv(e, block_e)
+    return max(1, min(tiles, _PROGRAMS_PER_SM * _num_sms(device))), block_t, block_e
+
+
+@functools.lru_cache(maxsize=4096)
+def _seq_geometry(b: int, seq_length: int, e: int, device: torch.device):
+    """(num_chunks, chunk rows, BLOCK_T, BLOCK_E, scratch size) of `_seq_aux_loss_kernel`.
+
+    Rows are split into chunks until the (chunk, sequence, column block) grid is about
+    _PROGRAMS_PER_SM programs per SM: few sequences or experts still fill the GPU.
+    """
+    block_t, block_e = _tile(seq_length, e, _SEQ_BLOCK_E)
+    pairs = b * _cdiv(e, block_e)
+    want = _cdiv(_PROGRAMS_PER_SM * _num_sms(device), pairs)
+    chunks = max(1, min(want, _cdiv(seq_length, block_t)))
+    chunk = _cdiv(_cdiv(seq_length, chunks), block_t) * block_t
+    chunks = _cdiv(seq_length, chunk)
+    scratch = b * e + pairs + (chunks * 2 * b * e if chunks > 1 else 0)
+    return chunks, chunk, block_t, block_e, pairs, scratch
+
+
+@functools.lru_cache(maxsize=4096)
+def _z_geometry(t: int, e: int, device: torch.device):
+    """(forward programs, backward programs, BLOCK_T, BLOCK_E): whole rows, at most 64 of them,
+    per step; the forward is persistent, the backward one program per row block."""
+    block_e = min(_next_pow2(e), _MAX_BLOCK_E)
+    block_t = max(1, min(_TILE // block_e, 64, _next_pow2(t)))
+    blocks = _cdiv(t, block_t)
+    return max(1, min(blocks, _PROGRAMS_PER_SM * _num_sms(device))), blocks, block_t, block_e
 
 
 def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _weighted_loss(x, w, seq_length, scale, num_tokens_tensor):
-    """sum_{t,e} x[t, e] * w[t // seq_length, e] * scale (/ num_tokens^2): a 0-dim fp32 tensor."""
-    t, e = x.shape
+# ---------------------------------------------------------------- unchecked launchers (qmoe.ops)
+
+
+def aux_loss_forward(probs, weights, scale, num_tokens=None, grad_rows=False):
+    """(loss, rows): sum_{t, e} probs[t, e] * weights[e] * scale (/ num_tokens^2), a 0-dim fp32
+    tensor, and with `grad_rows` the gradient row for a unit grad_loss, fp32, the first E values
+    of `rows` (for `grad_from_rows`), else None.
+
+    probs [T, E] float; weights [E] int or float, contiguous; num_tokens None or a 0-dim
+    device tensor (read on the device). Unchecked (see the module docstring).
+    """
+    t, e = probs.shape
+    if t == 0 or e == 0:
+        zero = torch.zeros((), dtype=torch.float32, device=probs.device)
+        return zero, (torch.zeros(e, dtype=torch.float32, device=probs.device) if grad_rows else None)
+    probs = _rows_contiguous(probs)
+    programs, block_t, block_e = _reduce_geometry(t, e, probs.device)
+    out = torch.empty((), dtype=torch.float32, device=probs.device)
+    work = torch.empty(programs + (e if grad_rows else 0), dtype=torch.float32, device=probs.device)
+    ticket = torch.zeros(1, dtype=torch.int32, device=probs.device)
+    _moe_aux_loss_kernel[(programs,)](
+        probs, weights, out if num_tokens is None else num_tokens, work, ticket, out,
+        t, e, probs.stride(0), scale,
+        NUM_TOKENS_ON_DEVICE=num_tokens is not None, WRITE_GRAD_ROW=bool(grad_rows),
+        BLOCK_T=block_t, BLOCK_E=block_e, FINISH_BLOCK=_FINISH_BLOCK)
+    return out, (work if grad_rows else None)
+
+
+def seq_aux_loss_forward(probs, routing_map, seq_length, scale):
+    """(loss, rows): the sequence-level loss, 0-dim fp32, and its gradient rows for a unit
+    grad_loss, w = scale * counts, fp32 [B, E] (the first B * E values of `rows`). Unchecked."""
+    t, e = probs.shape
     b = t // seq_length
-    out = torch.empty((), dtype=torch.float32, device=x.device)
-    block_t, block_e = _tiles(seq_length, e)
-    grid = (triton.cdiv(seq_length, block_t), triton.cdiv(e, block_e), b)
-    partial = torch.zeros(max(grid[0] * grid[1] * grid[2], 1), dtype=torch.float32, device=x.device)
-    if x.numel():
-        _weighted_sum_kernel[grid](x, w, partial, seq_length, e, x.stride(0), w.stride(0),
-                                   BLOCK_T=block_t, BLOCK_E=block_e)
-    nt = num_tokens_tensor if num_tokens_tensor is not None else out  # dummy when not read
-    _finish_kernel[(1,)](partial, nt, out, partial.numel(), scale,
-                         NUM_TOKENS_ON_DEVICE=num_tokens_tensor is not None, BLOCK=_FINISH_BLOCK)
-    return out
+    if t == 0 or e == 0:
+        return torch.zeros((), dtype=torch.float32, device=probs.device), \
+            torch.zeros(b * e, dtype=torch.float32, device=probs.device)
+    probs = _rows_contiguous(probs)
+    m = _rows_contiguous(routing_map).view(torch.uint8)
+    chunks, chunk, block_t, block_e, pairs, scratch_size = _seq_geometry(b, seq_length, e, probs.device)
+    out = torch.empty((), dtype=torch.float32, device=probs.device)
+    scratch = torch.empty(scratch_size, dtype=torch.float32, device=probs.device)
+    ticket = torch.zeros(1 + (pairs if chunks > 1 else 0), dtype=torch.int32, device=probs.device)
+    _seq_aux_loss_kernel[(chunks * pairs,)](
+        probs, m, scratch, ticket, out,
+        b, seq_length, e, chunk, probs.stride(0), m.stride(0), scale,
+        NUM_CHUNKS=chunks, BLOCK_T=block_t, BLOCK_E=block_e, FINISH_BLOCK=_FINISH_BLOCK)
+    return out, scratch
 
 
-def _weighted_grad(grad_loss, t, e, dtype, w, seq_length, scale, num_tokens_tensor):
-    """[t, e] gradient: grad_loss * scale * w[row // seq_length, e] (/ num_tokens^2)."""
-    out = torch.empty(t, e, dtype=dtype, device=w.device)
-    block_t, block_e = _tiles(seq_length, e)
-    grid = (triton.cdiv(seq_length, block_t), triton.cdiv(e, block_e), t // seq_length)
-    if out.numel() == 0:
+def broadcast_grad(grad_loss, weights, t, e, dtype, scale, seq_length, num_tokens=None):
+    """Contiguous [t, e] gradient, grad_loss * scale * weights[row // seq_length, e]
+    (/ num_tokens^2 when a device tensor), in `dtype`, by the Triton kernel. weights:
+    [t // seq_length, E] rows of stride E, any dtype. Unchecked."""
+    out = torch.empty(t, e, dtype=dtype, device=weights.device)
+    if t == 0 or e == 0:
         return out
-    nt = num_tokens_tensor if num_tokens_tensor is not None else grad_loss
-    _broadcast_grad_kernel[grid](grad_loss, w, nt, out, seq_length, e, w.stride(0), out.stride(0),
-                                 scale, NUM_TOKENS_ON_DEVICE=num_tokens_tensor is not None,
-                                 BLOCK_T=block_t, BLOCK_E=block_e)
+    grid, block_t, block_e = _grad_geometry(t, e)
+    _broadcast_grad_kernel[grid](
+        grad_loss, weights, grad_loss if num_tokens is None else num_tokens, out,
+        t, seq_length, e, e, scale,
+        NUM_TOKENS_ON_DEVICE=num_tokens is not None, ONE_SEQUENCE=seq_length >= t,
+        BLOCK_T=block_t, BLOCK_E=block_e)
     return out
 
 
-def _moe_aux_constants(num_tokens, num_experts, top_k, coeff):
+def scaled_grad(grad_loss, unit, dtype):
+    """grad_loss * unit (fp32, any strides) as a new contiguous tensor in `dtype`: one ATen
+    elementwise launch, rounding the fp32 product once."""
+    if dtype == torch.float32:
+        return torch.mul(unit, grad_loss)
+    out = torch.empty(unit.shape, dtype=dtype, device=unit.device)
+    return torch.mul(unit, grad_loss, out=out)
+
+
+def grad_from_rows(grad_loss, rows, t, e, seq_length, dtype):
+    """Contiguous [t, e] gradient grad_loss * rows[row // seq_length, :], in `dtype`.
+
+    rows: fp32 gradient rows for a unit grad_loss, [t // seq_length, e] at the start of a
+    contiguous buffer (as the forwards above return them). Up to _HOST_BOUND_NUMEL elements
+    the backward costs host time, not bandwidth, and one broadcasting ATen multiply over a
+    stride-0 view of the rows is the cheapest launch there is (a Triton launch costs several
+    times its host time); beyond, the Triton kernel writes at full bandwidth. Unchecked.
+    """
+    if t == 0 or e == 0:
+        return torch.zeros(t, e, dtype=dtype, device=rows.device)
+    if t * e >= _HOST_BOUND_NUMEL:
+        return broadcast_grad(grad_loss, rows, t, e, dtype, 1.0, seq_length)
+    if seq_length >= t:
+        return scaled_grad(grad_loss, rows.as_strided((t, e), (0, 1)), dtype)
+    b = t // seq_length
+    return scaled_grad(grad_loss, rows.as_strided((b, seq_length, e), (e, 0, 1)), dtype).view(t, e)
+
+
+def z_loss_forward(logits, coeff, grad=False):
+    """(loss, lse, unit_grad): coeff * mean_t(lse^2), 0-dim fp32; lse [T] fp32; with `grad` and
+    at most _HOST_BOUND_NUMEL elements, the gradient for a unit grad_loss, fp32 [T, E] (else
+    None; the backward then reads lse). Unchecked."""
+    t, e = logits.shape
+    if t == 0 or e == 0:  # the mean of nothing, as the reference says
+        return torch.full((), float("nan"), dtype=torch.float32, device=logits.device), None, None
+    logits = _rows_contiguous(logits)
+    programs, _, block_t, block_e = _z_geometry(t, e, logits.device)
+    out = torch.empty((), dtype=torch.float32, device=logits.device)
+    lse = torch.empty(t + programs, dtype=torch.float32, device=logits.device)  # lse | partials
+    ticket = torch.zeros(1, dtype=torch.int32, device=logits.device)
+    unit = torch.empty(t, e, dtype=torch.float32, device=logits.device) \
+        if grad and t * e < _HOST_BOUND_NUMEL else None
+    _z_loss_kernel[(programs,)](
+        logits, lse, lse[t:], ticket, out, out if unit is None else unit,
+        t, e, logits.stride(0), coeff / t,
+        WRITE_GRAD=unit is not None, BLOCK_T=block_t, BLOCK_E=block_e, FINISH_BLOCK=_FINISH_BLOCK)
+    return out, lse, unit
+
+
+def z_loss_grad(grad_loss, logits, coeff, lse=None):
+    """d z_loss / d logits [T, E] in the logits' dtype, by the Triton kernel; lse [T] fp32 from
+    `z_loss_forward`, or None to recompute it. (When the forward wrote the unit gradient, the
+    backward is `scaled_grad`.) Unchecked."""
+    t, e = logits.shape
+    logits = _rows_contiguous(logits)
+    dx = torch.empty(t, e, dtype=logits.dtype, device=logits.device)
+    if dx.numel() == 0:
+        return dx
+    _, blocks, block_t, block_e = _z_geometry(t, e, logits.device)
+    _z_loss_bwd_kernel[(blocks,)](
+        grad_loss, logits, logits if lse is None else lse, dx, t, e, logits.stride(0), dx.stride(0),
+        coeff / t, HAS_LSE=lse is not None, BLOCK_T=block_t, BLOCK_E=block_e)
+    return dx
+
+
+def moe_aux_constants(num_tokens, num_experts, top_k, coeff):
     """(scale, num_tokens tensor or None): an int num_tokens is folded into the scale."""
     scale = num_experts * coeff / top_k
     if isinstance(num_tokens, torch.Tensor):
@@ -268,90 +573,55 @@ def _moe_aux_constants(num_tokens, num_experts, top_k, coeff):
     return scale / (float(num_tokens) * float(num_tokens)), None
 
 
+def seq_aux_scale(t, e, seq_length, top_k, coeff):
+    return e * coeff / (top_k * seq_length * seq_length * max(t // seq_length, 1))
+
+
+# ---------------------------------------------------------------- reference-signature twins
+
+
 def moe_aux_loss(probs, tokens_per_expert, num_tokens, num_experts, top_k, coeff):
     """Triton twin of `qmoe.reference.aux_loss.moe_aux_loss`."""
     check_moe_aux_loss_args(probs, tokens_per_expert, num_tokens, num_experts, top_k, coeff)
-    scale, nt = _moe_aux_constants(num_tokens, num_experts, top_k, coeff)
-    w = tokens_per_expert.contiguous().view(1, -1)
-    return _weighted_loss(_rows_contiguous(probs), w, max(probs.shape[0], 1), scale, nt)
+    scale, nt = moe_aux_constants(num_tokens, num_experts, top_k, coeff)
+    return aux_loss_forward(probs, tokens_per_expert.contiguous(), scale, nt)[0]
 
 
 def moe_aux_loss_backward(grad_loss, probs, tokens_per_expert, num_tokens, num_experts, top_k, coeff):
-    """Triton twin of `qmoe.reference.aux_loss.moe_aux_loss_backward`."""
-    scale, nt = _moe_aux_constants(num_tokens, num_experts, top_k, coeff)
-    w = tokens_per_expert.contiguous().view(1, -1)
-    # Every token's row of the gradient is the same [E] vector: compute it once and return a
-    # stride-0 view, so the backward moves E values instead of T * E (as autograd of the
-    # reference does); consumers read it with a row stride of 0.
-    row = _weighted_grad(grad_loss, 1, probs.shape[1], probs.dtype, w, 1, scale, nt)
-    return row.expand(probs.shape[0], -1)
-
-
-def _sequence_counts(routing_map, seq_length):
-    t, e = routing_map.shape
-    b = t // seq_length
-    counts = torch.zeros(b, e, dtype=torch.int32, device=routing_map.device)
-    if t:
-        m = _rows_contiguous(routing_map).view(torch.uint8)
-        block_t, block_e = _tiles(seq_length, e)
-        grid = (triton.cdiv(seq_length, block_t), triton.cdiv(e, block_e), b)
-        _count_kernel[grid](m, counts, seq_length, e, m.stride(0), BLOCK_T=block_t, BLOCK_E=block_e)
-    return counts
+    """Triton twin of `qmoe.reference.aux_loss.moe_aux_loss_backward` (a contiguous [T, E])."""
+    scale, nt = moe_aux_constants(num_tokens, num_experts, top_k, coeff)
+    t, e = probs.shape
+    return broadcast_grad(grad_loss, tokens_per_expert.contiguous(), t, e, probs.dtype, scale,
+                          max(t, 1), nt)
 
 
 def seq_aux_loss(probs, routing_map, seq_length, top_k, coeff):
     """Triton twin of `qmoe.reference.aux_loss.seq_aux_loss`."""
     check_seq_aux_loss_args(probs, routing_map, seq_length, top_k, coeff)
     t, e = probs.shape
-    counts = _sequence_counts(routing_map, seq_length)
-    scale = e * coeff / (top_k * seq_length * seq_length * max(t // seq_length, 1))
-    return _weighted_loss(_rows_contiguous(probs), counts, seq_length, scale, None)
+    return seq_aux_loss_forward(probs, routing_map, seq_length,
+                                seq_aux_scale(t, e, seq_length, top_k, coeff))[0]
 
 
 def seq_aux_loss_backward(grad_loss, probs, routing_map, seq_length, top_k, coeff):
-    """Triton twin of `qmoe.reference.aux_loss.seq_aux_loss_backward`."""
+    """Triton twin of `qmoe.reference.aux_loss.seq_aux_loss_backward` (runs the forward kernel
+    for the per-sequence counts, which the op keeps from its forward instead)."""
     t, e = probs.shape
-    counts = _sequence_counts(routing_map, seq_length)
-    scale = e * coeff / (top_k * seq_length * seq_length * max(t // seq_length, 1))
-    return _weighted_grad(grad_loss, t, e, probs.dtype, counts, seq_length, scale, None)
-
-
-def _z_tiles(t, e):
-    block_e = min(triton.next_power_of_2(max(e, 1)), 1024)
-    block_t = max(1, min(_TILE_ELEMENTS // block_e, 64, triton.next_power_of_2(max(t, 1))))
-    return block_t, block_e
+    _, rows = seq_aux_loss_forward(probs, routing_map, seq_length,
+                                   seq_aux_scale(t, e, seq_length, top_k, coeff))
+    return grad_from_rows(grad_loss, rows, t, e, seq_length, probs.dtype)
 
 
 def z_loss(logits, coeff):
     """Triton twin of `qmoe.reference.aux_loss.z_loss`."""
     _check_scores("logits", logits)
     _check_coeff(coeff)
-    t, e = logits.shape
-    logits = _rows_contiguous(logits)
-    block_t, block_e = _z_tiles(t, e)
-    grid = (triton.cdiv(t, block_t),)
-    if t == 0 or e == 0:  # the mean of nothing, as the reference says
-        return torch.full((), float("nan"), dtype=torch.float32, device=logits.device)
-    partial = torch.empty(grid[0], dtype=torch.float32, device=logits.device)
-    out = torch.empty((), dtype=torch.float32, device=logits.device)
-    _z_loss_kernel[grid](logits, partial, t, e, logits.stride(0), BLOCK_T=block_t, BLOCK_E=block_e)
-    _finish_kernel[(1,)](partial, out, out, grid[0], coeff / t,
-                         NUM_TOKENS_ON_DEVICE=False, BLOCK=_FINISH_BLOCK)
-    return out
+    return z_loss_forward(logits, coeff)[0]
 
 
 def z_loss_backward(grad_loss, logits, coeff):
     """Triton twin of `qmoe.reference.aux_loss.z_loss_backward`."""
-    t, e = logits.shape
-    logits = _rows_contiguous(logits)
-    dx = torch.empty(t, e, dtype=logits.dtype, device=logits.device)
-    if dx.numel() == 0:
-        return dx
-    block_t, block_e = _z_tiles(t, e)
-    _z_loss_bwd_kernel[(triton.cdiv(t, block_t),)](
-        grad_loss, logits, dx, t, e, logits.stride(0), dx.stride(0), coeff / max(t, 1),
-        BLOCK_T=block_t, BLOCK_E=block_e)
-    return dx
+    return z_loss_grad(grad_loss, logits, coeff)
 
 
 def update_expert_bias(bias, tokens_per_expert, rate=1e-3):
@@ -360,5 +630,5 @@ def update_expert_bias(bias, tokens_per_expert, rate=1e-3):
     e = bias.shape[0]
     if e:
         _update_expert_bias_kernel[(1,)](bias, tokens_per_expert.contiguous(), e, float(rate),
-                                         BLOCK_E=min(triton.next_power_of_2(e), 4096))
+                                         BLOCK_E=min(_next_pow2(e), 4096))
     return bias

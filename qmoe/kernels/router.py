@@ -9,6 +9,8 @@ what makes ties go to the lower expert, as the reference's stable sort does.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -197,15 +199,70 @@ def _topk_route_bwd_kernel(
              dx.to(dlogits_ptr.dtype.element_ty), mask=mask)
 
 
-def _blocks(t: int, e: int):
+@functools.lru_cache(maxsize=4096)
+def _route_launch(t: int, e: int, top_k: int, fn: ScoreFunction, pre_softmax: bool,
+                  num_groups, group_topk, has_bias: bool):
+    """(grid, forward meta, backward meta) of one routing configuration.
+
+    Memoised: the router runs every step with the same shapes and options, so a launch costs
+    a dict lookup here instead of re-deriving block sizes and kernel constants.
+    """
     block_e = triton.next_power_of_2(max(e, 1))
     block_t = max(1, min(triton.next_power_of_2(max(t, 1)), _ELEMENTS_PER_PROGRAM // block_e))
     num_warps = 4 if block_t * block_e <= 2048 else 8
-    return block_t, block_e, num_warps
+    groups = num_groups or 1
+    shared = dict(TOP_K=top_k, SCORE_FN=_SCORE_CODE[fn], PRE_SOFTMAX=bool(pre_softmax),
+                  BLOCK_T=block_t, BLOCK_E=block_e, num_warps=num_warps)
+    fwd = dict(shared, HAS_BIAS=has_bias, NUM_GROUPS=groups, GROUP_TOPK=group_topk or 1,
+               EXPERTS_PER_GROUP=e // groups, BLOCK_G=triton.next_power_of_2(groups))
+    return (triton.cdiv(t, block_t),), fwd, shared
 
 
 def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def route_forward(logits, top_k, fn, pre_softmax, num_groups, group_topk, scaling_factor, expert_bias):
+    """(probs [T, E] fp32, routing_map [T, E] bool) for validated arguments (`fn` parsed).
+
+    Unchecked: `qmoe.ops.topk_route` validates once per call, `topk_route` below for callers
+    of the twin.
+    """
+    t, e = logits.shape
+    logits = _rows_contiguous(logits)
+    probs = torch.empty(t, e, dtype=torch.float32, device=logits.device)
+    routing_map = torch.empty(t, e, dtype=torch.bool, device=logits.device)
+    if t:
+        map_bytes = routing_map.view(torch.uint8)
+        grid, meta, _ = _route_launch(t, e, top_k, fn, bool(pre_softmax), num_groups, group_topk,
+                                      expert_bias is not None)
+        _topk_route_kernel[grid](
+            logits, probs if expert_bias is None else expert_bias.contiguous(), probs, map_bytes,
+            t, e,
+            logits.stride(0), probs.stride(0), map_bytes.stride(0),
+            1.0 if scaling_factor is None else float(scaling_factor),
+            **meta,
+        )
+    return probs, routing_map
+
+
+def route_backward(grad_probs, logits, routing_map, top_k, fn, pre_softmax, scaling_factor):
+    """d probs / d logits [T, E] in the logits' dtype, for validated arguments. Unchecked."""
+    t, e = logits.shape
+    grad_probs, logits = _rows_contiguous(grad_probs), _rows_contiguous(logits)
+    map_bytes = _rows_contiguous(routing_map).view(torch.uint8)
+    dlogits = torch.empty(t, e, dtype=logits.dtype, device=logits.device)
+    if t == 0:
+        return dlogits
+    grid, _, meta = _route_launch(t, e, top_k, fn, bool(pre_softmax), None, None, False)
+    _topk_route_bwd_kernel[grid](
+        grad_probs, logits, map_bytes, dlogits,
+        t, e,
+        grad_probs.stride(0), logits.stride(0), map_bytes.stride(0), dlogits.stride(0),
+        1.0 if scaling_factor is None else float(scaling_factor),
+        **meta,
+    )
+    return dlogits
 
 
 def topk_route(logits, top_k, *, score_function="softmax", pre_softmax=False, num_groups=None,
@@ -213,27 +270,8 @@ def topk_route(logits, top_k, *, score_function="softmax", pre_softmax=False, nu
     """Triton twin of `qmoe.reference.router.topk_route` (same arguments and results)."""
     fn = check_topk_route_args(logits, top_k, score_function, pre_softmax, num_groups, group_topk,
                                scaling_factor, expert_bias)
-    t, e = logits.shape
-    logits = _rows_contiguous(logits)
-    probs = torch.empty(t, e, dtype=torch.float32, device=logits.device)
-    routing_map = torch.empty(t, e, dtype=torch.bool, device=logits.device)
-    if t == 0:
-        return probs, routing_map
-    block_t, block_e, num_warps = _blocks(t, e)
-    groups = num_groups or 1
-    bias = expert_bias.contiguous() if expert_bias is not None else probs  # dummy, never read
-    map_bytes = routing_map.view(torch.uint8)
-    _topk_route_kernel[(triton.cdiv(t, block_t),)](
-        logits, bias, probs, map_bytes,
-        t, e,
-        logits.stride(0), probs.stride(0), map_bytes.stride(0),
-        1.0 if scaling_factor is None else float(scaling_factor),
-        TOP_K=top_k, SCORE_FN=_SCORE_CODE[fn], PRE_SOFTMAX=bool(pre_softmax),
-        HAS_BIAS=expert_bias is not None, NUM_GROUPS=groups, GROUP_TOPK=group_topk or 1,
-        EXPERTS_PER_GROUP=e // groups, BLOCK_T=block_t, BLOCK_E=block_e,
-        BLOCK_G=triton.next_power_of_2(groups), num_warps=num_warps,
-    )
-    return probs, routing_map
+    return route_forward(logits, top_k, fn, pre_softmax, num_groups, group_topk, scaling_factor,
+                         expert_bias)
 
 
 def topk_route_backward(grad_probs, logits, routing_map, top_k, *, score_function="softmax",
@@ -243,19 +281,4 @@ def topk_route_backward(grad_probs, logits, routing_map, top_k, *, score_functio
     if grad_probs.shape != logits.shape or routing_map.shape != logits.shape:
         raise ValueError(f"grad_probs {tuple(grad_probs.shape)}, logits {tuple(logits.shape)} and "
                          f"routing_map {tuple(routing_map.shape)} must all be [T, E]")
-    t, e = logits.shape
-    grad_probs, logits = _rows_contiguous(grad_probs), _rows_contiguous(logits)
-    map_bytes = _rows_contiguous(routing_map).view(torch.uint8)
-    dlogits = torch.empty(t, e, dtype=logits.dtype, device=logits.device)
-    if t == 0:
-        return dlogits
-    block_t, block_e, num_warps = _blocks(t, e)
-    _topk_route_bwd_kernel[(triton.cdiv(t, block_t),)](
-        grad_probs, logits, map_bytes, dlogits,
-        t, e,
-        grad_probs.stride(0), logits.stride(0), map_bytes.stride(0), dlogits.stride(0),
-        1.0 if scaling_factor is None else float(scaling_factor),
-        TOP_K=top_k, SCORE_FN=_SCORE_CODE[fn], PRE_SOFTMAX=bool(pre_softmax),
-        BLOCK_T=block_t, BLOCK_E=block_e, num_warps=num_warps,
-    )
-    return dlogits
+    return route_backward(grad_probs, logits, routing_map, top_k, fn, pre_softmax, scaling_factor)

@@ -3,10 +3,13 @@
 Dimensions: T tokens, E experts, K top-k, B sequences of L tokens (T = B * L, batch-major).
 
 Each loss returns a 0-dim fp32 tensor with autograd to its probs/logits, computed by fused
-Triton kernels on sm90+ GPUs (multi-block fp32 reductions, no host reads, graph-capturable)
-and by `qmoe.reference.aux_loss` elsewhere.
+Triton kernels on sm90+ GPUs and by `qmoe.reference.aux_loss` elsewhere. On the GPU a loss is
+one forward launch (a deterministic multi-block fp32 reduction, no host read, graph-capturable)
+and one backward launch; arguments are validated once per call, here, before either.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -18,52 +21,71 @@ from qmoe.reference.aux_loss import (_check_coeff, _check_scores, check_moe_aux_
 __all__ = ["moe_aux_loss", "seq_aux_loss", "z_loss", "update_expert_bias"]
 
 
+@functools.cache
 def _kernels():
     # Imported on first use: Triton is only a dependency on Linux, the reference runs anywhere.
     from qmoe.kernels import aux_loss
     return aux_loss
 
 
+# The Functions save only what their backward reads (no forward input is kept alive for
+# shape or dtype) and call the kernels' unchecked launchers: the public op validated once.
+
+
 class _MoEAuxLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, probs, tokens_per_expert, num_tokens, num_experts, top_k, coeff):
-        ctx.save_for_backward(probs, tokens_per_expert)
-        ctx.args = (num_tokens, num_experts, top_k, coeff)
-        return _kernels().moe_aux_loss(probs, tokens_per_expert, num_tokens, num_experts, top_k, coeff)
+    def forward(ctx, probs, tokens_per_expert, num_tokens, num_experts, top_k, coeff, needs_grad):
+        k = _kernels()
+        scale, nt = k.moe_aux_constants(num_tokens, num_experts, top_k, coeff)
+        loss, rows = k.aux_loss_forward(probs, tokens_per_expert.contiguous(), scale, nt,
+                                        grad_rows=needs_grad)
+        ctx.save_for_backward(rows)  # the gradient's row for a unit grad_loss
+        ctx.meta = (probs.shape[0], probs.shape[1], probs.dtype)
+        return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        probs, tokens_per_expert = ctx.saved_tensors
-        grad = _kernels().moe_aux_loss_backward(grad_loss.contiguous(), probs, tokens_per_expert,
-                                                *ctx.args)
-        return grad, None, None, None, None, None
+        (rows,) = ctx.saved_tensors
+        t, e, dtype = ctx.meta
+        grad = _kernels().grad_from_rows(grad_loss, rows, t, e, t, dtype)
+        return grad, None, None, None, None, None, None
 
 
 class _SeqAuxLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, probs, routing_map, seq_length, top_k, coeff):
-        ctx.save_for_backward(probs, routing_map)
-        ctx.args = (seq_length, top_k, coeff)
-        return _kernels().seq_aux_loss(probs, routing_map, seq_length, top_k, coeff)
+        k = _kernels()
+        t, e = probs.shape
+        loss, rows = k.seq_aux_loss_forward(probs, routing_map, seq_length,
+                                            k.seq_aux_scale(t, e, seq_length, top_k, coeff))
+        ctx.save_for_backward(rows)  # scale * per-sequence counts: the gradient's rows
+        ctx.meta = (t, e, seq_length, probs.dtype)
+        return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        probs, routing_map = ctx.saved_tensors
-        grad = _kernels().seq_aux_loss_backward(grad_loss.contiguous(), probs, routing_map, *ctx.args)
-        return grad, None, None, None, None
+        (rows,) = ctx.saved_tensors
+        return _kernels().grad_from_rows(grad_loss, rows, *ctx.meta), None, None, None, None
 
 
 class _ZLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, coeff):
-        ctx.save_for_backward(logits)
+    def forward(ctx, logits, coeff, needs_grad):
+        loss, lse, unit_grad = _kernels().z_loss_forward(logits, coeff, grad=needs_grad)
+        if unit_grad is None:  # large: the backward kernel reads the logits and lse
+            ctx.save_for_backward(logits, lse, None)
+        else:  # small: the forward wrote the gradient for a unit grad_loss
+            ctx.save_for_backward(None, None, unit_grad)
+            ctx.dtype = logits.dtype
         ctx.coeff = coeff
-        return _kernels().z_loss(logits, coeff)
+        return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        (logits,) = ctx.saved_tensors
-        return _kernels().z_loss_backward(grad_loss.contiguous(), logits, ctx.coeff), None
+        logits, lse, unit_grad = ctx.saved_tensors
+        if unit_grad is not None:
+            return _kernels().scaled_grad(grad_loss, unit_grad, ctx.dtype), None, None
+        return _kernels().z_loss_grad(grad_loss, logits, ctx.coeff, lse), None, None
 
 
 def moe_aux_loss(probs, tokens_per_expert, num_tokens, num_experts, top_k, coeff):
@@ -86,7 +108,8 @@ def moe_aux_loss(probs, tokens_per_expert, num_tokens, num_experts, top_k, coeff
     """
     check_moe_aux_loss_args(probs, tokens_per_expert, num_tokens, num_experts, top_k, coeff)
     if use_kernels(probs, tokens_per_expert):
-        return _MoEAuxLoss.apply(probs, tokens_per_expert, num_tokens, num_experts, top_k, coeff)
+        return _MoEAuxLoss.apply(probs, tokens_per_expert, num_tokens, num_experts, top_k, coeff,
+                                 torch.is_grad_enabled() and probs.requires_grad)
     return reference.moe_aux_loss(probs, tokens_per_expert, num_tokens, num_experts, top_k, coeff)
 
 
@@ -118,7 +141,7 @@ def z_loss(logits, coeff):
     _check_scores("logits", logits)
     _check_coeff(coeff)
     if use_kernels(logits):
-        return _ZLoss.apply(logits, coeff)
+        return _ZLoss.apply(logits, coeff, torch.is_grad_enabled() and logits.requires_grad)
     return reference.z_loss(logits, coeff)
 
 

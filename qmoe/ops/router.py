@@ -8,6 +8,8 @@ reads a value back to the host, so a routed step can be captured in a CUDA graph
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from qmoe.backend import use_kernels
@@ -17,6 +19,7 @@ from qmoe.reference.router import apply_capacity, check_capacity_factor, check_t
 __all__ = ["topk_route", "apply_capacity"]
 
 
+@functools.cache
 def _kernels():
     # Imported on first use: Triton is only a dependency on Linux, the reference runs anywhere.
     from qmoe.kernels import router
@@ -24,25 +27,22 @@ def _kernels():
 
 
 class _TopKRoute(torch.autograd.Function):
+    # Gets the parsed score function: `topk_route` validated everything once, so the kernels'
+    # unchecked launchers run here without a second check.
     @staticmethod
-    def forward(ctx, logits, expert_bias, top_k, score_function, pre_softmax, num_groups,
-                group_topk, scaling_factor):
-        probs, routing_map = _kernels().topk_route(
-            logits, top_k, score_function=score_function, pre_softmax=pre_softmax,
-            num_groups=num_groups, group_topk=group_topk, scaling_factor=scaling_factor,
-            expert_bias=expert_bias)
+    def forward(ctx, logits, expert_bias, top_k, fn, pre_softmax, num_groups, group_topk,
+                scaling_factor):
+        probs, routing_map = _kernels().route_forward(logits, top_k, fn, pre_softmax, num_groups,
+                                                      group_topk, scaling_factor, expert_bias)
         ctx.save_for_backward(logits, routing_map)
-        ctx.args = (top_k, score_function, pre_softmax, scaling_factor)
+        ctx.args = (top_k, fn, pre_softmax, scaling_factor)
         ctx.mark_non_differentiable(routing_map)
         return probs, routing_map
 
     @staticmethod
     def backward(ctx, grad_probs, _grad_routing_map):
         logits, routing_map = ctx.saved_tensors
-        top_k, score_function, pre_softmax, scaling_factor = ctx.args
-        grad_logits = _kernels().topk_route_backward(
-            grad_probs, logits, routing_map, top_k, score_function=score_function,
-            pre_softmax=pre_softmax, scaling_factor=scaling_factor)
+        grad_logits = _kernels().route_backward(grad_probs, logits, routing_map, *ctx.args)
         return grad_logits, None, None, None, None, None, None, None
 
 
@@ -78,13 +78,13 @@ def topk_route(logits, top_k, *, score_function="softmax", pre_softmax=False, nu
         ...                                 num_groups=4, group_topk=2)
         >>> probs.sum().backward()
     """
-    check_topk_route_args(logits, top_k, score_function, pre_softmax, num_groups, group_topk,
-                          scaling_factor, expert_bias)
+    fn = check_topk_route_args(logits, top_k, score_function, pre_softmax, num_groups, group_topk,
+                               scaling_factor, expert_bias)
     if capacity_factor is not None:  # validated before any kernel runs
         check_capacity_factor(capacity_factor)
     if use_kernels(logits, expert_bias):
-        probs, routing_map = _TopKRoute.apply(logits, expert_bias, top_k, score_function,
-                                              pre_softmax, num_groups, group_topk, scaling_factor)
+        probs, routing_map = _TopKRoute.apply(logits, expert_bias, top_k, fn, pre_softmax,
+                                              num_groups, group_topk, scaling_factor)
     else:
         probs, routing_map = reference.topk_route(
             logits, top_k, score_function=score_function, pre_softmax=pre_softmax,

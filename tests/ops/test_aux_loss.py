@@ -197,3 +197,86 @@ def test_ops_are_graph_safe_with_a_device_token_count():
     for a, b in zip(g_grads, eager_grads):
         torch.testing.assert_close(a, b)
     assert bias.abs().max() == 1e-3
+
+
+# Shapes for the kernels' reduction layouts: few (sequence, column block) pairs force the
+# row-chunked seq_aux_loss path (chunks finished by the last to arrive); many pairs, or a
+# sequence shorter than a tile, the single-chunk one.
+SEQ_SHAPES = [(131072, 8, 131072), (65536, 64, 16384), (8192, 256, 4096), (16384, 128, 4096),
+              (4096, 4096, 4096), (2048, 96, 1), (999, 5, 333)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,e,seq", SEQ_SHAPES, ids=[f"T{t}-E{e}-L{s}" for t, e, s in SEQ_SHAPES])
+def test_seq_aux_loss_kernel_layouts(t, e, seq):
+    from qmoe.kernels import aux_loss as kernels
+    torch.manual_seed(t + e + seq)
+    probs = torch.softmax(torch.randn(t, e, device="cuda"), -1)
+    routing_map = torch.rand(t, e, device="cuda") < min(1.0, 4 / e)
+    args = (routing_map, seq, min(4, e), 1e-2)
+    torch.testing.assert_close(kernels.seq_aux_loss(probs, *args), reference.seq_aux_loss(probs, *args),
+                               rtol=1e-5, atol=0)
+    grad = torch.tensor(0.7, device="cuda")
+    torch.testing.assert_close(kernels.seq_aux_loss_backward(grad, probs, *args),
+                               reference.seq_aux_loss_backward(grad, probs, *args))
+
+
+@pytest.mark.gpu
+def test_losses_are_deterministic():
+    # Partials are added in a fixed order by the last program, never by float atomics.
+    torch.manual_seed(1)
+    t, e = 65536, 256
+    probs = torch.softmax(torch.randn(t, e, device="cuda"), -1)
+    routing_map = torch.rand(t, e, device="cuda") < 8 / e
+    counts, logits = routing_map.sum(0), torch.randn(t, e, device="cuda") * 3
+    for loss in (lambda: moe_aux_loss(probs, counts, t, e, 8, 1e-2),
+                 lambda: moe_aux_loss(probs, counts, torch.tensor(t, device="cuda"), e, 8, 1e-2),
+                 lambda: seq_aux_loss(probs, routing_map, 4096, 8, 1e-2),
+                 lambda: seq_aux_loss(probs, routing_map, t, 8, 1e-2),
+                 lambda: z_loss(logits, 1e-3)):
+        first = loss()
+        for _ in range(3):
+            assert torch.equal(loss(), first)
+
+
+# Up to 2^24 elements the op scales the forward's unit gradient with one ATen multiply; at
+# 2^24 and beyond with the Triton kernels (z_loss's reading the logits and logsumexp).
+OP_GRAD_CASES = [(8192, 256, 4096), (16384, 128, 4096), (333, 60, 111), (1, 8, 1), (16384, 1024, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,e,seq", OP_GRAD_CASES, ids=[f"T{t}-E{e}-L{s}" for t, e, s in OP_GRAD_CASES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_op_gradients_match_reference(t, e, seq, dtype):
+    # Through the autograd Functions: the backward reuses what the forward kernel kept (unit
+    # gradient rows or logsumexp) and writes a contiguous gradient .grad keeps without a copy.
+    torch.manual_seed(t * 7 + e)
+    probs = torch.softmax(torch.randn(t, e, device="cuda"), -1).to(dtype)
+    logits = (torch.randn(t, e, device="cuda") * 4).to(dtype)
+    routing_map = torch.rand(t, e, device="cuda") < min(1.0, 8 / e)
+    counts = routing_map.sum(0)
+    nt = torch.tensor(t, device="cuda")
+    ops_fns = [lambda p, l: moe_aux_loss(p, counts, t, e, min(8, e), 1e-2),
+               lambda p, l: moe_aux_loss(p, counts, nt, e, min(8, e), 1e-2),
+               lambda p, l: seq_aux_loss(p, routing_map, seq, min(8, e), 1e-2),
+               lambda p, l: z_loss(l, 1e-3)]
+    ref_fns = [lambda p, l: reference.moe_aux_loss(p, counts, t, e, min(8, e), 1e-2),
+               lambda p, l: reference.moe_aux_loss(p, counts, nt, e, min(8, e), 1e-2),
+               lambda p, l: reference.seq_aux_loss(p, routing_map, seq, min(8, e), 1e-2),
+               lambda p, l: reference.z_loss(l, 1e-3)]
+    g = torch.tensor(1.7, device="cuda")
+    for op, ref in zip(ops_fns, ref_fns):
+        p, l = probs.clone().requires_grad_(True), logits.clone().requires_grad_(True)
+        rp, rl = probs.clone().requires_grad_(True), logits.clone().requires_grad_(True)
+        got, want = op(p, l), ref(rp, rl)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+        got.backward(g)
+        want.backward(g)
+        for a, b in ((p.grad, rp.grad), (l.grad, rl.grad)):
+            if b is None:
+                assert a is None
+                continue
+            assert a.is_contiguous() and a.dtype == b.dtype
+            # bf16: both round an fp32 gradient computed in a different order: one bf16 ulp
+            tol = dict(rtol=1e-5, atol=1e-9) if dtype == torch.float32 else dict(rtol=2.0 ** -7, atol=1e-9)
+            torch.testing.assert_close(a, b, **tol)

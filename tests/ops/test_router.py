@@ -270,3 +270,29 @@ def test_op_gradients_match_reference():
     ref_probs, _ = reference.topk_route(ref_logits, 8, **kw)
     (want,) = torch.autograd.grad(ref_probs, ref_logits, g)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+OP_CASES = [
+    (16384, 128, 8, dict()),  # Qwen3
+    (1000, 64, 6, dict(pre_softmax=True, scaling_factor=2.0)),
+    (777, 160, 6, dict(score_function="sqrtsoftplus", num_groups=8, group_topk=3, expert_bias=True)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,e,k,kw", OP_CASES, ids=[f"T{c[0]}-E{c[1]}-K{c[2]}" for c in OP_CASES])
+def test_op_forward_and_backward_match_reference(t, e, k, kw):
+    # Through the autograd Function, which calls the kernels' unchecked launchers with the
+    # arguments topk_route validated once.
+    torch.manual_seed(t + k)
+    kw = _materialise(kw, e, "cuda")
+    logits = (torch.randn(t, e, device="cuda") * 2).requires_grad_(True)
+    ref_logits = logits.detach().clone().requires_grad_(True)
+    probs, routing_map = topk_route(logits, k, **kw)
+    ref_probs, ref_map = reference.topk_route(ref_logits, k, **kw)
+    assert torch.equal(routing_map, ref_map) and routing_map.dtype == torch.bool
+    torch.testing.assert_close(probs, ref_probs, rtol=1e-5, atol=1e-7)
+    g = torch.randn_like(probs)
+    (got,) = torch.autograd.grad(probs, logits, g)
+    (want,) = torch.autograd.grad(ref_probs, ref_logits, g)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
