@@ -7,6 +7,7 @@ leak into each other. Delayed-scaling forward slots are updated (reduced over
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 from dataclasses import dataclass
 
 from qmoe.quant.delayed import close_forward_region, open_forward_region
@@ -44,7 +45,9 @@ class autocast:  # noqa: N801 - named like torch.autocast
     recipe: a qmoe.recipes recipe (default DelayedScaling(), as in TransformerEngine).
     enabled: False computes in high precision (an inner region can switch quantization off).
     amax_reduction_group: torch.distributed group over which delayed-scaling amaxes are
-    all-reduced (MAX) at the exit of the outermost region, so every rank uses the same scales.
+    all-reduced (MAX) at the exit of the outermost region, so every rank uses the same scales;
+    current scaling all-reduces its weights' amaxes over it at each quantization. Expert-parallel
+    experts (`MoELayer(ep_group=...)`) keep their amaxes local.
     """
 
     def __init__(self, recipe: Recipe | None = None, enabled: bool = True, amax_reduction_group=None):
@@ -78,17 +81,27 @@ class RecipeState:
 
     Recipes are frozen dataclasses, so equality compares every field: a same-class recipe with
     different fields also rebuilds (and resets delayed-scaling histories).
+
+    local_amax=True keeps every amax on its rank: no all-reduce over `amax_reduction_group`
+    (delayed-scaling slots are built with reduce_amax=False, current-scaling weights are not
+    reduced). Expert-parallel experts use it: slot g is a different expert on every rank.
     """
 
-    def __init__(self, roles=ROLES):
+    def __init__(self, roles=ROLES, local_amax: bool = False):
         self.roles = tuple(roles)
+        self.local_amax = local_amax
         self.recipe: Recipe | None = None
         self.quantizers: dict = {}
 
     def get(self, recipe: Recipe, group=None) -> dict:
         if recipe != self.recipe or type(recipe) is not type(self.recipe):
             self.recipe = recipe
-            self.quantizers = {role: recipe.quantizer(role) for role in self.roles}
+            built = recipe
+            if self.local_amax and getattr(recipe, "reduce_amax", False):
+                built = dataclasses.replace(recipe, reduce_amax=False)
+            self.quantizers = {role: built.quantizer(role) for role in self.roles}
+        if self.local_amax:
+            group = None
         for q in self.quantizers.values():
             if hasattr(q, "amax_reduction_group"):
                 q.amax_reduction_group = group

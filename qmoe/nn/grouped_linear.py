@@ -123,7 +123,11 @@ class GroupedLinear(nn.Module):
                     state_dict[f"{prefix}{name}{g}"] = stacked[g].clone()
 
     # ---- compute
-    def forward(self, x: torch.Tensor, split_sizes: torch.Tensor, scales: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, split_sizes: torch.Tensor, scales: torch.Tensor | None = None,
+                quantized_input=None):
+        """quantized_input: optional QuantizedTensor, x's rows already quantized rowwise by the recipe's
+        input format (expert-parallel quantized dispatch); the forward GEMM uses it as it is and x
+        (its dequantized values) takes the gradient and gives wgrad's columnwise copy."""
         self._check_inputs(x, split_sizes, scales)
         state = autocast_state()
         recipe = state.active_recipe
@@ -136,7 +140,7 @@ class GroupedLinear(nn.Module):
             # running the weights' post-accumulate-grad hooks (with no gradient) during backward
             weight = weight.detach().requires_grad_(weight.requires_grad)
         return grouped_linear(x, split_sizes, weight, self.stacked_bias(),
-                              scales if self.scale_bias else None, quantizers, path, sink)
+                              scales if self.scale_bias else None, quantizers, path, sink, quantized_input)
 
     def _check_inputs(self, x, split_sizes, scales):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() != 2:

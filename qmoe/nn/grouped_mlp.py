@@ -71,10 +71,13 @@ class GroupedMLP(nn.Module):
         self._convert(state_dict, prefix, interleave_glu)
 
     # ---- compute
-    def forward(self, x: torch.Tensor, split_sizes: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, split_sizes: torch.Tensor, probs: torch.Tensor | None = None,
+                quantized_input=None) -> torch.Tensor:
+        """quantized_input: optional QuantizedTensor of x's rows quantized before an expert-parallel
+        dispatch; FC1 multiplies it as it is (see `GroupedLinear.forward`)."""
         if probs is not None and (probs.shape != (x.shape[0],) or not probs.is_floating_point()):
             raise ValueError(f"probs must be a float tensor [R] = [{x.shape[0]}], got {tuple(probs.shape)}")
-        h = self.fc1(x, split_sizes)
+        h = self.fc1(x, split_sizes, quantized_input=quantized_input)
         a = expert_activation(h, probs, self.activation, self.glu_interleave_size)
         scales = None
         if self.fc2.scale_bias:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from qmoe import ops
-from qmoe.autocast import autocast_state
+from qmoe.autocast import RecipeState, autocast_state
 from qmoe.nn.grouped_mlp import GroupedMLP
 from qmoe.nn.router import TopKRouter
 
@@ -26,6 +26,19 @@ class MoELayer(nn.Module):
     Parameters: `router.weight [E, H]` (fp32), `experts.fc1.weight [E, 2F, H]` for GLU activations
     (gate rows first), `experts.fc2.weight [E, H, F]`, biases `[E, 2F]` / `[E, H]` with bias=True.
 
+    Expert parallelism (`ep_group`, a torch.distributed group of ep ranks; `qmoe.parallel`): each
+    rank holds L = E / ep experts, rank r the global experts r*L .. r*L+L-1, and exchanges tokens
+    with all-to-all. `experts` then holds the local slice only: parameter and state_dict names
+    are as above with E replaced by L (`experts.fc1.weight [L, 2F, H]`; per-expert keys numbered
+    0..L-1 locally); `qmoe.parallel.shard_expert_state_dict` cuts a full state_dict into a rank's.
+    The router is replicated and routes (and computes the auxiliary losses of) this rank's own
+    tokens: reduce its gradient over the group as data parallelism does, but never the experts'
+    (different experts on every rank: keep them out of a DDP spanning ep_group). The expert
+    GEMMs keep their amaxes local (never reduced over `amax_reduction_group`).
+    quantized_dispatch: send tokens quantized (1 byte per element plus scales) where the recipe
+    allows it; see `qmoe.parallel.ExpertParallelDispatcher`. With capacity_factor the dispatch
+    uses static buffers (no host sync); without, it reads split sizes on the host once per layer.
+
     >>> layer = qmoe.nn.MoELayer(hidden_size=256, ffn_hidden_size=512, num_experts=8, top_k=2)
     >>> with qmoe.autocast(recipe=MXFP8BlockScaling()):
     ...     y = layer(torch.randn(4, 64, 256))
@@ -38,7 +51,8 @@ class MoELayer(nn.Module):
                  expert_bias: bool = False, aux_loss_coeff: float = 0.0, seq_aux_loss_coeff: float = 0.0,
                  z_loss_coeff: float = 0.0, capacity_factor: float | None = None, bias: bool = False,
                  params_dtype=None, device=None, glu_interleave_size: int | None = None,
-                 grouped_path: str = "auto", delay_wgrad_compute: bool = False):
+                 grouped_path: str = "auto", delay_wgrad_compute: bool = False, ep_group=None,
+                 quantized_dispatch: bool = True):
         super().__init__()
         self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
         self.router = TopKRouter(hidden_size, num_experts, top_k, score_function=score_function,
@@ -46,10 +60,20 @@ class MoELayer(nn.Module):
                                  scaling_factor=scaling_factor, expert_bias=expert_bias,
                                  aux_loss_coeff=aux_loss_coeff, seq_aux_loss_coeff=seq_aux_loss_coeff,
                                  z_loss_coeff=z_loss_coeff, capacity_factor=capacity_factor, device=device)
-        self.experts = GroupedMLP(num_experts, hidden_size, ffn_hidden_size, activation=activation,
+        self.dispatcher = None
+        if ep_group is not None:
+            from qmoe.parallel.dispatcher import ExpertParallelDispatcher  # qmoe.parallel builds on qmoe.nn
+
+            self.dispatcher = ExpertParallelDispatcher(ep_group, num_experts, top_k, capacity_factor=capacity_factor,
+                                                       quantized=quantized_dispatch)
+        local_experts = num_experts if self.dispatcher is None else self.dispatcher.num_local_experts
+        self.experts = GroupedMLP(local_experts, hidden_size, ffn_hidden_size, activation=activation,
                                   glu_interleave_size=glu_interleave_size, bias=bias, grouped_path=grouped_path,
                                   delay_wgrad_compute=delay_wgrad_compute, params_dtype=params_dtype,
                                   device=device)
+        if self.dispatcher is not None:
+            for fc in (self.experts.fc1, self.experts.fc2):
+                fc.recipe_state = RecipeState(local_amax=True)  # local slot g is a different expert on each rank
         self.aux_loss: torch.Tensor = torch.zeros(())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -63,6 +87,10 @@ class MoELayer(nn.Module):
         probs, routing_map = self.router(tokens, seq_length=seq_length)
         recipe = autocast_state().active_recipe
         align = recipe.align_size if recipe is not None else 1
+        if self.dispatcher is not None:
+            out = self.dispatcher(tokens, probs, routing_map, self.experts, align)
+            self.aux_loss = self.router.aux_loss
+            return out.reshape(shape)
         # R rounded up to whole blocks: the zero tail joins the last expert's group (absorb_tail)
         # without breaking any block a recipe needs (NVFP4's 16-row Hadamard runs, say)
         rows = tokens.shape[0] * self.top_k + self.num_experts * (align - 1)

@@ -72,7 +72,7 @@ def _split_weights(w, q, rowwise, columnwise):
 
 class GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, split_sizes, weight, bias, scales, quantizers, path, wgrad_sink):
+    def forward(ctx, x, split_sizes, weight, bias, scales, quantizers, path, wgrad_sink, quantized_input=None):
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
         e, n, _ = weight.shape
         split_sizes = absorb_tail(split_sizes, x.shape[0])
@@ -92,13 +92,26 @@ class GroupedLinearFunction(torch.autograd.Function):
         else:
             q_in, q_w = quantizers["input"], quantizers["weight"]
             if path == "grouped":
-                xq = GroupedTensor.quantize(x, split_sizes, q_in, rowwise=True, columnwise=need_wgrad, validate=False)
+                if quantized_input is None:
+                    xq = GroupedTensor.quantize(x, split_sizes, q_in, rowwise=True, columnwise=need_wgrad,
+                                                validate=False)
+                else:  # rows quantized before dispatch; wgrad's columnwise copy comes from x's values
+                    xq = GroupedTensor.from_rows(quantized_input, split_sizes)
+                    if need_wgrad:
+                        xq.columnwise_data, xq.columnwise_scale_inv = _columnwise(x, split_sizes, q_in)
                 wq = quantize_weights(weight, q_w, rowwise=True, columnwise=need_dgrad)
                 y = m_grouped_gemm(xq, wq, out_dtype=x.dtype)
                 ctx.xq = _drop_rowwise(xq) if need_wgrad else None
                 ctx.wq = _drop_rowwise(wq) if need_dgrad else None
             else:
-                xs = _split_quantize(x, ctx.split.bounds, q_in, True, need_wgrad)
+                if quantized_input is None:
+                    xs = _split_quantize(x, ctx.split.bounds, q_in, True, need_wgrad)
+                else:
+                    xs = GroupedTensor.from_rows(quantized_input, split_sizes).split()
+                    cols = _split_quantize(x, ctx.split.bounds, q_in, False, True) if need_wgrad else None
+                    for t, c in zip(xs, cols or ()):
+                        if c is not None:
+                            t.columnwise_data, t.columnwise_scale_inv = c.columnwise_data, c.columnwise_scale_inv
                 ws = _split_weights(weight, q_w, True, need_dgrad)
                 y = x.new_zeros(x.shape[0], n)
                 for g, (a, b) in enumerate(ctx.split.bounds):
@@ -163,7 +176,13 @@ class GroupedLinearFunction(torch.autograd.Function):
             dbias = dbias.to(bias.dtype) if ctx.needs_input_grad[3] else None
             dscales = dscales.to(scales.dtype) if dscales is not None else None
         ctx.xq = ctx.wq = None
-        return dx, None, dw, dbias, dscales, None, None, None
+        return dx, None, dw, dbias, dscales, None, None, None, None
+
+
+def _columnwise(x, split_sizes, q):
+    """The columnwise data and scales of x's groups, quantized from x's values."""
+    gt = GroupedTensor.quantize(x, split_sizes, q, rowwise=False, columnwise=True, validate=False)
+    return gt.columnwise_data, gt.columnwise_scale_inv
 
 
 def _split_dgrad_plain(dy, w, split, x_shape):
@@ -176,7 +195,7 @@ def _split_dgrad_plain(dy, w, split, x_shape):
 
 def grouped_linear(x: torch.Tensor, split_sizes: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                    scales: torch.Tensor | None = None, quantizers: dict | None = None, path: str = "grouped",
-                   wgrad_sink: list | None = None) -> torch.Tensor:
+                   wgrad_sink: list | None = None, quantized_input: QuantizedTensor | None = None) -> torch.Tensor:
     """y [R, N] = grouped x [R, K] @ weight[g]^T (+ bias[g] (* scales[row])).
 
     split_sizes: [E] int on x's device; rows past their sum join the last group (absorb_tail).
@@ -184,6 +203,10 @@ def grouped_linear(x: torch.Tensor, split_sizes: torch.Tensor, weight: torch.Ten
     quantizers: {"input", "weight", "grad_output"} from the active recipe, or None (high precision).
     path: "grouped" or "split". wgrad_sink: a list to defer weight gradients into (callables
     returning fp32 [E, N, K]); None computes them in backward.
+    quantized_input: x's rows already quantized rowwise (`Quantizer.quantize_for_dispatch`, e.g.
+    before an expert-parallel all-to-all), used by the forward GEMM instead of quantizing x;
+    x still takes the gradient, and the weight gradient's columnwise copy is quantized from x's
+    values (pass the dequantized rows as x). Needs `quantizers`.
     """
     if path == "split" or split_sizes.device.type == "cpu":
         # host-readable sizes are checked (the split path reads them anyway); device sizes on the
@@ -192,4 +215,11 @@ def grouped_linear(x: torch.Tensor, split_sizes: torch.Tensor, weight: torch.Ten
         if any(s < 0 for s in host) or sum(host) > x.shape[0]:
             raise ValueError(f"split_sizes must be non-negative and sum to at most the {x.shape[0]} rows of x, "
                              f"got {host}")
-    return GroupedLinearFunction.apply(x, split_sizes, weight, bias, scales, quantizers, path, wgrad_sink)
+    if quantized_input is not None:
+        if quantizers is None:
+            raise ValueError("quantized_input needs a recipe's quantizers (run inside qmoe.autocast)")
+        if not isinstance(quantized_input, QuantizedTensor) or quantized_input.shape_2d != tuple(x.shape):
+            raise ValueError(f"quantized_input must be a QuantizedTensor of x's shape {tuple(x.shape)}, got "
+                             f"{getattr(quantized_input, 'shape', type(quantized_input).__name__)}")
+    return GroupedLinearFunction.apply(x, split_sizes, weight, bias, scales, quantizers, path, wgrad_sink,
+                                       quantized_input)

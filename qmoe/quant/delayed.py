@@ -96,6 +96,18 @@ def _world_size(group) -> int:
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
+def all_reduce_amax(amax: torch.Tensor, group) -> torch.Tensor:
+    """MAX all-reduce of `amax` over `group` in place (a no-op without a group of > 1 rank); returns it.
+
+    Every rank of `group` must call it, in the same order, with a tensor of the same shape.
+    """
+    if group is not None and _world_size(group) > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    return amax
+
+
 def update_delayed_scaling(states: list[DelayedScalingState], group=None) -> None:
     """Reduce the newest amaxes (MAX over `group`, one collective for all slots) and update every slot."""
     states = list(dict.fromkeys(s for s in states if s.scale is not None))  # dedupe, keep order

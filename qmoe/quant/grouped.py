@@ -99,6 +99,30 @@ class GroupedTensor:
         parts = quantizer._quantize_grouped(x, splits, rowwise, columnwise)
         return cls(quantizer, x.shape, x.dtype, splits, **parts)
 
+    @classmethod
+    def from_rows(cls, qt: QuantizedTensor, split_sizes) -> "GroupedTensor":
+        """Group the rows of a rowwise QuantizedTensor from `Quantizer.quantize_for_dispatch`.
+
+        Such rows keep their meaning in any group, so nothing is re-quantized: 1-row block
+        scales [M, S] stay per row, and a per-tensor scale becomes every group's scale [G].
+        qt: rowwise data [M, K] (rows grouped by `split_sizes`; rows past their sum join no
+        group); split_sizes: [G] int on qt's device, trusted (not read on the host).
+        The result has no columnwise copy: quantize it from high-precision values if needed.
+        """
+        if not isinstance(qt, QuantizedTensor) or qt.rowwise_data is None:
+            raise TypeError("GroupedTensor.from_rows needs a QuantizedTensor with rowwise data "
+                            "(Quantizer.quantize_for_dispatch)")
+        q = qt.quantizer
+        if qt.amax is not None or (q.block is not None and q.block[0] != 1):
+            raise ValueError(f"{q!r} rows do not stand alone (per-group amax or multi-row blocks); "
+                             f"quantize them inside the GroupedTensor instead")
+        m, k = qt.shape_2d
+        splits = check_split_sizes(split_sizes, m, qt.device, validate=False)
+        scale = qt.rowwise_scale_inv
+        if q.block is None:
+            scale = scale.reshape(1).expand(splits.numel()).contiguous()
+        return cls(q, torch.Size((m, k)), qt.dtype, splits, rowwise_data=qt.rowwise_data, rowwise_scale_inv=scale)
+
     # ---- per-group views
     def _host_bounds(self):
         off = self.offsets.tolist()

@@ -11,7 +11,8 @@ import torch
 
 from qmoe.backend import implementation
 from qmoe.formats import E2M1, FP8_BLOCK, MXFP8_BLOCK, NVFP4_BLOCK, RHT_SIZE, ElementFormat, ScaleMode, ceil_div
-from qmoe.quant.delayed import DelayedScalingState, in_forward_region, register_backward, register_forward
+from qmoe.quant.delayed import (DelayedScalingState, all_reduce_amax, in_forward_region, register_backward,
+                                register_forward)
 from qmoe.quant.tensor import QuantizedTensor
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -62,6 +63,19 @@ class Quantizer:
         """
         return self
 
+    def quantize_for_dispatch(self, x: torch.Tensor, amax_group=None) -> QuantizedTensor | None:
+        """Rowwise-quantize x [T, K] into rows that stay valid wherever they are regrouped, or None.
+
+        Expert-parallel dispatch quantizes tokens on their own rank and the experts' rank groups
+        them by expert and feeds them to the grouped GEMM as they are (`GroupedTensor.from_rows`).
+        That works only where a row's codes and scales do not depend on the group it lands in:
+        1-row blocks (FP8 1x128, MXFP8 1x32), and per-tensor current scaling with one amax taken
+        over `amax_group` (a MAX all-reduce every rank of the group must join). Formats whose
+        scales belong to the group (delayed scaling's per-expert slots, NVFP4's tensor amax)
+        return None: send those rows in high precision.
+        """
+        return None
+
     def check_shape(self, m: int, k: int, rowwise: bool, columnwise: bool) -> None:
         """Raise ValueError for shapes this format cannot hold (before any work runs)."""
 
@@ -86,18 +100,39 @@ class Quantizer:
 
 
 class Float8CurrentQuantizer(Quantizer):
-    """FP8 with one scale per tensor from the tensor's own amax."""
+    """FP8 with one scale per tensor from the tensor's own amax.
+
+    amax_reduction_group (set by `qmoe.autocast`'s amax_reduction_group): the weight role's
+    amaxes are MAX all-reduced over it, so every rank quantizes a shared weight (replicated, or
+    sharded across the group) with the same scales. Activations and gradients keep per-rank
+    amaxes. Expert-parallel experts hold different experts per rank and are left out
+    (`RecipeState(local_amax=True)`).
+    """
 
     def __init__(self, role, fmt, power_2_scale: bool = False, amax_epsilon: float = 0.0):
         super().__init__(role, fmt)
         self.power_2_scale, self.amax_epsilon = power_2_scale, amax_epsilon
+        self.amax_reduction_group = None
 
     def compute_scale(self, amax: torch.Tensor) -> torch.Tensor:
         return self._impl("quantize", "compute_fp8_scale", amax)(amax, self.fmt.max, self.power_2_scale,
                                                                  self.amax_epsilon)
 
+    def _shared_amax(self, amax: torch.Tensor) -> torch.Tensor:
+        if self.role == "weight" and self.amax_reduction_group is not None:
+            amax = all_reduce_amax(amax.clone(), self.amax_reduction_group)
+        return amax
+
     def _scale_for(self, x: torch.Tensor) -> torch.Tensor:
-        return self.compute_scale(self._impl("quantize", "tensor_amax", x)(x))
+        return self.compute_scale(self._shared_amax(self._impl("quantize", "tensor_amax", x)(x)))
+
+    def quantize_for_dispatch(self, x, amax_group=None):
+        check_float_input(x, "quantize_for_dispatch")
+        x2d = x.reshape(-1, x.shape[-1])
+        amax = self._impl("quantize", "tensor_amax", x2d)(x2d).clone()
+        scale = self.compute_scale(all_reduce_amax(amax, amax_group))  # one scale on every rank
+        row, _, _ = self._impl("quantize", "quantize_fp8_tensorwise", x2d)(x2d, scale, self.fmt, True, False)
+        return QuantizedTensor(self, x2d.shape, x.dtype, rowwise_data=row, rowwise_scale_inv=1.0 / scale)
 
     def _quantize_2d(self, x, rowwise, columnwise):
         scale = self._scale_for(x)
@@ -111,7 +146,8 @@ class Float8CurrentQuantizer(Quantizer):
         """Hook for delayed scaling, which keeps the amax it did not use."""
 
     def _grouped_scales(self, x, splits):
-        return self.compute_scale(self._impl("grouped_quantize", "grouped_tensor_amax", x)(x, splits))
+        amax = self._impl("grouped_quantize", "grouped_tensor_amax", x)(x, splits)
+        return self.compute_scale(self._shared_amax(amax))
 
     def _quantize_grouped(self, x, splits, rowwise, columnwise):
         scales = self._grouped_scales(x, splits)
@@ -153,6 +189,9 @@ class Float8DelayedQuantizer(Float8CurrentQuantizer):
         self.state.ensure(x.device, splits.numel())
         return self.state.scale.clone()
 
+    def quantize_for_dispatch(self, x, amax_group=None):
+        return None  # the scale is the slot's: per expert in a GroupedTensor, unknown to the sender
+
     def _recorded(self, amax):
         self.state.record(amax)
         if self.role == "grad_output" and not in_forward_region():
@@ -183,6 +222,11 @@ class Float8BlockQuantizer(Quantizer):
         self.block = (block_rows, FP8_BLOCK)
         self.power_2_scale, self.amax_epsilon = power_2_scale, amax_epsilon
 
+    def quantize_for_dispatch(self, x, amax_group=None):
+        if self.block[0] != 1:
+            return None  # 128x128 tiles span rows
+        return self.quantize(x.reshape(-1, x.shape[-1]), rowwise=True, columnwise=False)
+
     def _quantize_2d(self, x, rowwise, columnwise):
         row, row_si, col, col_si = self._impl("quantize", "quantize_fp8_block", x)(
             x, self.block[0], self.block[1], self.fmt, self.power_2_scale, self.amax_epsilon, rowwise, columnwise)
@@ -207,6 +251,9 @@ class MXFP8Quantizer(Quantizer):
         super().__init__(role, fmt)
         self.block = (1, MXFP8_BLOCK)
         self.scale_mode = scale_mode
+
+    def quantize_for_dispatch(self, x, amax_group=None):
+        return self.quantize(x.reshape(-1, x.shape[-1]), rowwise=True, columnwise=False)
 
     def _quantize_2d(self, x, rowwise, columnwise):
         row, row_s, col, col_s = self._impl("quantize", "quantize_mxfp8", x)(
