@@ -37,7 +37,8 @@ def _bench(fn, reps):
     return triton.testing.do_bench(fn, warmup=reps, rep=reps * 10, return_mode="median")
 
 
-def run(shapes, recipes, reps=10):
+def run(shapes, recipes, reps=10, on_shape=None):
+    """Rows for every shape; on_shape(rows) is called after each shape (partial results survive)."""
     import qmoe
 
     rows = []
@@ -95,6 +96,8 @@ def run(shapes, recipes, reps=10):
                   f"x{bf16 / ms:5.2f} vs bf16" + (f"  x{tao_ms / ms:5.2f} vs torchao" if tao_ms else ""))
         del x, w, dy, layer
         torch.cuda.empty_cache()
+        if on_shape is not None:
+            on_shape(rows)
     return rows
 
 
@@ -114,11 +117,14 @@ def main(argv=None) -> int:
     if args.recipes:
         recipes = {k: v for k, v in recipes.items() if k in args.recipes}
     shapes = args.shapes[:1] if args.quick else args.shapes
-    rows = run(shapes, recipes, reps=5 if args.quick else 10)
-    out = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, rows=rows)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    def write(rows):
+        out = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                   rows=rows)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+
+    rows = run(shapes, recipes, reps=5 if args.quick else 10, on_shape=write)
+    print(f"wrote {args.out} ({len(rows)} rows)")
     return 0
 
 

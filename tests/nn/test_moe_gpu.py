@@ -26,6 +26,7 @@ T, H, F, E, K = 256, 256, 512, 8, 2
 
 def _layer(seed=0, **kw):
     torch.manual_seed(seed)
+    kw.setdefault("aux_loss_coeff", 1e-2)
     return qmoe.nn.MoELayer(H, F, E, K, params_dtype=torch.bfloat16, device="cuda", **kw)
 
 
@@ -37,7 +38,8 @@ def _step(layer, x, recipe, fn=None):
     with qmoe.autocast(recipe=recipe, enabled=recipe is not None):
         y = (fn or layer)(x)
     g = torch.randn(y.shape, generator=torch.Generator(y.device).manual_seed(7), device=y.device, dtype=y.dtype)
-    torch.autograd.backward([y, layer.aux_loss], [g, None])
+    aux = layer.aux_loss
+    torch.autograd.backward([y, aux] if aux.requires_grad else [y], [g, None] if aux.requires_grad else [g])
     grads = [x.grad] + [p.grad.clone() for p in layer.parameters()]
     return y.detach(), grads
 
