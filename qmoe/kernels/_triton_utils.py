@@ -12,8 +12,6 @@
 """
 from __future__ import annotations
 
-import itertools
-
 import torch
 import triton
 import triton.language as tl
@@ -86,6 +84,23 @@ def max_abs_bits(x, IGNORE_NAN: tl.constexpr):
 
 
 @triton.jit
+def atomic_max_bits(ptr, value):
+    """atomic_max of a non-negative float's bits, skipped when the stored maximum is already >= value.
+
+    One atomic per tile on one address serialises thousands of programs; the plain read lets
+    all but the few tiles that raise the maximum skip it (a stale read only costs an atomic).
+    """
+    if value > tl.load(ptr):
+        tl.atomic_max(ptr, value)
+
+
+@triton.jit
+def trans8(t):
+    """Transpose a small 8-bit tile as uint8 bits through int32 (see cast_bits)."""
+    return tl.trans(t.to(tl.uint8, bitcast=True).to(tl.int32)).to(tl.uint8)
+
+
+@triton.jit
 def is_nan(x):
     return abs_bits(x) > _INF_BITS
 
@@ -106,6 +121,14 @@ def clamp_nan(x, lo, hi):
 def cast_satfinite(x, MAX: tl.constexpr, DTYPE: tl.constexpr):
     """RNE cast with saturation: clamp to +-MAX (NaN stays NaN), then round to nearest even."""
     return clamp_nan(x, -MAX, MAX).to(DTYPE, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def cast_bits(x, MAX: tl.constexpr, DTYPE: tl.constexpr):
+    """cast_satfinite as raw uint8 bits. Kernels store codes as uint8: with both a tile and its
+    transpose stored, fp8-typed tiles come out corrupted on Triton 3.6's bundled ptxas (12.9) on
+    sm90 (triton-lang/triton#11111; the same conversion of 8-bit integers is clean)."""
+    return cast_satfinite(x, MAX, DTYPE).to(tl.uint8, bitcast=True)
 
 
 @triton.jit
@@ -223,16 +246,53 @@ def rht_last(x, R: tl.constexpr, C: tl.constexpr, SIGN_MASK: tl.constexpr):
     return tl.reshape(y, (R, C))
 
 
+@triton.jit
+def pack4(vals, R: tl.constexpr, C: tl.constexpr):
+    """An 8-bit tile [R, C] as int32 words [R, C // 4] (byte j of a word = column 4w + j)."""
+    w = tl.reshape(vals.to(tl.uint8, bitcast=True).to(tl.int32), (R, C // 4, 4))
+    return tl.sum(w << (tl.arange(0, 4) * 8)[None, None, :], 2)
+
+
+@triton.jit
+def store8(ptr, vals, row0, col0, stride, row_end, col_end, R: tl.constexpr, C: tl.constexpr):
+    """Store an 8-bit tile vals [R, C] at ptr[(row0 + i) * stride + col0 + j], for rows < row_end and
+    columns < col_end.
+
+    Whole tiles starting 16-byte aligned are stored as int32 words packed in registers, so the
+    layout conversion before a transposed store moves 32-bit words (see cast_bits), and grouped
+    tiles, whose first row is only known at run time, still store 16 bytes at a time.
+    """
+    rows = row0 + tl.arange(0, R)
+    if (row0 + R <= row_end) & (col0 + C <= col_end) & (col0 % 16 == 0) & (stride % 16 == 0):
+        words = (col0 // 16) * 4 + tl.arange(0, C // 4)  # == col0 / 4 + j, visibly 16-byte aligned
+        tl.store(ptr.to(tl.pointer_type(tl.int32)) + rows[:, None].to(tl.int64) * ((stride // 16) * 4)
+                 + words[None, :], pack4(vals, R, C))
+    else:
+        cols = col0 + tl.arange(0, C)
+        tl.store(ptr + rows[:, None].to(tl.int64) * stride + cols[None, :], vals,
+                 mask=(rows < row_end)[:, None] & (cols < col_end)[None, :])
+
+
+@triton.jit
+def uniform_tile(seed, offs, R: tl.constexpr, C: tl.constexpr):
+    """[R, C] uniforms in [0, 1) (24-bit resolution) from one Philox call per 4 elements.
+
+    offs [R, C // 4]: distinct Philox counters, one per run of 4 elements along the last axis.
+    """
+    r0, r1, r2, r3 = tl.randint4x(seed, offs)
+    r = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (R, C))
+    return (r >> 8).to(tl.float32) * (1.0 / 16777216.0)
+
+
 # ---------------------------------------------------------------- launch helpers
 
-def tile_configs(block_m, block_k, warps, stages=(1,)) -> list[triton.Config]:
-    """Every (BM, BK, num_warps, num_stages) combination as autotune configs.
+def tile_configs(tiles, num_stages: int = 1) -> list[triton.Config]:
+    """Autotune configs from (BM, BK, num_warps) tiles.
 
     The kernels are single-pass and memory-bound (no K loop), so stages barely matter; the lists
-    per family are small on purpose: each config is one more compile per specialization.
+    per family are short on purpose: each config is one more compile per specialization.
     """
-    return [triton.Config({"BM": bm, "BK": bk}, num_warps=w, num_stages=s)
-            for bm, bk, w, s in itertools.product(block_m, block_k, warps, stages)]
+    return [triton.Config({"BM": bm, "BK": bk}, num_warps=w, num_stages=num_stages) for bm, bk, w in tiles]
 
 
 def prune_oversized(configs, named_args, **kwargs):
@@ -242,19 +302,27 @@ def prune_oversized(configs, named_args, **kwargs):
     return keep or [min(configs, key=lambda c: c.kwargs["BM"] * c.kwargs["BK"])]
 
 
+def wrapped(kernel):
+    """torch's wrap_triton view of a kernel (so torch.compile sees through the launch); under
+    TRITON_INTERPRET=1 kernels are interpreter objects that wrap_triton refuses, and run as they are."""
+    from torch.library import wrap_triton
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    return wrap_triton(kernel) if isinstance(kernel, (JITFunction, Autotuner)) else kernel
+
+
 def launch(kernel, grid, args: tuple, small: triton.Config, numel: int, **meta) -> None:
     """Run `kernel` (a triton.autotune Autotuner) through torch's wrap_triton.
 
     Large problems use the autotuner; small ones run `small` directly, so they neither compile
     nor benchmark the other configs (and never synchronise the host).
     """
-    from torch.library import wrap_triton
-
     if numel >= AUTOTUNE_MIN_ELEMENTS:
-        wrap_triton(kernel)[grid](*args, **meta)
+        wrapped(kernel)[grid](*args, **meta)
     else:
-        wrap_triton(kernel.fn)[grid](*args, **meta, **small.kwargs, num_warps=small.num_warps,
-                                     num_stages=small.num_stages)
+        wrapped(kernel.fn)[grid](*args, **meta, **small.kwargs, num_warps=small.num_warps,
+                                 num_stages=small.num_stages)
 
 
 def device_splits(split_sizes: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

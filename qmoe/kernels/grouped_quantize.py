@@ -89,4 +89,4 @@ def grouped_quantize_nvfp4(x, split_sizes, block_2d=False, rowwise=True, columnw
     row, rs, amax, col, cs, camax = torch.ops.qmoe.quantize_nvfp4(
         x, splits, g, block_2d, rowwise, columnwise, rht, draw_seeds(stochastic, generator, x.device))
     return (row if rowwise else None, rs if rowwise else None, amax,
-            col if columnwise else None, cs if columnwise else None, camax if columnwise else amax)
+            col if columnwise else None, cs if columnwise else None, camax if columnwise else None)

@@ -26,10 +26,10 @@ import triton.language as tl
 from torch.library import triton_op
 
 from qmoe.formats import ElementFormat, ScaleMode, ceil_div
-from qmoe.kernels._triton_utils import (block_amax_2d, block_amax_first, block_amax_last, cast_satfinite, exp2_int,
-                                        fp8_scale_from_amax, group_pow2, launch, max_abs_bits, mx_exponent,
-                                        prune_oversized, reciprocal, scale_2d, scale_first, scale_last, tile_configs,
-                                        tile_rows, as_rows)
+from qmoe.kernels._triton_utils import (as_rows, atomic_max_bits, block_amax_2d, block_amax_first, block_amax_last,
+                                        cast_bits, exp2_int, fp8_scale_from_amax, group_pow2, launch,
+                                        max_abs_bits, mx_exponent, prune_oversized, reciprocal, scale_2d, scale_last,
+                                        store8, tile_configs, tile_rows, wrapped)
 from qmoe.reference import quantize as _ref
 
 _TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
@@ -49,10 +49,12 @@ def _prune_blocks(configs, named_args, **kwargs):
     return prune_oversized(ok, named_args, **kwargs)
 
 
-# Configs: tiles of 8-32 K elements (16-64 KB of bf16) per program keep enough bytes in flight per
-# SM without spilling; 4 or 8 warps. Measured choice per (M, K, G) by the autotuner.
-_TILE_CONFIGS = tile_configs((32, 64, 128), (64, 128), (4, 8))
-_BLOCK128_CONFIGS = tile_configs((32, 128), (128,), (4, 8))
+# Configs: 16-64 elements per thread (8-32 KB of bf16 per program), the range where the reductions
+# and the transposed store stay in registers without spilling (ptxas -v on sm_90a); the autotuner
+# picks per (M, K, G). Short lists on purpose: every config is one more compile per specialization.
+_TILE_CONFIGS = tile_configs(((32, 64, 4), (32, 128, 4), (64, 128, 8), (128, 128, 8)))
+# 128-wide blocks: BK = 128; BM = 128 whenever blocks also run along M (columnwise, 128x128).
+_BLOCK128_CONFIGS = tile_configs(((32, 128, 4), (64, 128, 8), (128, 128, 8), (128, 128, 16)))
 _KEY = ["M", "K", "G"]
 
 
@@ -78,7 +80,7 @@ def _amax_kernel(
     cols = tl.program_id(1) * BK + tl.arange(0, BK)
     mask = (rows < row_end)[:, None] & (cols < K)[None, :]
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask, other=0.0)
-    tl.atomic_max(amax_ptr + g, max_abs_bits(x.to(tl.float32), False))
+    atomic_max_bits(amax_ptr + g, max_abs_bits(x.to(tl.float32), False))
 
 
 def _tile_grid(m: int, k: int, groups: int, grouped: bool):
@@ -124,12 +126,10 @@ def _fp8_scale_kernel(amax_ptr, scale_ptr, n, eps, FMT_MAX: tl.constexpr, POW2: 
 
 @triton_op("qmoe::quantize_fp8_scale", mutates_args=())
 def _fp8_scale_op(amax: torch.Tensor, fmt_max: float, power_2_scale: bool, amax_epsilon: float) -> torch.Tensor:
-    from torch.library import wrap_triton
-
     a = amax.reshape(-1).contiguous()
     out = torch.empty(a.shape, dtype=torch.float32, device=amax.device)
     if a.numel():
-        wrap_triton(_fp8_scale_kernel)[(1,)](a, out, a.numel(), amax_epsilon, FMT_MAX=fmt_max,
+        wrapped(_fp8_scale_kernel)[(1,)](a, out, a.numel(), amax_epsilon, FMT_MAX=fmt_max,
                                              POW2=power_2_scale, BLOCK=max(16, triton.next_power_of_2(a.numel())))
     return out.reshape(amax.shape)
 
@@ -162,19 +162,19 @@ def _fp8_tensorwise_kernel(
     if g >= G:
         return
     rows = row0 + tl.arange(0, BM)
-    cols = tl.program_id(1) * BK + tl.arange(0, BK)
+    col0 = tl.program_id(1) * BK
+    cols = col0 + tl.arange(0, BK)
     m_ok = rows < row_end
     k_ok = cols < K
     mask = m_ok[:, None] & k_ok[None, :]
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask, other=0.0)
     x = x.to(tl.float32)
-    tl.atomic_max(amax_ptr + g, max_abs_bits(x, False))
-    q = cast_satfinite(x * tl.load(scale_ptr + g), FMT_MAX, OUT_DTYPE)
+    atomic_max_bits(amax_ptr + g, max_abs_bits(x, False))
+    scale = tl.load(scale_ptr + g)
     if ROWWISE:
-        tl.store(row_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], q, mask=mask)
-    if COLWISE:
-        tl.store(col_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], tl.trans(q),
-                 mask=k_ok[:, None] & m_ok[None, :])
+        store8(row_ptr, cast_bits(x * scale, FMT_MAX, OUT_DTYPE), row0, col0, K, row_end, K, BM, BK)
+    if COLWISE:  # the quantized transpose [K, M]
+        store8(col_ptr, cast_bits(tl.trans(x) * scale, FMT_MAX, OUT_DTYPE), col0, row0, M, K, row_end, BK, BM)
 
 
 @triton_op("qmoe::quantize_fp8_tensorwise", mutates_args=())
@@ -189,7 +189,8 @@ def _fp8_tensorwise_op(x: torch.Tensor, scale: torch.Tensor, splits: Optional[to
     if x.numel():
         grouped = splits is not None
         launch(_fp8_tensorwise_kernel, _tile_grid(m, k, num_groups, grouped),
-               (x, scale.reshape(-1), row, col, bits, splits if grouped else x, m, k, num_groups, x.stride(0)),
+               (x, scale.reshape(-1), row.view(torch.uint8), col.view(torch.uint8), bits, splits if grouped else x, m, k,
+                num_groups, x.stride(0)),
                _SMALL_TILE, x.numel(), FMT_MAX=fmt_max, OUT_DTYPE=_TL_FP8[out_dtype], ROWWISE=rowwise,
                COLWISE=columnwise, GROUPED=grouped, G_P2=group_pow2(num_groups))
     return row, col, bits.view(torch.float32)
@@ -228,44 +229,43 @@ def _fp8_block_kernel(
     if g >= G:
         return
     rows = row0 + tl.arange(0, BM)
-    cols = pid_k * BK + tl.arange(0, BK)
+    col0 = pid_k * BK
+    cols = col0 + tl.arange(0, BK)
     m_ok = rows < row_end
     k_ok = cols < K
     mask = m_ok[:, None] & k_ok[None, :]
-    col_mask = k_ok[:, None] & m_ok[None, :]
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask, other=0.0)
     x = x.to(tl.float32)
-    row_off = rows[:, None].to(tl.int64) * K + cols[None, :]
-    col_off = cols[:, None].to(tl.int64) * M + rows[None, :]
     kb = pid_k * (BK // B) + tl.arange(0, BK // B)
     kb_ok = kb * B < K
     if BLOCK_2D:
         mb = sblk0 + tl.arange(0, BM // B)
         mb_ok = row0 + tl.arange(0, BM // B) * B < row_end
         scale = fp8_scale_from_amax(block_amax_2d(x, BM, BK, B), FMT_MAX, POW2, eps)
-        q = cast_satfinite(scale_2d(x, scale, BM, BK, B), FMT_MAX, OUT_DTYPE)
         inv = reciprocal(scale)
         if ROWWISE:
-            tl.store(row_ptr + row_off, q, mask=mask)
+            store8(row_ptr, cast_bits(scale_2d(x, scale, BM, BK, B), FMT_MAX, OUT_DTYPE), row0, col0, K, row_end,
+                   K, BM, BK)
             tl.store(row_s_ptr + mb[:, None] * stride_rs + kb[None, :], inv, mask=mb_ok[:, None] & kb_ok[None, :])
-        if COLWISE:
-            tl.store(col_ptr + col_off, tl.trans(q), mask=col_mask)
+        if COLWISE:  # the same scales; the transposed input is cast in its own layout
+            q_t = cast_bits(scale_2d(tl.trans(x), tl.trans(scale), BK, BM, B), FMT_MAX, OUT_DTYPE)
+            store8(col_ptr, q_t, col0, row0, M, K, row_end, BK, BM)
             tl.store(col_s_ptr + kb[:, None] * stride_cs + mb[None, :], tl.trans(inv),
                      mask=kb_ok[:, None] & mb_ok[None, :])
     else:
         if ROWWISE:
             scale = fp8_scale_from_amax(block_amax_last(x, BM, BK, B, False), FMT_MAX, POW2, eps)
-            tl.store(row_ptr + row_off, cast_satfinite(scale_last(x, scale, BM, BK, B), FMT_MAX, OUT_DTYPE),
-                     mask=mask)
+            store8(row_ptr, cast_bits(scale_last(x, scale, BM, BK, B), FMT_MAX, OUT_DTYPE), row0, col0, K, row_end,
+                   K, BM, BK)
             tl.store(row_s_ptr + rows[:, None].to(tl.int64) * stride_rs + kb[None, :], reciprocal(scale),
                      mask=m_ok[:, None] & kb_ok[None, :])
-        if COLWISE:  # blocks along M, reduced in the loaded layout; only the fp8 codes are transposed
+        if COLWISE:  # scales of runs along M from the loaded tile; codes cast from the transposed input
             mb = sblk0 + tl.arange(0, BM // B)
             mb_ok = row0 + tl.arange(0, BM // B) * B < row_end
-            scale = fp8_scale_from_amax(block_amax_first(x, BM, BK, B, False), FMT_MAX, POW2, eps)
-            q = cast_satfinite(scale_first(x, scale, BM, BK, B), FMT_MAX, OUT_DTYPE)
-            tl.store(col_ptr + col_off, tl.trans(q), mask=col_mask)
-            tl.store(col_s_ptr + cols[:, None].to(tl.int64) * stride_cs + mb[None, :], tl.trans(reciprocal(scale)),
+            scale_t = tl.trans(fp8_scale_from_amax(block_amax_first(x, BM, BK, B, False), FMT_MAX, POW2, eps))
+            q_t = cast_bits(scale_last(tl.trans(x), scale_t, BK, BM, B), FMT_MAX, OUT_DTYPE)
+            store8(col_ptr, q_t, col0, row0, M, K, row_end, BK, BM)
+            tl.store(col_s_ptr + cols[:, None].to(tl.int64) * stride_cs + mb[None, :], reciprocal(scale_t),
                      mask=k_ok[:, None] & mb_ok[None, :])
 
 
@@ -296,7 +296,8 @@ def _fp8_block_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: i
     if x.numel():
         small = triton.Config({"BM": b if (columnwise or two_d) else 32, "BK": b}, num_warps=4, num_stages=1)
         launch(_fp8_block_kernel, _tile_grid(m, k, num_groups, grouped),
-               (x, row, row_s, col, col_s, splits if grouped else x, m, k, num_groups, amax_epsilon,
+               (x, row.view(torch.uint8), row_s, col.view(torch.uint8), col_s, splits if grouped else x, m, k, num_groups,
+                amax_epsilon,
                 x.stride(0), nkb, width),
                small, x.numel(), FMT_MAX=fmt_max, OUT_DTYPE=_TL_FP8[out_dtype], POW2=power_2_scale, B=b,
                BLOCK_2D=two_d, ROWWISE=rowwise, COLWISE=columnwise, GROUPED=grouped, G_P2=group_pow2(num_groups))
@@ -346,31 +347,31 @@ def _mxfp8_kernel(
     if g >= G:
         return
     rows = row0 + tl.arange(0, BM)
-    cols = pid_k * BK + tl.arange(0, BK)
+    col0 = pid_k * BK
+    cols = col0 + tl.arange(0, BK)
     m_ok = rows < row_end
     k_ok = cols < K
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :],
-                mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    x = x.to(tl.float32)
     if ROWWISE:
         kb = pid_k * (BK // B) + tl.arange(0, BK // B)
         amax = block_amax_last(x, BM, BK, B, False)
         b = mx_exponent(amax, FMT_MAX, EMAX, ROUND_UP)
         mult = tl.where(b == 128, amax, exp2_int(-b))  # a NaN block multiplies by NaN (amax is NaN there)
-        tl.store(row_ptr + rows[:, None].to(tl.int64) * K + cols[None, :],
-                 cast_satfinite(scale_last(x, mult, BM, BK, B), FMT_MAX, OUT_DTYPE),
-                 mask=m_ok[:, None] & k_ok[None, :])
+        store8(row_ptr, cast_bits(scale_last(x, mult, BM, BK, B), FMT_MAX, OUT_DTYPE), row0, col0, K, row_end, K,
+               BM, BK)
         tl.store(row_s_ptr + rows[:, None].to(tl.int64) * stride_rs + kb[None, :], (b + 127).to(tl.uint8),
                  mask=m_ok[:, None] & (kb * B < K)[None, :])
-    if COLWISE:  # blocks along M, reduced in the loaded layout; only the fp8 codes are transposed
+    if COLWISE:  # exponents of runs along M from the loaded tile; codes cast from the transposed input
         mb = sblk0 + tl.arange(0, BM // B)
         mb_ok = row0 + tl.arange(0, BM // B) * B < row_end
-        amax = block_amax_first(x, BM, BK, B, False)
-        b = mx_exponent(amax, FMT_MAX, EMAX, ROUND_UP)
-        mult = tl.where(b == 128, amax, exp2_int(-b))
-        q = cast_satfinite(scale_first(x, mult, BM, BK, B), FMT_MAX, OUT_DTYPE)
-        tl.store(col_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], tl.trans(q),
-                 mask=k_ok[:, None] & m_ok[None, :])
-        tl.store(col_s_ptr + cols[:, None].to(tl.int64) * stride_cs + mb[None, :], tl.trans((b + 127).to(tl.uint8)),
+        amax_t = tl.trans(block_amax_first(x, BM, BK, B, False))
+        b = mx_exponent(amax_t, FMT_MAX, EMAX, ROUND_UP)
+        mult = tl.where(b == 128, amax_t, exp2_int(-b))
+        store8(col_ptr, cast_bits(scale_last(tl.trans(x), mult, BK, BM, B), FMT_MAX, OUT_DTYPE), col0, row0, M, K,
+               row_end, BK, BM)
+        tl.store(col_s_ptr + cols[:, None].to(tl.int64) * stride_cs + mb[None, :], (b + 127).to(tl.uint8),
                  mask=k_ok[:, None] & mb_ok[None, :])
 
 
@@ -389,7 +390,8 @@ def _mxfp8_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, 
     col_s = (torch.zeros if grouped else torch.empty)((k, width) if columnwise else (0,), dtype=u8, device=dev)
     if x.numel():
         launch(_mxfp8_kernel, _tile_grid(m, k, num_groups, grouped),
-               (x, row, row_s, col, col_s, splits if grouped else x, m, k, num_groups, x.stride(0), nkb, width),
+               (x, row.view(torch.uint8), row_s, col.view(torch.uint8), col_s, splits if grouped else x, m, k, num_groups,
+                x.stride(0), nkb, width),
                _SMALL_TILE, x.numel(), FMT_MAX=fmt_max, EMAX=emax, ROUND_UP=round_up,
                OUT_DTYPE=_TL_FP8[out_dtype], B=block, ROWWISE=rowwise, COLWISE=columnwise, GROUPED=grouped,
                G_P2=group_pow2(num_groups))
@@ -410,7 +412,7 @@ def quantize_mxfp8(x: torch.Tensor, fmt: ElementFormat, scale_mode: ScaleMode = 
 
 # ---------------------------------------------------------------- dequantization
 
-@triton.autotune(configs=tile_configs((32, 64), (128,), (4,)), key=["R", "C"],
+@triton.autotune(configs=tile_configs(((32, 128, 4), (64, 128, 4))), key=["R", "C"],
                  prune_configs_by={"early_config_prune": prune_oversized})
 @triton.jit
 def _dequantize_kernel(

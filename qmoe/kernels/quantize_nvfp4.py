@@ -26,9 +26,10 @@ import triton.language as tl
 from torch.library import triton_op
 
 from qmoe.formats import E2M1, E4M3, FLT_MAX, NVFP4_BLOCK, NVFP4_TENSOR_MAX, RHT_SIZE, ceil_div
-from qmoe.kernels._triton_utils import (RHT_SIGN_MASK, as_rows, block_amax_2d, block_amax_last, cast_satfinite,
-                                        clamp_nan, group_pow2, is_nan, launch, max_abs_bits, prune_oversized,
-                                        reciprocal, rht_last, scale_2d, scale_last, tile_configs, tile_rows)
+from qmoe.kernels._triton_utils import (RHT_SIGN_MASK, as_rows, atomic_max_bits, block_amax_2d, block_amax_first,
+                                        block_amax_last, cast_satfinite, clamp_nan, group_pow2, is_nan, launch,
+                                        max_abs_bits, prune_oversized, reciprocal, rht_last, scale_2d, scale_first,
+                                        scale_last, store8, tile_configs, tile_rows, trans8, uniform_tile)
 from qmoe.kernels.quantize import _prune_blocks, _tile_grid, scale_width
 
 _FLT_MAX = tl.constexpr(FLT_MAX)
@@ -37,9 +38,9 @@ _TENSOR_MAX = tl.constexpr(NVFP4_TENSOR_MAX)
 _E4M3_MAX = tl.constexpr(E4M3.max)
 _E2M1_MAX = tl.constexpr(E2M1.max)
 
-# Tiles: BM a multiple of the 16-row blocks/RHT runs; 4-8 K elements per program and thread count
-# chosen by the autotuner per (M, K, G).
-_CONFIGS = tile_configs((32, 64, 128), (64, 128), (4, 8))
+# Tiles: BM a multiple of the 16-row blocks and RHT runs; 16-32 elements per thread keep the
+# two copies, the Hadamard product and Philox in registers (ptxas -v on sm_90a).
+_CONFIGS = tile_configs(((32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 8)))
 _SMALL = triton.Config({"BM": 32, "BK": 64}, num_warps=4, num_stages=1)
 _KEY = ["M", "K", "G"]
 
@@ -62,8 +63,9 @@ def e2m1_value(c):
 
 
 @triton.jit
-def e2m1_codes(y, STOCHASTIC: tl.constexpr, seed, offs):
-    """4-bit E2M1 codes (int32) of y in [-6, 6]: RNE on the grid, or stochastic; NaN -> 0, -0 -> +0."""
+def e2m1_codes(y, STOCHASTIC: tl.constexpr, u):
+    """4-bit E2M1 codes (int32) of y in [-6, 6]: RNE on the grid, or up with probability
+    (|y| - lo) / (hi - lo) when u < p (u uniform in [0, 1)); NaN -> 0, -0 -> +0."""
     a = tl.abs(y)
     if STOCHASTIC:
         lo = ((a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32)
@@ -73,7 +75,7 @@ def e2m1_codes(y, STOCHASTIC: tl.constexpr, seed, offs):
         lo_v = e2m1_value(lo)
         hi_v = e2m1_value(hi)
         p = tl.where(hi_v > lo_v, tl.math.div_rn(a - lo_v, tl.maximum(hi_v - lo_v, 0.5)), 0.0)
-        mag = tl.where(tl.rand(seed, offs) < p, hi, lo)
+        mag = tl.where(u < p, hi, lo)
     else:  # ties go to the even code: upper bounds inclusive after 0, 1, 2, 4
         mag = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
                + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
@@ -92,11 +94,19 @@ def block_scale(amax_b, s_enc, s_dec):
 
 
 @triton.jit
-def quantize_runs(x, s_enc, R: tl.constexpr, C: tl.constexpr, STOCHASTIC: tl.constexpr, seed, offs):
-    """1x16 NVFP4 of x [R, C] fp32 along the last axis -> (codes [R, C] int32, scales [R, C/16] e4m3)."""
+def quantize_runs_last(x, s_enc, R: tl.constexpr, C: tl.constexpr, STOCHASTIC: tl.constexpr, u):
+    """1x16 NVFP4 of x [R, C] fp32 in runs along the last axis -> (codes [R, C], scales [R, C/16] e4m3)."""
     sb, enc = block_scale(block_amax_last(x, R, C, 16, False), s_enc, reciprocal(s_enc))
     y = clamp_nan(scale_last(x, enc, R, C, 16), -_E2M1_MAX, _E2M1_MAX)
-    return e2m1_codes(y, STOCHASTIC, seed, offs), sb
+    return e2m1_codes(y, STOCHASTIC, u), sb
+
+
+@triton.jit
+def quantize_runs_first(x, s_enc, R: tl.constexpr, C: tl.constexpr, STOCHASTIC: tl.constexpr, u):
+    """1x16 NVFP4 in runs along the first axis -> (codes [R, C], scales [R/16, C] e4m3)."""
+    sb, enc = block_scale(block_amax_first(x, R, C, 16, False), s_enc, reciprocal(s_enc))
+    y = clamp_nan(scale_first(x, enc, R, C, 16), -_E2M1_MAX, _E2M1_MAX)
+    return e2m1_codes(y, STOCHASTIC, u), sb
 
 
 @triton.jit
@@ -116,20 +126,21 @@ def or_nibbles(col_ptr, codes_t, cols, rows, stride_col, mask):
 
 
 @triton.jit
-def store_col_codes(col_ptr, codes_t, cols, k_ok, row0, row_end, gstart, stride_col,
+def store_col_codes(col_ptr, codes_t, col0, row0, row_end, gstart, K, stride_col,
                     BK: tl.constexpr, BM: tl.constexpr, GROUPED: tl.constexpr):
     """Store codes_t [BK, BM] (rows row0.. of the tile) into packed columnwise data [K, M/2]."""
     packed = pack_pairs(codes_t, BK, BM)
-    first = row0 + 2 * tl.arange(0, BM // 2)  # first row of each byte's pair
-    whole = (first + 1 < row_end) & (gstart % 2 == 0)  # both rows are this group's, byte-aligned
-    tl.store(col_ptr + cols[:, None].to(tl.int64) * stride_col + (first // 2)[None, :], packed,
-             mask=k_ok[:, None] & whole[None, :])
-    if GROUPED:
+    if GROUPED:  # whole bytes: both rows in this group, which starts byte-aligned
+        limit = tl.where(gstart % 2 == 0, row_end // 2, 0)
+        store8(col_ptr, packed, col0, row0 // 2, stride_col, K, limit, BK, BM // 2)
         odd_start = gstart % 2 == 1
-        if odd_start | ((row_end % 2 == 1) & (row0 + BM >= row_end)):
+        if odd_start | ((row_end % 2 == 1) & (row0 + BM >= row_end)):  # bytes shared with a neighbour group
             rows = row0 + tl.arange(0, BM)
-            shared = (rows < row_end) & (odd_start | (rows == row_end - 1))
-            or_nibbles(col_ptr, codes_t, cols, rows, stride_col, k_ok[:, None] & shared[None, :])
+            cols = col0 + tl.arange(0, BK)
+            shared = (rows < row_end) & (((rows * 0 + gstart) % 2 == 1) | (rows == row_end - 1))
+            or_nibbles(col_ptr, codes_t, cols, rows, stride_col, (cols < K)[:, None] & shared[None, :])
+    else:
+        store8(col_ptr, packed, col0, row0 // 2, stride_col, K, row_end // 2, BK, BM // 2)
 
 
 # ---------------------------------------------------------------- amax launch
@@ -157,9 +168,9 @@ def _nvfp4_amax_kernel(
     k_ok = cols < K
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :],
                 mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-    tl.atomic_max(amax_ptr + g, max_abs_bits(x.to(tl.float32), True))
+    atomic_max_bits(amax_ptr + g, max_abs_bits(x.to(tl.float32), True))
     if RHT:
-        tl.atomic_max(rht_amax_ptr + g, max_abs_bits(rht_last(tl.trans(x), BK, BM, SIGN_MASK), True))
+        atomic_max_bits(rht_amax_ptr + g, max_abs_bits(rht_last(tl.trans(x), BK, BM, SIGN_MASK), True))
     if ZERO_ODD:
         if gstart % 2 == 1:
             tl.store(col_ptr + cols[:, None].to(tl.int64) * stride_col + (rows // 2)[None, :],
@@ -175,8 +186,8 @@ def _nvfp4_kernel(
         x_ptr, amax_ptr, col_amax_ptr, seed_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr,
         # sizes
         M, K, G,
-        # strides (data: K/2 and M/2 bytes per row; scales: row [*, stride_rs], columnwise [*, stride_cs])
-        stride_xm, stride_rs, stride_cs,
+        # strides (packed data: K/2 and M/2 bytes per row; scales: row [*, stride_rs], columnwise [*, stride_cs])
+        stride_xm, stride_row, stride_col, stride_rs, stride_cs,
         # meta
         B: tl.constexpr, BLOCK_2D: tl.constexpr, RHT: tl.constexpr, STOCHASTIC: tl.constexpr,
         ROWWISE: tl.constexpr, COLWISE: tl.constexpr, GROUPED: tl.constexpr, G_P2: tl.constexpr,
@@ -186,58 +197,65 @@ def _nvfp4_kernel(
     if g >= G:
         return
     rows = row0 + tl.arange(0, BM)
-    cols = pid_k * BK + tl.arange(0, BK)
+    col0 = pid_k * BK
+    cols = col0 + tl.arange(0, BK)
     m_ok = rows < row_end
     k_ok = cols < K
     x_raw = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :],
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
     x = x_raw.to(tl.float32)
     s_enc = tensor_scale(tl.load(amax_ptr + g))
-    seed_row = 0
-    seed_col = 0
+    quads = pid_k * BK + 4 * tl.arange(0, BK // 4)  # Philox counters: one per 4 values (uniform_tile)
+    u_row = 0.0
     if STOCHASTIC:
-        seed_row = tl.load(seed_ptr)
-        seed_col = tl.load(seed_ptr + 1)
-    row_rand = rows[:, None].to(tl.int64) * K + cols[None, :]
-    col_rand = cols[:, None].to(tl.int64) * M + rows[None, :]
+        u_row = uniform_tile(tl.load(seed_ptr), rows[:, None].to(tl.int64) * K + quads[None, :], BM, BK)
     kb = pid_k * (BK // B) + tl.arange(0, BK // B)
     kb_ok = kb * B < K
-    half = pid_k * (BK // 2) + tl.arange(0, BK // 2)
     mb = sblk0 + tl.arange(0, BM // B)
     mb_ok = row0 + tl.arange(0, BM // B) * B < row_end
     if BLOCK_2D:  # one scale per 16x16 block, shared by both copies
         sb, enc = block_scale(block_amax_2d(x, BM, BK, B), s_enc, reciprocal(s_enc))
         y = clamp_nan(scale_2d(x, enc, BM, BK, B), -_E2M1_MAX, _E2M1_MAX)
-        codes = e2m1_codes(y, STOCHASTIC, seed_row, row_rand)
+        codes = e2m1_codes(y, STOCHASTIC, u_row)
         if ROWWISE:
-            tl.store(row_ptr + rows[:, None].to(tl.int64) * (K // 2) + half[None, :], pack_pairs(codes, BM, BK),
-                     mask=m_ok[:, None] & (half < K // 2)[None, :])
-            tl.store(row_s_ptr + mb[:, None] * stride_rs + kb[None, :], sb, mask=mb_ok[:, None] & kb_ok[None, :])
+            store8(row_ptr, pack_pairs(codes, BM, BK), row0, col0 // 2, stride_row, row_end, stride_row, BM, BK // 2)
+            tl.store(row_s_ptr + mb[:, None] * stride_rs + kb[None, :], sb.to(tl.uint8, bitcast=True),
+                     mask=mb_ok[:, None] & kb_ok[None, :])
         if COLWISE:
-            if STOCHASTIC:
-                codes_t = e2m1_codes(tl.trans(y), STOCHASTIC, seed_col, col_rand)
+            if STOCHASTIC:  # the columnwise copy draws its own random stream
+                u_col = uniform_tile(tl.load(seed_ptr + 1), cols[:, None].to(tl.int64) * M
+                                     + (row0 + 4 * tl.arange(0, BM // 4))[None, :], BK, BM)
+                codes_t = e2m1_codes(tl.trans(y), STOCHASTIC, u_col)
             else:
                 codes_t = tl.trans(codes)
-            store_col_codes(col_ptr, codes_t, cols, k_ok, row0, row_end, gstart, M // 2, BK, BM, GROUPED)
-            tl.store(col_s_ptr + kb[:, None] * stride_cs + mb[None, :], tl.trans(sb),
+            store_col_codes(col_ptr, codes_t, col0, row0, row_end, gstart, K, stride_col, BK, BM, GROUPED)
+            tl.store(col_s_ptr + kb[:, None] * stride_cs + mb[None, :], trans8(sb),
                      mask=kb_ok[:, None] & mb_ok[None, :])
     else:
         if ROWWISE:
-            codes, sb = quantize_runs(x, s_enc, BM, BK, STOCHASTIC, seed_row, row_rand)
-            tl.store(row_ptr + rows[:, None].to(tl.int64) * (K // 2) + half[None, :], pack_pairs(codes, BM, BK),
-                     mask=m_ok[:, None] & (half < K // 2)[None, :])
-            tl.store(row_s_ptr + rows[:, None].to(tl.int64) * stride_rs + kb[None, :], sb,
+            codes, sb = quantize_runs_last(x, s_enc, BM, BK, STOCHASTIC, u_row)
+            store8(row_ptr, pack_pairs(codes, BM, BK), row0, col0 // 2, stride_row, row_end, stride_row, BM, BK // 2)
+            tl.store(row_s_ptr + rows[:, None].to(tl.int64) * stride_rs + kb[None, :], sb.to(tl.uint8, bitcast=True),
                      mask=m_ok[:, None] & kb_ok[None, :])
         if COLWISE:
-            if RHT:
+            if RHT:  # transform runs of 16 rows on tensor cores; quantize the [BK, BM] result along M
                 xt = rht_last(tl.trans(x_raw), BK, BM, SIGN_MASK)
-                s_col = tensor_scale(tl.load(col_amax_ptr + g))
-            else:
-                xt = tl.trans(x)
-                s_col = s_enc
-            codes_t, sb_t = quantize_runs(xt, s_col, BK, BM, STOCHASTIC, seed_col, col_rand)
-            store_col_codes(col_ptr, codes_t, cols, k_ok, row0, row_end, gstart, M // 2, BK, BM, GROUPED)
-            tl.store(col_s_ptr + cols[:, None].to(tl.int64) * stride_cs + mb[None, :], sb_t,
+                u_col = 0.0
+                if STOCHASTIC:
+                    u_col = uniform_tile(tl.load(seed_ptr + 1), cols[:, None].to(tl.int64) * M
+                                         + (row0 + 4 * tl.arange(0, BM // 4))[None, :], BK, BM)
+                codes_t, sb_t = quantize_runs_last(xt, tensor_scale(tl.load(col_amax_ptr + g)), BK, BM,
+                                                   STOCHASTIC, u_col)
+            else:  # runs along M quantized in the loaded layout, then transposed
+                u_col = 0.0
+                if STOCHASTIC:
+                    u_col = uniform_tile(tl.load(seed_ptr + 1), quads[None, :].to(tl.int64) * M + rows[:, None],
+                                         BM, BK)
+                codes, sb_c = quantize_runs_first(x, s_enc, BM, BK, STOCHASTIC, u_col)
+                codes_t = tl.trans(codes)  # 32-bit: see trans8
+                sb_t = trans8(sb_c)
+            store_col_codes(col_ptr, codes_t, col0, row0, row_end, gstart, K, stride_col, BK, BM, GROUPED)
+            tl.store(col_s_ptr + cols[:, None].to(tl.int64) * stride_cs + mb[None, :], sb_t.to(tl.uint8, bitcast=True),
                      mask=k_ok[:, None] & mb_ok[None, :])
 
 
@@ -265,15 +283,16 @@ def _nvfp4_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, 
     bits = torch.zeros((2, num_groups), dtype=torch.int32, device=dev)  # amax, amax after RHT
     amax, rht_amax = bits.view(torch.float32).unbind(0)
     if x.numel():
+        amax_bits, rht_bits = bits.unbind(0)  # atomic_max runs on the int32 patterns
         rht_col = rht and columnwise
         grid = _tile_grid(m, k, num_groups, grouped)
         dummy = splits if grouped else x
-        launch(_nvfp4_amax_kernel, grid, (x, amax, rht_amax, col, dummy, m, k, num_groups, x.stride(0), m // 2),
+        launch(_nvfp4_amax_kernel, grid, (x, amax_bits, rht_bits, col, dummy, m, k, num_groups, x.stride(0), m // 2),
                _SMALL, x.numel(), RHT=rht_col, ZERO_ODD=grouped and columnwise, GROUPED=grouped,
                G_P2=group_pow2(num_groups), SIGN_MASK=RHT_SIGN_MASK)
         launch(_nvfp4_kernel, grid,
-               (x, amax, rht_amax if rht_col else amax, seeds if seeds is not None else x, row, row_s, col, col_s,
-                dummy, m, k, num_groups, x.stride(0), nkb, width),
+               (x, amax, rht_amax if rht_col else amax, seeds if seeds is not None else x, row, row_s.view(torch.uint8),
+                col, col_s.view(torch.uint8), dummy, m, k, num_groups, x.stride(0), k // 2, m // 2, nkb, width),
                _SMALL, x.numel(), B=b, BLOCK_2D=block_2d, RHT=rht_col, STOCHASTIC=seeds is not None,
                ROWWISE=rowwise, COLWISE=columnwise, GROUPED=grouped, G_P2=group_pow2(num_groups),
                SIGN_MASK=RHT_SIGN_MASK)
@@ -313,7 +332,7 @@ def quantize_nvfp4(x: torch.Tensor, block_2d: bool = False, rowwise: bool = True
 
 # ---------------------------------------------------------------- dequantization
 
-@triton.autotune(configs=tile_configs((32, 64), (128,), (4,)), key=["R", "C"],
+@triton.autotune(configs=tile_configs(((32, 128, 4), (64, 128, 4))), key=["R", "C"],
                  prune_configs_by={"early_config_prune": prune_oversized})
 @triton.jit
 def _dequantize_nvfp4_kernel(

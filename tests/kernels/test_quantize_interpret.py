@@ -1,0 +1,138 @@
+"""The quantize kernels on CPU, under Triton's interpreter (TRITON_INTERPRET=1), at tiny sizes.
+
+The interpreter mis-rounds float -> fp8 casts (ties and carries into the next binade), so FP8
+codes are proven on the GPU (test_quantize_kernels.py). Here, against the reference, bit for
+bit: tensor and group amaxes, FP8 block scales (1x128, 128x128, power-of-two and fp32), E8M0
+exponents of both MX scale modes, grouped scale layouts with empty and odd groups, and NVFP4
+codes, E4M3 scales and amaxes on inputs whose block scales are exact (every 16-run holds the
+tensor amax), including odd group boundaries in the packed columnwise data and the RHT (fp32).
+Runs in a subprocess so the interpreter switch never leaks into other tests.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_kernels_under_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-W", "ignore", __file__], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "all interpreter checks passed" in proc.stdout
+
+
+# ---------------------------------------------------------------- the checks (run in the subprocess)
+
+def _same(got, want, what):
+    import torch
+    assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, want.shape, got.dtype, want.dtype)
+    if got.dtype == torch.float32:
+        same = (got.view(torch.int32) == want.view(torch.int32)) | (torch.isnan(got) & torch.isnan(want))
+    else:
+        same = got.view(torch.uint8) == want.view(torch.uint8)
+    assert bool(same.all()), f"{what}: {(~same).sum().item()} of {same.numel()} differ"
+
+
+def _inputs():
+    import torch
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 200, generator=g) * torch.exp(torch.randn(40, 200, generator=g) * 4)
+    x[3, 5], x[10, 150], x[20, 7], x[30, 0] = float("nan"), float("inf"), -float("inf"), 0.0
+    x[25] = 0.0
+    return x
+
+
+def _exact_nvfp4_input(m, k, seed=1, splits=None):
+    """Every 16-run along either axis (within each group) holds +-8 = the tensor amax, so every E4M3
+    block scale is exact: a +-8 diagonal in every 16x16 tile, and full rows of +-8 where a group's
+    16-row runs start."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * 2
+    pm8 = torch.where(torch.rand(m, k, generator=g) < 0.5, -8.0, 8.0)
+    mark = (torch.arange(m)[:, None] % 16) == (torch.arange(k)[None, :] % 16)
+    start = 0
+    for size in (splits or [m]):
+        mark[start:start + size:16] = True
+        start += size
+    return torch.where(mark, pm8, x)
+
+
+def check_fp8_scales():
+    import torch
+    from qmoe.formats import E4M3, E5M2, ScaleMode
+    from qmoe.kernels import grouped_quantize as KG
+    from qmoe.kernels import quantize as K
+    from qmoe.reference import grouped_quantize as RG
+    from qmoe.reference import quantize as R
+    x = _inputs()
+    _same(K.tensor_amax(x), R.tensor_amax(x), "amax")
+    amax = torch.tensor([0.0, 1e-40, 1.0, 3.3, 3e38, float("inf"), float("nan")])
+    for p2 in (False, True):
+        _same(K.compute_fp8_scale(amax, E4M3.max, p2, 1e-3), R.compute_fp8_scale(amax, E4M3.max, p2, 1e-3), "scale")
+    for br, p2 in ((1, True), (1, False), (128, True)):
+        k = K.quantize_fp8_block(x, br, 128, E4M3, p2, 0.0, True, True)
+        r = R.quantize_fp8_block(x, br, 128, E4M3, p2, 0.0, True, True)
+        _same(k[1], r[1], f"block {br} row scales")
+        _same(k[3], r[3], f"block {br} col scales")
+    for fmt in (E4M3, E5M2):
+        for mode in ScaleMode:
+            k = K.quantize_mxfp8(x, fmt, mode, True, True)
+            r = R.quantize_mxfp8(x, fmt, mode, True, True)
+            _same(k[1], r[1], f"mx {fmt} {mode} row e8m0")
+            _same(k[3], r[3], f"mx {fmt} {mode} col e8m0")
+    splits = torch.tensor([0, 13, 1, 0, 26])
+    xg = x[:40]
+    _same(KG.grouped_tensor_amax(xg, splits), RG.grouped_tensor_amax(xg, splits), "grouped amax")
+    _same(KG.grouped_quantize_fp8_tensorwise(xg, splits, torch.ones(5), E4M3, True, True)[2],
+          RG.grouped_quantize_fp8_tensorwise(xg, splits, torch.ones(5), E4M3, True, True)[2], "grouped cast amax")
+    for br in (1, 128):
+        k = KG.grouped_quantize_fp8_block(xg, splits, br, 128, E4M3, True, 0.0, True, True)
+        r = RG.grouped_quantize_fp8_block(xg, splits, br, 128, E4M3, True, 0.0, True, True)
+        _same(k[1], r[1], f"grouped block {br} row scales")
+        _same(k[3], r[3], f"grouped block {br} col scales")
+    k = KG.grouped_quantize_mxfp8(xg, splits, E4M3, ScaleMode.ROUND_UP, True, True)
+    r = RG.grouped_quantize_mxfp8(xg, splits, E4M3, ScaleMode.ROUND_UP, True, True)
+    _same(k[1], r[1], "grouped mx row e8m0")
+    _same(k[3], r[3], "grouped mx col e8m0")
+
+
+def check_nvfp4():
+    import torch
+    from qmoe.kernels import grouped_quantize as KG
+    from qmoe.kernels import quantize_nvfp4 as K4
+    from qmoe.reference import grouped_quantize as RG
+    from qmoe.reference import quantize_nvfp4 as R4
+    names = ("row", "row_scale", "amax", "col", "col_scale", "col_amax")
+    x = _exact_nvfp4_input(32, 64)
+    for block_2d, rht in ((False, False), (True, False), (False, True)):
+        for got, want, n in zip(K4.quantize_nvfp4(x, block_2d, True, True, rht),
+                                R4.quantize_nvfp4(x, block_2d, True, True, rht), names):
+            _same(got, want, f"nvfp4 2d={block_2d} rht={rht} {n}")
+    r = R4.quantize_nvfp4(x, False, True, True)
+    _same(K4.dequantize_nvfp4(r[3], r[4], r[5]), R4.dequantize_nvfp4(r[3], r[4], r[5]), "nvfp4 dequantize")
+    sizes = [3, 0, 13, 1, 31]  # odd starts: bytes shared by two groups
+    xg, splits = _exact_nvfp4_input(48, 32, seed=2, splits=sizes), torch.tensor(sizes)
+    for block_2d in (False, True):
+        for got, want, n in zip(KG.grouped_quantize_nvfp4(xg, splits, block_2d, True, True),
+                                RG.grouped_quantize_nvfp4(xg, splits, block_2d, True, True), names):
+            _same(got, want, f"grouped nvfp4 2d={block_2d} {n}")
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    a = K4.quantize_nvfp4(x, False, True, True, True, True, g1)
+    b = K4.quantize_nvfp4(x, False, True, True, True, True, g2)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[3], b[3]), "stochastic rounding must be reproducible"
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    check_fp8_scales()
+    check_nvfp4()
+    print("all interpreter checks passed")
