@@ -33,18 +33,23 @@ def _cmd_info(args) -> int:
     return 0
 
 
-def _cmd_report(args) -> int:
-    from qmoe.report import format_table, load_report_config, plot_report, rows_as_dicts, run_report
-
-    recipes, shapes, seed = load_report_config(args.config) if args.config else (None, None, args.seed)
-    rows = run_report(recipes, shapes, seed=seed, device=args.device, progress=not args.no_progress)
+def _print_and_save(args, rows, format_table, rows_as_dicts, plot) -> None:
+    """The table on stdout, and the rows as `--json` and a figure as `--plot` when asked."""
     print(format_table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows_as_dicts(rows), indent=2) + "\n")
         print(f"wrote {args.json}")
     if args.plot:
-        plot_report(rows, args.plot)
+        plot(rows, args.plot)
         print(f"wrote {args.plot}")
+
+
+def _cmd_report(args) -> int:
+    from qmoe.report import format_table, load_report_config, plot_report, rows_as_dicts, run_report
+
+    recipes, shapes, seed = load_report_config(args.config) if args.config else (None, None, args.seed)
+    rows = run_report(recipes, shapes, seed=seed, device=args.device, progress=not args.no_progress)
+    _print_and_save(args, rows, format_table, rows_as_dicts, plot_report)
     return 0
 
 
@@ -57,13 +62,7 @@ def _cmd_compare(args) -> int:
     if args.steps is not None:
         kwargs["steps"] = args.steps
     rows = run_compare(**kwargs, device=args.device, progress=not args.no_progress)
-    print(format_table(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows_as_dicts(rows), indent=2) + "\n")
-        print(f"wrote {args.json}")
-    if args.plot:
-        plot_compare(rows, args.plot)
-        print(f"wrote {args.plot}")
+    _print_and_save(args, rows, format_table, rows_as_dicts, plot_compare)
     failed = [r.recipe for r in rows if r.error]
     if failed:
         print(f"qmoe compare: {', '.join(failed)} failed (see the table)", file=sys.stderr)

@@ -14,6 +14,7 @@ from qmoe import ops
 from qmoe.autocast import RecipeState, autocast_state
 from qmoe.nn.grouped_mlp import GroupedMLP
 from qmoe.nn.router import TopKRouter
+from qmoe.reference.permute import num_permuted_rows
 
 
 class MoELayer(nn.Module):
@@ -93,8 +94,7 @@ class MoELayer(nn.Module):
             return out.reshape(shape)
         # R rounded up to whole blocks: the zero tail joins the last expert's group (absorb_tail)
         # without breaking any block a recipe needs (NVFP4's 16-row Hadamard runs, say)
-        rows = tokens.shape[0] * self.top_k + self.num_experts * (align - 1)
-        rows = -(-rows // align) * align
+        rows = -(-num_permuted_rows(tokens.shape[0], self.top_k, self.num_experts, align) // align) * align
         permuted, row_probs, row_id_map, split_sizes = ops.moe_permute(
             tokens, routing_map, probs, align_size=align, top_k=self.top_k, num_rows=rows)
         y = self.experts(permuted, split_sizes.to(torch.int64), row_probs)

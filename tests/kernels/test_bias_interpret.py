@@ -6,28 +6,19 @@ TRITON_INTERPRET=1 on this same file; there the comparisons run. The kernel sums
 per group with fp32 atomics, so dbias matches the reference up to fp32 summation order;
 dscales (one row at a time) and the zero rows are exact.
 """
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-inside = pytest.mark.skipif(not INTERPRETING, reason="runs inside the TRITON_INTERPRET=1 subprocess")
+from tests.kernels.interpret import INTERPRETING, inside, launcher, run_under_interpreter  # noqa: F401
 
 pytest.importorskip("triton")
 
 
-@pytest.mark.skipif(INTERPRETING, reason="this is the subprocess")
+@launcher
 def test_bias_kernel_under_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", QMOE_BACKEND="triton")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-        cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_under_interpreter(__file__)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     # everything passed there; the one skip is this launcher test itself
     assert re.search(r"\b\d+ passed, 1 skipped in ", proc.stdout), proc.stdout[-2000:]

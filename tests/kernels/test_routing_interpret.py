@@ -6,28 +6,19 @@ in the normal session starts a fresh interpreter with TRITON_INTERPRET=1 and QMO
 test skips. In the normal session those tests skip. The GPU proves the same equalities at real
 sizes (tests/ops, `-m gpu`); this catches kernel logic errors without a GPU.
 """
-import os
-import subprocess
-import sys
 import warnings
 
 import pytest
 import torch
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-inside = pytest.mark.skipif(not INTERPRETING, reason="runs inside the TRITON_INTERPRET=1 subprocess")
+from tests.kernels.interpret import INTERPRETING, inside, launcher, run_under_interpreter  # noqa: F401
 
 pytest.importorskip("triton")
 
 
-@pytest.mark.skipif(INTERPRETING, reason="this is the subprocess")
+@launcher
 def test_routing_kernels_under_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", QMOE_BACKEND="triton")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-        cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_under_interpreter(__file__)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and " failed" not in proc.stdout
 
