@@ -67,6 +67,8 @@ CASES = {
     "nvfp4": (2, dict(recipe="nvfp4", expect="identical")),
     "shared-amax-reduced-expert-amax-local": (2, dict(kind="amax")),
     "experts-not-divisible-by-ranks-raise": (2, dict(kind="bad-experts")),
+    "mxfp8-capacity-cuda-graph": (2, dict(kind="graph", recipe="mxfp8", capacity=2.0, gpu_only=True)),
+    "fp32-capacity-cuda-graph": (2, dict(kind="graph", capacity=1.0, gpu_only=True)),
     "fp32-k2-4ranks": (4, dict(top_k=2, bias=True, aux=0.1)),
     "fp32-skew-4ranks": (4, dict(skew="one-rank")),
     "fp32-capacity-4ranks": (4, dict(capacity=1.5, tokens="equal")),
@@ -217,9 +219,41 @@ def GroupedTensorOf(q, w):  # noqa: N802 - two groups of the same rows
     return GroupedTensor.quantize(torch.cat((w, w)), [4, 4], q)
 
 
+def _check_graph_replay(spec, rank, world):
+    """Fixed-capacity EP: the layer's forward and backward captured in CUDA graphs (NCCL all-to-alls
+    inside) replay new tokens, so new routing, exactly as the eager layer computes them."""
+    import qmoe
+
+    recipe = _recipe(spec.get("recipe"))
+    layer = _build(spec, world, group=dist.group.WORLD).train()
+    gen = torch.Generator().manual_seed(10 + rank)
+    batches = [(torch.randn(16, H, generator=gen).to(_DEVICE), torch.randn(16, H, generator=gen).to(_DEVICE))
+               for _ in range(3)]
+    sample = batches[0][0].clone().requires_grad_(True)
+    with qmoe.autocast(recipe=recipe, enabled=recipe is not None):
+        graphed = qmoe.graph.capture(layer, (sample,))
+
+    def run(fn, x, g):
+        layer.zero_grad(set_to_none=True)
+        x = x.clone().requires_grad_(True)
+        with qmoe.autocast(recipe=recipe, enabled=recipe is not None):
+            y = fn(x)
+        ((y.float() * g.float()).sum() + layer.aux_loss).backward()
+        return {"y": y.detach().clone(), "dx": x.grad.clone(), **_grads(layer)}
+
+    for x, g in batches[1:]:
+        want = run(layer, x, g)
+        got = run(graphed, x, g)
+        for k in want:
+            assert torch.equal(got[k], want[k]), \
+                f"{k}: replay differs from eager, max diff {(got[k] - want[k]).abs().max().item():.3g}"
+
+
 def _run_case(spec, rank, world):
     from qmoe.parallel import shard_expert_state_dict
 
+    if spec.get("kind") == "graph":
+        return _check_graph_replay(spec, rank, world)
     if spec.get("kind") == "amax":
         return _check_amax_groups(rank, world)
     if spec.get("kind") == "bad-experts":
@@ -279,7 +313,9 @@ def _worker(rank, world, port, out_dir, case_ids, backend="gloo"):
     if backend == "nccl":  # NCCL_NVLS_ENABLE and the like are inherited from the environment as they are
         torch.cuda.set_device(rank)
         _DEVICE = torch.device("cuda", rank)
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    # kernels compile and autotune on first use under NCCL: a rank may wait that long for the other
+    timeout = datetime.timedelta(seconds=60 if backend == "gloo" else 300)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
     verdicts = {}
     try:
         for case in case_ids:
@@ -311,14 +347,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(world, backend="gloo", case_ids=None):
+def _spawn(world, backend="gloo", case_ids=None, deadline_s=DEADLINE_S):
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    case_ids = case_ids or [c for c, (w, _) in CASES.items() if w == world]
+    case_ids = case_ids or [c for c, (w, spec) in CASES.items() if w == world and not spec.get("gpu_only")]
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(_worker, args=(world, _free_port(), out_dir, case_ids, backend), nprocs=world,
                                  join=False, start_method="spawn")
-        deadline = time.monotonic() + DEADLINE_S
+        deadline = time.monotonic() + deadline_s
         try:
             while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):
                 if time.monotonic() >= deadline:
@@ -336,7 +372,7 @@ def _spawn(world, backend="gloo", case_ids=None):
             if os.path.exists(path):
                 with open(path) as f:
                     got = json.load(f)
-            verdicts.append({c: got.get(c, f"not run: the {world}-process run stopped (deadline {DEADLINE_S} s "
+            verdicts.append({c: got.get(c, f"not run: the {world}-process run stopped (deadline {deadline_s} s "
                                             f"or a crash) before this case") for c in case_ids})
     return verdicts
 
@@ -352,7 +388,7 @@ def ep_runs():
     return get
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [c for c, (_, spec) in CASES.items() if not spec.get("gpu_only")])
 def test_expert_parallel_layer_equals_single_process(case, ep_runs):
     world = CASES[case][0]
     failures = [f"rank {r}:\n{v[case]}" for r, v in enumerate(ep_runs(world)) if v.get(case)]
@@ -360,15 +396,17 @@ def test_expert_parallel_layer_equals_single_process(case, ep_runs):
 
 
 GPU_CASES = ["fp32-k2", "fp32-skew-zero-rank-one-expert", "fp32-capacity", "bf16", "delayed", "current-quantized",
-             "block-quantized", "mxfp8-quantized", "mxfp8-quantized-skew", "mxfp8-quantized-capacity", "nvfp4"]
+             "block-quantized", "mxfp8-quantized", "mxfp8-quantized-skew", "mxfp8-quantized-capacity", "nvfp4",
+             "fp32-capacity-cuda-graph", "mxfp8-capacity-cuda-graph"]
 
 
 @pytest.mark.gpu
 def test_expert_parallel_layer_on_gpus():
-    """The 2-rank cases on 2 GPUs with NCCL and qmoe's kernels, within each recipe's tolerance (not run yet)."""
+    """The 2-rank cases on 2 GPUs with NCCL and qmoe's kernels, within each recipe's tolerance, and
+    the fixed-capacity layer captured in CUDA graphs."""
     if torch.cuda.device_count() < 2 or not dist.is_nccl_available():
         pytest.skip("needs 2 CUDA GPUs and NCCL")
-    verdicts = _spawn(2, "nccl", GPU_CASES)
+    verdicts = _spawn(2, "nccl", GPU_CASES, deadline_s=480)  # first runs compile and autotune the kernels
     failures = [f"{case} on rank {r}:\n{v[case]}" for r, v in enumerate(verdicts) for case in GPU_CASES if v[case]]
     assert not failures, "\n".join(failures)
 

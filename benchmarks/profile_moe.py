@@ -1,0 +1,67 @@
+"""Where an MoE layer step spends its GPU time: the top kernels per recipe (torch.profiler).
+
+Run: `PYTHONPATH=. python -m benchmarks.profile_moe [--shape deepseek-v3-ep8] [--recipes ...]`.
+Prints, per recipe, the kernels of two forward + backward steps sorted by total CUDA time
+(per step), and writes the same tables to --out. This is a diagnostic, not a benchmark file:
+the step times of record are `qmoe bench moe`'s.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from benchmarks.bench_moe import RECIPES, SHAPES, _step_fn
+
+
+def profile(shape: dict, recipe_name: str, steps: int = 2, top: int = 25) -> str:
+    import qmoe
+    from qmoe.recipes import recipe_from_config
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    torch.manual_seed(0)
+    layer = qmoe.nn.MoELayer(shape["hidden"], shape["ffn"], shape["experts"], shape["top_k"],
+                             params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(shape["tokens"], shape["hidden"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    recipe = None if recipe_name == "bf16" else recipe_from_config({"name": recipe_name})
+    step = _step_fn(layer, x, dy, recipe)
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: e.device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in events) / steps / 1e3
+    lines = [f"== {recipe_name}: {total:.2f} ms of kernels per step"]
+    for e in events[:top]:
+        ms = e.self_device_time_total / steps / 1e3
+        if ms <= 0:
+            continue
+        lines.append(f"{ms:8.3f} ms {e.count // steps:5d}x  {e.key[:110]}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=list(SHAPES), default="deepseek-v3-ep8")
+    parser.add_argument("--recipes", nargs="+", choices=list(RECIPES), default=list(RECIPES))
+    parser.add_argument("--out", default=None, help="also write the tables to this file")
+    args = parser.parse_args(argv)
+    tables = []
+    for name in args.recipes:
+        table = profile(SHAPES[args.shape], name)
+        print(table, flush=True)
+        tables.append(table)
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n\n".join(tables) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
