@@ -1,4 +1,4 @@
-"""Expert parallelism on CPU: `MoELayer(ep_group=...)` over 2 and 4 gloo processes.
+"""Expert parallelism on CPU: `MoELayer(ep_group=...)` over 2, 4 and 8 gloo processes.
 
 Every case compares the expert-parallel layer with the single-process MoELayer holding all E
 experts and the same weights (rank r loads its slice, `shard_expert_state_dict`): the output
@@ -74,6 +74,11 @@ CASES = {
     "fp32-capacity-4ranks": (4, dict(capacity=1.5, tokens="equal")),
     "block-quantized-4ranks": (4, dict(recipe="block", expect="identical", requantized="tolerance")),
     "current-quantized-skew-4ranks": (4, dict(recipe="current", skew="one-rank", expect="tolerance")),
+    # 8 ranks, one expert each (E = 8): the DeepSeek-V3 layout's degree of expert parallelism
+    "fp32-k2-8ranks": (8, dict(top_k=2, aux=0.1)),
+    "fp32-skew-8ranks": (8, dict(skew="one-rank", top_k=1, bias=True)),  # rank 0 holds one expert
+    "mxfp8-quantized-8ranks": (8, dict(recipe="mxfp8", expect="identical", requantized="tolerance")),
+    "fp32-capacity-8ranks": (8, dict(capacity=1.5, tokens="equal")),
 }
 
 
