@@ -53,7 +53,34 @@ def _fwd_bwd(forward, inputs):
     return run
 
 
-def _stage(rows, model, stage, shape, eager_fwd, qmoe_fwd, inputs):
+_COPY_GBPS = []  # the device's copy bandwidth, measured once per run
+
+
+def copy_gbps() -> float:
+    """Bytes read + written per second by a 1 GiB device-to-device copy (the roofline's bandwidth)."""
+    if not _COPY_GBPS:
+        src = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
+        dst = torch.empty_like(src)
+        ms = _bench(lambda: dst.copy_(src))
+        _COPY_GBPS.append(2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9)
+    return _COPY_GBPS[0]
+
+
+def min_bytes(stage: str, t: int, e: int, k: int = 0, h: int = 0, rows: int = 0) -> int:
+    """The fewest bytes a stage's forward + backward can move (each input read once, each output
+    written once; fp32 probs/logits, bool routing map, bf16 activations)."""
+    te = t * e
+    return {
+        "router": te * (4 + 4 + 1) + te * (4 + 4),  # logits -> probs, map; dprobs -> dlogits
+        "aux_loss": te * 4 + te * 4,  # read probs; write dprobs
+        "seq_aux_loss": te * (4 + 1) + te * 4,  # probs and map; write dprobs
+        "z_loss": te * 4 + te * (4 + 4),  # read logits; read them again and write dlogits
+        "permute": 2 * (t * h + rows * h) * 2,  # x -> rows; drows -> dx
+        "unpermute": (rows * h + t * h) * 2 + (t * h + 2 * rows * h) * 2,  # y -> out; dout, y -> dy
+    }[stage]
+
+
+def _stage(rows, model, stage, shape, eager_fwd, qmoe_fwd, inputs, nbytes=None):
     row = dict(model=model, stage=stage, shape=shape)
     for name, fwd in (("eager", eager_fwd), ("qmoe", qmoe_fwd)):
         with torch.no_grad():
@@ -61,9 +88,16 @@ def _stage(rows, model, stage, shape, eager_fwd, qmoe_fwd, inputs):
         row[f"{name}_ms"] = _bench(_fwd_bwd(fwd, inputs))
     row["speedup"] = row["eager_ms"] / row["qmoe_ms"]
     row["speedup_fwd"] = row["eager_fwd_ms"] / row["qmoe_fwd_ms"]
+    # the speed of light: min bytes at copy bandwidth. eager_ms / roofline_ms is the largest
+    # speedup any implementation could show over eager; qmoe_frac_roofline how close qmoe gets
+    row["min_bytes"] = nbytes
+    row["roofline_ms"] = nbytes / (copy_gbps() * 1e9) * 1e3 if nbytes else None
+    row["max_possible_speedup"] = row["eager_ms"] / row["roofline_ms"] if nbytes else None
+    row["qmoe_frac_roofline"] = row["roofline_ms"] / row["qmoe_ms"] if nbytes else None
     rows.append(row)
     print(f"{model:>12} {stage:<14} {str(shape):<58} eager {row['eager_ms']:8.3f} ms  "
-          f"qmoe {row['qmoe_ms']:8.3f} ms  x{row['speedup']:6.2f}   (fwd x{row['speedup_fwd']:.2f})",
+          f"qmoe {row['qmoe_ms']:8.3f} ms  x{row['speedup']:6.2f}   (fwd x{row['speedup_fwd']:.2f}; "
+          f"at most x{row['max_possible_speedup'] or 0:.1f} at copy bandwidth)",
           flush=True)
 
 
@@ -80,7 +114,7 @@ def bench_model(rows, name, cfg, scale):
     logits = torch.randn(t, e, device=dev, requires_grad=True)
     shape = dict(T=t, E=e, K=k, **{n: v for n, v in kw.items() if n != "expert_bias"})
     _stage(rows, name, "router", shape, lambda: ref_router.topk_route(logits, k, **kw)[0],
-           lambda: ops.topk_route(logits, k, **kw)[0], [logits])
+           lambda: ops.topk_route(logits, k, **kw)[0], [logits], min_bytes("router", t, e))
 
     with torch.no_grad():
         probs, routing_map = ops.topk_route(logits, k, **kw)
@@ -88,23 +122,25 @@ def bench_model(rows, name, cfg, scale):
     counts = routing_map.sum(0)
     _stage(rows, name, "aux_loss", dict(T=t, E=e),
            lambda: ref_aux.moe_aux_loss(probs, counts, t, e, k, 1e-2),
-           lambda: ops.moe_aux_loss(probs, counts, t, e, k, 1e-2), [probs])
+           lambda: ops.moe_aux_loss(probs, counts, t, e, k, 1e-2), [probs], min_bytes("aux_loss", t, e))
     _stage(rows, name, "seq_aux_loss", dict(T=t, E=e, L=seq),
            lambda: ref_aux.seq_aux_loss(probs, routing_map, seq, k, 1e-2),
-           lambda: ops.seq_aux_loss(probs, routing_map, seq, k, 1e-2), [probs])
+           lambda: ops.seq_aux_loss(probs, routing_map, seq, k, 1e-2), [probs], min_bytes("seq_aux_loss", t, e))
     _stage(rows, name, "z_loss", dict(T=t, E=e), lambda: ref_aux.z_loss(logits, 1e-3),
-           lambda: ops.z_loss(logits, 1e-3), [logits])
+           lambda: ops.z_loss(logits, 1e-3), [logits], min_bytes("z_loss", t, e))
 
     x = torch.randn(t, h, device=dev, dtype=torch.bfloat16, requires_grad=True)
     pshape = dict(T=t, E=e, K=k, H=h, align=align, dtype="bf16")
+    used = t * k  # rows that carry a token (padding rows are written once, counted in neither)
     _stage(rows, name, "permute", pshape,
            lambda: ref_perm.moe_permute(x, routing_map, probs, align, top_k=k)[:2],
-           lambda: ops.moe_permute(x, routing_map, probs, align, top_k=k)[:2], [x, probs])
+           lambda: ops.moe_permute(x, routing_map, probs, align, top_k=k)[:2], [x, probs],
+           min_bytes("permute", t, e, k, h, used))
     with torch.no_grad():
         out, _, row_id_map, _ = ops.moe_permute(x, routing_map, probs, align, top_k=k)
     y = torch.randn_like(out).requires_grad_(True)
     _stage(rows, name, "unpermute", pshape, lambda: ref_perm.moe_unpermute(y, row_id_map, probs),
-           lambda: ops.moe_unpermute(y, row_id_map, probs), [y, probs])
+           lambda: ops.moe_unpermute(y, row_id_map, probs), [y, probs], min_bytes("unpermute", t, e, k, h, used))
 
 
 def bench_aux_only(rows, scale):
@@ -117,7 +153,7 @@ def bench_aux_only(rows, scale):
         counts = (torch.rand(t, e, device="cuda") < 8 / e).sum(0)
         _stage(rows, f"aux-E{e}", "aux_loss", dict(T=t, E=e),
                lambda: ref_aux.moe_aux_loss(probs, counts, t, e, 8, 1e-2),
-               lambda: ops.moe_aux_loss(probs, counts, t, e, 8, 1e-2), [probs])
+               lambda: ops.moe_aux_loss(probs, counts, t, e, 8, 1e-2), [probs], min_bytes("aux_loss", t, e))
         del probs
 
 
@@ -153,8 +189,11 @@ def main(argv=None) -> int:
         qmoe_backend="triton" if use_kernels(probe) else "reference",
         method="triton.testing.do_bench medians, ms; *_ms = forward + backward, *_fwd_ms = forward "
                "(no_grad); eager = qmoe.reference run op by op in PyTorch (the spec, autograd "
-               "backward), qmoe = qmoe.ops (Triton kernels); speedup = eager / qmoe",
-        quick=args.quick, target="qmoe >= 3x eager for each stage",
+               "backward), qmoe = qmoe.ops (Triton kernels); speedup = eager / qmoe; min_bytes: the "
+               "fewest bytes the stage's forward + backward can move; roofline_ms = min_bytes / copy_gbps "
+               "(a 1 GiB copy, same run); max_possible_speedup = eager_ms / roofline_ms (no "
+               "implementation can beat eager by more); qmoe_frac_roofline = roofline_ms / qmoe_ms",
+        quick=args.quick, target="qmoe >= 3x eager for each stage", copy_gbps=copy_gbps(),
         rows=rows,
     )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
