@@ -3,12 +3,21 @@
 State lives in a ContextVar, so nesting restores the outer region and threads/tasks do not
 leak into each other. Delayed-scaling forward slots are updated (reduced over
 `amax_reduction_group`, rolled, rescaled) when the outermost region exits.
+
+torch.compile cannot read a ContextVar, so every region also mirrors its state into a
+thread-local that compiled code reads (and guards on: entering a region with another recipe
+recompiles rather than reusing a graph built for the old one). The two agree except for
+asyncio tasks interleaving regions on one thread, where compiled code sees the thread's
+latest region.
 """
 from __future__ import annotations
 
 import contextvars
 import dataclasses
+import threading
 from dataclasses import dataclass
+
+import torch
 
 from qmoe.quant.delayed import close_forward_region, open_forward_region
 from qmoe.recipes import DelayedScaling, Recipe
@@ -28,11 +37,15 @@ class AutocastState:
         return self.recipe if self.enabled else None
 
 
-_STATE: contextvars.ContextVar[AutocastState] = contextvars.ContextVar("qmoe_autocast", default=AutocastState())
+_OUTSIDE = AutocastState()
+_STATE: contextvars.ContextVar[AutocastState] = contextvars.ContextVar("qmoe_autocast", default=_OUTSIDE)
+_COMPILE_MIRROR = threading.local()  # .state: this thread's latest _STATE, for torch.compile
 
 
 def autocast_state() -> AutocastState:
     """The autocast state in force here (recipe None / enabled False outside any region)."""
+    if torch.compiler.is_compiling():
+        return getattr(_COMPILE_MIRROR, "state", _OUTSIDE)
     return _STATE.get()
 
 
@@ -66,11 +79,13 @@ class autocast:  # noqa: N801 - named like torch.autocast
         group = self.group if self.group is not None else outer.amax_reduction_group
         state = AutocastState(self.recipe, self.enabled, group, outer.depth + 1)
         self._tokens.append((_STATE.set(state), region, group))
+        _COMPILE_MIRROR.state = state
         return self
 
     def __exit__(self, *exc):
         token, region, group = self._tokens.pop()
         _STATE.reset(token)
+        _COMPILE_MIRROR.state = _STATE.get()
         if region is not None:
             close_forward_region(region, group)
         return False
@@ -94,15 +109,25 @@ class RecipeState:
         self.quantizers: dict = {}
 
     def get(self, recipe: Recipe, group=None) -> dict:
-        if recipe != self.recipe or type(recipe) is not type(self.recipe):
-            self.recipe = recipe
-            built = recipe
-            if self.local_amax and getattr(recipe, "reduce_amax", False):
-                built = dataclasses.replace(recipe, reduce_amax=False)
-            self.quantizers = {role: built.quantizer(role) for role in self.roles}
+        if torch.compiler.is_compiling():
+            # Compiled code builds its quantizers while tracing and keeps none: quantizers kept here
+            # would make the previous call's recipe part of every graph's guards (one graph per
+            # recipe *and* predecessor). Only delayed scaling's quantizers hold state, and they
+            # refuse torch.compile.
+            quantizers = self._build(recipe)
+        else:
+            if recipe != self.recipe or type(recipe) is not type(self.recipe):
+                self.recipe = recipe
+                self.quantizers = self._build(recipe)
+            quantizers = self.quantizers
         if self.local_amax:
             group = None
-        for q in self.quantizers.values():
+        for q in quantizers.values():
             if hasattr(q, "amax_reduction_group"):
                 q.amax_reduction_group = group
-        return self.quantizers
+        return quantizers
+
+    def _build(self, recipe: Recipe) -> dict:
+        if self.local_amax and getattr(recipe, "reduce_amax", False):
+            recipe = dataclasses.replace(recipe, reduce_amax=False)
+        return {role: recipe.quantizer(role) for role in self.roles}

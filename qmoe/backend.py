@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import sys
 
 import torch
 
@@ -47,17 +48,35 @@ def use_kernels(*tensors: torch.Tensor) -> bool:
                for d in devices)
 
 
+def _module(path: str):
+    """The module at `path`, or None if it cannot be imported.
+
+    Looked up in sys.modules first: torch.compile reads that but cannot trace importlib, so a
+    module first needed inside a compiled region costs a graph break in that graph.
+    """
+    mod = sys.modules.get(path)
+    if mod is not None:
+        return mod
+    try:
+        return importlib.import_module(path)
+    except ImportError:
+        return None
+
+
 def implementation(family: str, name: str, *tensors: torch.Tensor):
     """`qmoe.kernels.<family>.<name>` when kernels apply and exist, else `qmoe.reference.<family>.<name>`.
 
     Kernel and reference twins share names and signatures, so a kernel that lands is picked up
-    here without touching its callers.
+    here without touching its callers. While torch.compile traces, the reference's
+    host-looping grouped ops are replaced by their custom-op twins (`qmoe.reference.compiled`).
     """
     if use_kernels(*tensors):
-        try:
-            mod = importlib.import_module(f"qmoe.kernels.{family}")
-        except ImportError:
-            mod = None
+        mod = _module(f"qmoe.kernels.{family}")
         if mod is not None and hasattr(mod, name):
             return getattr(mod, name)
-    return getattr(importlib.import_module(f"qmoe.reference.{family}"), name)
+    if torch.compiler.is_compiling():
+        from qmoe.reference.compiled import TWINS
+
+        if (family, name) in TWINS:
+            return TWINS[family, name]
+    return getattr(_module(f"qmoe.reference.{family}"), name)

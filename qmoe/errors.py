@@ -1,4 +1,7 @@
 """Errors qmoe raises at its public boundary."""
+from __future__ import annotations
+
+import torch
 
 
 class UnsupportedError(RuntimeError):
@@ -21,3 +24,20 @@ class UnsupportedError(RuntimeError):
         if fix:
             msg += f". Way out: {fix}"
         super().__init__(msg)
+
+
+def refuse_compile(op: str, *, recipe: str, why: str, fix: str) -> None:
+    """Stop a torch.compile trace that reaches this call with UnsupportedError(op, ...); no-op in eager.
+
+    torch.compile reports it wrapped (torch._dynamo.exc.InternalTorchDynamoError, a RuntimeError)
+    with this message first.
+    """
+    if torch.compiler.is_compiling():
+        _raise_at_trace_time(op, recipe, why, fix)
+
+
+@torch.compiler.assume_constant_result
+def _raise_at_trace_time(op: str, recipe: str, why: str, fix: str) -> None:
+    # An exception raised by traced code only makes torch.compile run that code eagerly, where
+    # is_compiling() is False and nothing would be refused; this function runs at trace time.
+    raise UnsupportedError(op, recipe=recipe, why=why, fix=fix)

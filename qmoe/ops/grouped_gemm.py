@@ -52,6 +52,12 @@ def quantize_weights(w: torch.Tensor, quantizer: Quantizer, rowwise: bool = True
 
 # ---------------------------------------------------------------- validation
 
+def host_readable(split_sizes: torch.Tensor) -> bool:
+    """Whether split sizes can be checked on the host for free: CPU tensors, except while
+    torch.compile traces (a read would break the graph; such sizes are trusted like device ones)."""
+    return split_sizes.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def _check_out_dtype(out_dtype) -> None:
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
@@ -68,7 +74,7 @@ def _check_host_splits(split_sizes, rows: int, groups: int, device: torch.device
         if split_sizes.device.type != "cpu" and split_sizes.device != device:
             raise ValueError(f"split_sizes is on {split_sizes.device} but the operands are on {device}")
         n = split_sizes.numel()
-        host = split_sizes.tolist() if split_sizes.device.type == "cpu" else None
+        host = split_sizes.tolist() if host_readable(split_sizes) else None
     else:
         if not isinstance(split_sizes, (list, tuple)) or not all(
                 isinstance(s, int) and not isinstance(s, bool) for s in split_sizes):
@@ -151,7 +157,7 @@ def m_grouped_gemm(a, b, split_sizes=None, *, b_columnwise: bool = False, out_dt
             raise ValueError(f"a has {a.shape[1]} features but b's {'N' if b_columnwise else 'K'} is {contraction}")
         if scaling is Scaling.NVFP4 and b_columnwise and n_w % 2:
             raise ValueError(f"NVFP4 dgrad reads packed columnwise weights: N={n_w} must be even")
-        if b.split_sizes.device.type == "cpu" and any(s != n_w for s in b.split_sizes.tolist()):
+        if host_readable(b.split_sizes) and any(s != n_w for s in b.split_sizes.tolist()):
             raise ValueError("b must hold N rows per expert: build it with quantize_weights")
         tensors = _tensors(a, False) + _tensors(b, b_columnwise)
         _check_same_device(*tensors)

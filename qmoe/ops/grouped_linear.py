@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from qmoe.backend import implementation
-from qmoe.ops.grouped_gemm import k_grouped_gemm, m_grouped_gemm, quantize_weights
+from qmoe.ops.grouped_gemm import host_readable, k_grouped_gemm, m_grouped_gemm, quantize_weights
 from qmoe.quant import GroupedTensor, QuantizedTensor
 
 
@@ -216,7 +216,7 @@ def grouped_linear(x: torch.Tensor, split_sizes: torch.Tensor, weight: torch.Ten
     x still takes the gradient, and the weight gradient's columnwise copy is quantized from x's
     values (pass the dequantized rows as x). Needs `quantizers`.
     """
-    if path == "split" or split_sizes.device.type == "cpu":
+    if path == "split" or host_readable(split_sizes):
         # host-readable sizes are checked (the split path reads them anyway); device sizes on the
         # grouped path stay unread (no host sync) and are trusted
         host = split_sizes.tolist()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from qmoe.backend import implementation
+from qmoe.errors import refuse_compile
 from qmoe.formats import E2M1, FP8_BLOCK, MXFP8_BLOCK, NVFP4_BLOCK, RHT_SIZE, ElementFormat, ScaleMode, ceil_div
 from qmoe.quant.delayed import (DelayedScalingState, all_reduce_amax, in_forward_region, register_backward,
                                 register_forward)
@@ -182,15 +183,26 @@ class Float8DelayedQuantizer(Float8CurrentQuantizer):
         return self.state.amax_history
 
     def _scale_for(self, x):
+        self._refuse_compile()
         self.state.ensure(x.device, None)
         return self.state.scale.clone()  # the scale in force for this call, kept with its data
 
     def _grouped_scales(self, x, splits):
+        self._refuse_compile()
         self.state.ensure(x.device, splits.numel())
         return self.state.scale.clone()
 
     def quantize_for_dispatch(self, x, amax_group=None):
         return None  # the scale is the slot's: per expert in a GroupedTensor, unknown to the sender
+
+    @staticmethod
+    def _refuse_compile() -> None:
+        refuse_compile("torch.compile", recipe="DelayedScaling",
+                       why="its amax histories and scales are updated outside the forward and backward (when "
+                           "the autocast region exits, after the backward pass), which a compiled graph cannot "
+                           "follow",
+                       fix="run DelayedScaling eagerly (or captured with qmoe.graph.capture), or compile with "
+                           "Float8CurrentScaling")
 
     def _recorded(self, amax):
         self.state.record(amax)

@@ -1,0 +1,190 @@
+"""torch.compile(MoELayer): the grouped path is one graph (no graph breaks) and matches eager.
+
+Usage under test: `with qmoe.autocast(recipe=r): y = torch.compile(layer)(x)`, autocast outside
+the compiled region. The layer reads the region's recipe through a thread-local that
+torch.compile guards on, so each recipe gets its own graph and a new region reuses it.
+`fullgraph=True` turns any graph break (forward, or the autograd Functions' backward, which
+Dynamo traces too) into an error.
+
+CPU (reference backend): backend="aot_eager": AOTAutograd traces forward and backward through
+the reference's custom ops and runs the traced ops as they are (Inductor's C++ code generation
+takes ~20 s a graph on CPU, so it runs on the GPU below). The graph runs eager's ops in eager's
+order, so the output and every gradient are equal to eager's bit for bit.
+
+GPU (sm90 kernels, tests/nn/test_moe_gpu.py's shapes): aot_eager as above, except that
+gradients reduced with atomics may add in another order (1e-6, as for graph replay there); and
+Inductor, what users run. Inductor fuses the high-precision ops around the quantized GEMMs
+(router, activation, unpermute, losses): their fp32 results change by ULPs and bf16 roundings
+move, and now and then a value crosses a quantization boundary, changing that element by one
+quantization step. The compiled run must stay within a quarter of the recipe's NUMERICS.md norm
+tolerance of eager, and every element within the per-element one (see _assert_close_to_eager).
+On CPU, Inductor measured against eager at the CPU shape: 0.2-0.5% in norm without a recipe,
+1-3% with FP8 and NVFP4 recipes.
+
+DelayedScaling refuses torch.compile with qmoe.UnsupportedError's message: its histories and
+scales update outside forward and backward (at autocast exit, after backward).
+"""
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import qmoe
+from qmoe.recipes import recipe_from_config
+from tests.nn.test_moe_layer import GEMM_DEPTH
+from tests.tolerances import recipe_tolerance
+
+TOP_K = 2
+NAMES = ["current", "block", "mxfp8", "nvfp4"]
+CASES = [pytest.param(None, torch.float32, id="fp32"), pytest.param(None, torch.bfloat16, id="bf16")] + \
+    [pytest.param(name, torch.bfloat16, id=name) for name in NAMES]
+# quantized GEMMs in front of each result (tests/nn/test_moe_layer.py's GEMM_DEPTH names)
+DEPTH = {"y": "y", "dx": "dx", "router.weight": "router", "experts.fc1.weight": "w1", "experts.fc2.weight": "w2",
+         "experts.fc1.bias": "b1", "experts.fc2.bias": "b2"}
+
+
+def _recipe(name):
+    if name is None:
+        return None
+    config = {"name": name}
+    if name == "nvfp4":
+        config["disable_stochastic_rounding"] = True  # eager and compiled draw no random numbers
+    return recipe_from_config(config)
+
+
+SHAPES = {"cpu": (2, 8, 64, 32, 4), "cuda": (4, 64, 256, 512, 8)}  # B, S, H, F, E
+
+
+def _layer(dtype, device="cpu"):
+    torch.manual_seed(0)
+    _, _, h, f, e = SHAPES[device]
+    return qmoe.nn.MoELayer(h, f, e, TOP_K, bias=True, aux_loss_coeff=1e-2, seq_aux_loss_coeff=1e-3,
+                            z_loss_coeff=1e-3, params_dtype=dtype, device=device)
+
+
+def _step(layer, fn, recipe, x, g):
+    """Output, dx and every parameter gradient of <y, g> + aux_loss."""
+    layer.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    with qmoe.autocast(recipe=recipe, enabled=recipe is not None):
+        y = fn(x)
+    ((y.float() * g.float()).sum() + layer.aux_loss).backward()
+    return {"y": y.detach(), "dx": x.grad, **{n: p.grad for n, p in layer.named_parameters()}}
+
+
+def _inputs(dtype, device="cpu", seed=1):
+    """x and the upstream gradient, [B, S, H]: also the sequence-level loss's layout."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = SHAPES[device][:3]
+    return torch.randn(shape, generator=gen).to(device, dtype), torch.randn(shape, generator=gen).to(device, dtype)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _room_for_every_graph():
+    # every (device, dtype, backend, recipe) here is a graph of MoELayer.forward; torch.compile
+    # keeps 8 per function by default, then runs it eagerly
+    with torch._dynamo.config.patch(recompile_limit=64):
+        yield
+
+
+class _Compiled:
+    """One compiled layer per (device, dtype, backend), shared by the recipes: each compiles its
+    own graph into it on first use, and the recipe-switch test checks that they are reused."""
+
+    cache: dict = {}
+
+    @classmethod
+    def get(cls, dtype, device="cpu", backend="aot_eager"):
+        key = (device, dtype, backend)
+        if key not in cls.cache:
+            layer = _layer(dtype, device)
+            counter = CompileCounterWithBackend(backend)
+            cls.cache[key] = layer, counter, torch.compile(layer, backend=counter, fullgraph=True)
+        return cls.cache[key]
+
+
+def _assert_equal(got, want):
+    assert got.keys() == want.keys()
+    for name in want:
+        assert want[name] is not None and torch.equal(got[name], want[name]), name
+
+
+@pytest.mark.parametrize("name, dtype", CASES)
+def test_compiled_layer_is_one_graph_and_equals_eager(name, dtype):
+    recipe = _recipe(name)
+    layer, counter, compiled = _Compiled.get(dtype)
+    x, g = _inputs(dtype)
+    frames = counter.frame_count
+    got = _step(layer, compiled, recipe, x, g)
+    assert counter.frame_count == frames + 1  # a new recipe: one graph, fullgraph: no breaks
+    _assert_equal(got, _step(layer, layer, recipe, x, g))
+    again = _step(layer, compiled, recipe, x, g)  # a new autocast region with the same recipe
+    assert counter.frame_count == frames + 1
+    _assert_equal(again, got)
+
+
+def test_switching_recipes_reuses_their_graphs():
+    """Each region picks its recipe's graph (same results), with no recompilation."""
+    layer, counter, compiled = _Compiled.get(torch.bfloat16)
+    x, g = _inputs(torch.bfloat16, seed=2)
+    names = [None] + NAMES
+    first = {name: _step(layer, compiled, _recipe(name), x, g) for name in names}  # compiles what is missing
+    frames = counter.frame_count
+    for name in names[::-1]:  # fresh recipe objects, equal to the ones compiled for
+        _assert_equal(_step(layer, compiled, _recipe(name), x, g), first[name])
+    assert counter.frame_count == frames
+
+
+def test_delayed_scaling_refuses_compile():
+    layer = _layer(torch.bfloat16)
+    x, g = _inputs(torch.bfloat16)
+    compiled = torch.compile(layer, backend="aot_eager")
+    with pytest.raises(RuntimeError, match="torch.compile is not supported for recipe DelayedScaling"):
+        _step(layer, compiled, _recipe("delayed"), x, g)
+    _step(layer, layer, _recipe("delayed"), x, g)  # eager still runs
+
+
+# ---------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("name, dtype", CASES)
+def test_compiled_layer_matches_eager_on_gpu(name, dtype, backend):
+    recipe = _recipe(name)
+    layer, counter, compiled = _Compiled.get(dtype, "cuda", backend)
+    x, g = _inputs(dtype, "cuda")
+    want = _step(layer, layer, recipe, x, g)  # eager first: also imports the kernel modules
+    frames = counter.frame_count
+    got = _step(layer, compiled, recipe, x, g)
+    assert counter.frame_count == frames + 1
+    _step(layer, compiled, recipe, x, g)
+    assert counter.frame_count == frames + 1
+    for key in want:
+        a, b = got[key], want[key]
+        if backend == "inductor":
+            _assert_close_to_eager(a, b, recipe, key)
+        elif key == "y":
+            assert torch.equal(a, b), key
+        else:  # atomics in the kernels' reductions may reorder sums
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=key)
+
+
+def _assert_close_to_eager(got, want, recipe, key):
+    """Inductor against eager (module docstring): a quarter of the recipe's norm tolerance, the
+    per-element one; without a recipe 1% in norm (Inductor skips bf16 roundings eager makes
+    between fused ops: about one bf16 ULP, 0.4%, on most elements)."""
+    if recipe is None:
+        norm, element = 1e-2, 3e-2 + 3e-2
+    else:
+        rtol, atol = recipe_tolerance(recipe, GEMM_DEPTH[DEPTH[key]])
+        norm, element = rtol / 4, rtol + atol
+    diff, ref = got.double() - want.double(), want.double()
+    assert diff.norm() <= norm * ref.norm(), f"{key}: {diff.norm() / ref.norm():.2e} of |eager| in norm"
+    assert diff.abs().max() <= element * ref.abs().max(), f"{key}: {diff.abs().max() / ref.abs().max():.2e}"
+
+
+@pytest.mark.gpu
+def test_delayed_scaling_refuses_compile_on_gpu():
+    layer = _layer(torch.bfloat16, "cuda")
+    x, g = _inputs(torch.bfloat16, "cuda")
+    with pytest.raises(RuntimeError, match="torch.compile is not supported for recipe DelayedScaling"):
+        _step(layer, torch.compile(layer), _recipe("delayed"), x, g)
