@@ -233,8 +233,17 @@ def main(argv=None) -> int:
               file=sys.stderr)
     print(HEADER)
     rows = []
-    for name in shapes:
+    for name in shapes:  # the file is rewritten after every shape: partial results survive a time limit
         bench_shape(rows, name, SHAPES[name], recipes, warmup, iters, not args.no_graph)
+        _write(args, rows, warmup, iters)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _write(args, rows, warmup, iters) -> None:
+    import triton
+
+    from qmoe.backend import use_kernels
     result = dict(
         suite="moe",
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -255,8 +264,6 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
-    return 0
 
 
 if __name__ == "__main__":
