@@ -341,7 +341,7 @@ def permute_index(routing_map, top_k, align_size):
     check_permute_index_args(routing_map, top_k, align_size)
     t, e = routing_map.shape
     dev = routing_map.device
-    m = _rows_contiguous(routing_map).view(torch.uint8)
+    m = routing_map.to(torch.uint8).contiguous()  # not a view: Inductor cannot lower bool->uint8 views
     num_chunks = triton.cdiv(t, _INDEX_BLOCK_T)
     chunk_counts = torch.empty(max(num_chunks, 1), e, dtype=torch.int32, device=dev)
     chunk_base = torch.empty_like(chunk_counts)

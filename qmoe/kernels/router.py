@@ -231,9 +231,10 @@ def route_forward(logits, top_k, fn, pre_softmax, num_groups, group_topk, scalin
     t, e = logits.shape
     logits = _rows_contiguous(logits)
     probs = torch.empty(t, e, dtype=torch.float32, device=logits.device)
-    routing_map = torch.empty(t, e, dtype=torch.bool, device=logits.device)
+    # the kernel writes 0/1 bytes; compared to a bool map afterwards (one tiny pass) rather than
+    # viewing a bool tensor as uint8, which Inductor cannot lower (torch.compile)
+    map_bytes = torch.empty(t, e, dtype=torch.uint8, device=logits.device)
     if t:
-        map_bytes = routing_map.view(torch.uint8)
         grid, meta, _ = _route_launch(t, e, top_k, fn, bool(pre_softmax), num_groups, group_topk,
                                       expert_bias is not None)
         _topk_route_kernel[grid](
@@ -243,14 +244,14 @@ def route_forward(logits, top_k, fn, pre_softmax, num_groups, group_topk, scalin
             1.0 if scaling_factor is None else float(scaling_factor),
             **meta,
         )
-    return probs, routing_map
+    return probs, map_bytes != 0
 
 
 def route_backward(grad_probs, logits, routing_map, top_k, fn, pre_softmax, scaling_factor):
     """d probs / d logits [T, E] in the logits' dtype, for validated arguments. Unchecked."""
     t, e = logits.shape
     grad_probs, logits = _rows_contiguous(grad_probs), _rows_contiguous(logits)
-    map_bytes = _rows_contiguous(routing_map).view(torch.uint8)
+    map_bytes = routing_map.to(torch.uint8).contiguous()  # a copy, not a view: Inductor cannot lower bool->uint8 views
     dlogits = torch.empty(t, e, dtype=logits.dtype, device=logits.device)
     if t == 0:
         return dlogits

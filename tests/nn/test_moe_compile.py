@@ -11,18 +11,15 @@ the reference's custom ops and runs the traced ops as they are (Inductor's C++ c
 takes ~20 s a graph on CPU, so it runs on the GPU below). The graph runs eager's ops in eager's
 order, so the output and every gradient are equal to eager's bit for bit.
 
-GPU (sm90 kernels, tests/nn/test_moe_gpu.py's shapes): aot_eager as above, except that
-gradients reduced with atomics may add in another order (1e-6, as for graph replay there); and
-Inductor, what users run. Inductor fuses the high-precision ops around the quantized GEMMs
-(router, activation, unpermute, losses): their fp32 results change by ULPs and bf16 roundings
-move, and now and then a value crosses a quantization boundary, changing that element by one
-quantization step. The compiled run must stay within a quarter of the recipe's NUMERICS.md norm
-tolerance of eager, and every element within the per-element one (see _assert_close_to_eager).
-On CPU, Inductor measured against eager at the CPU shape: 0.2-0.5% in norm without a recipe,
-1-3% with FP8 and NVFP4 recipes.
+GPU (sm90 kernels): compiled graphs of the layer gave wrong results there (Inductor: outputs
+33% off in norm or lowering errors; aot_eager: wrong fp32 input gradients; H200, torch 2.11),
+so on CUDA the qmoe modules run eagerly inside a compiled model (qmoe/nn/compile_guard.py):
+the test checks the compiled model equals eager exactly. On CPU, Inductor measured against
+eager at the CPU shape: 0.2-0.5% in norm without a recipe, 1-3% with FP8 and NVFP4 recipes.
 
-DelayedScaling refuses torch.compile with qmoe.UnsupportedError's message: its histories and
-scales update outside forward and backward (at autocast exit, after backward).
+DelayedScaling refuses torch.compile (on the CPU, where the layer is traced) with
+qmoe.UnsupportedError's message: its histories and scales update outside forward and backward
+(at autocast exit, after backward). On CUDA the layer runs eagerly, delayed scaling included.
 """
 import pytest
 import torch
@@ -30,16 +27,11 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import qmoe
 from qmoe.recipes import recipe_from_config
-from tests.nn.test_moe_layer import GEMM_DEPTH
-from tests.tolerances import recipe_tolerance
 
 TOP_K = 2
 NAMES = ["current", "block", "mxfp8", "nvfp4"]
 CASES = [pytest.param(None, torch.float32, id="fp32"), pytest.param(None, torch.bfloat16, id="bf16")] + \
     [pytest.param(name, torch.bfloat16, id=name) for name in NAMES]
-# quantized GEMMs in front of each result (tests/nn/test_moe_layer.py's GEMM_DEPTH names)
-DEPTH = {"y": "y", "dx": "dx", "router.weight": "router", "experts.fc1.weight": "w1", "experts.fc2.weight": "w2",
-         "experts.fc1.bias": "b1", "experts.fc2.bias": "b2"}
 
 
 def _recipe(name):
@@ -148,43 +140,13 @@ def test_delayed_scaling_refuses_compile():
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("name, dtype", CASES)
-def test_compiled_layer_matches_eager_on_gpu(name, dtype, backend):
+def test_compiled_model_runs_the_layer_eagerly_on_gpu(name, dtype, backend):
+    """On CUDA the layer runs eagerly inside a compiled model (qmoe/nn/compile_guard.py says why):
+    the compiled model's results equal eager's bit for bit, with either backend."""
     recipe = _recipe(name)
-    layer, counter, compiled = _Compiled.get(dtype, "cuda", backend)
+    layer = _layer(dtype, "cuda")
     x, g = _inputs(dtype, "cuda")
-    want = _step(layer, layer, recipe, x, g)  # eager first: also imports the kernel modules
-    frames = counter.frame_count
+    want = _step(layer, layer, recipe, x, g)
+    compiled = torch.compile(torch.nn.Sequential(torch.nn.Identity(), layer), backend=backend)
     got = _step(layer, compiled, recipe, x, g)
-    assert counter.frame_count == frames + 1
-    _step(layer, compiled, recipe, x, g)
-    assert counter.frame_count == frames + 1
-    for key in want:
-        a, b = got[key], want[key]
-        if backend == "inductor":
-            _assert_close_to_eager(a, b, recipe, key)
-        elif key == "y":
-            assert torch.equal(a, b), key
-        else:  # atomics in the kernels' reductions may reorder sums
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=key)
-
-
-def _assert_close_to_eager(got, want, recipe, key):
-    """Inductor against eager (module docstring): a quarter of the recipe's norm tolerance, the
-    per-element one; without a recipe 1% in norm (Inductor skips bf16 roundings eager makes
-    between fused ops: about one bf16 ULP, 0.4%, on most elements)."""
-    if recipe is None:
-        norm, element = 1e-2, 3e-2 + 3e-2
-    else:
-        rtol, atol = recipe_tolerance(recipe, GEMM_DEPTH[DEPTH[key]])
-        norm, element = rtol / 4, rtol + atol
-    diff, ref = got.double() - want.double(), want.double()
-    assert diff.norm() <= norm * ref.norm(), f"{key}: {diff.norm() / ref.norm():.2e} of |eager| in norm"
-    assert diff.abs().max() <= element * ref.abs().max(), f"{key}: {diff.abs().max() / ref.abs().max():.2e}"
-
-
-@pytest.mark.gpu
-def test_delayed_scaling_refuses_compile_on_gpu():
-    layer = _layer(torch.bfloat16, "cuda")
-    x, g = _inputs(torch.bfloat16, "cuda")
-    with pytest.raises(RuntimeError, match="torch.compile is not supported for recipe DelayedScaling"):
-        _step(layer, torch.compile(layer), _recipe("delayed"), x, g)
+    _assert_equal(got, want)
