@@ -19,6 +19,8 @@ import warnings
 import pytest
 import torch
 
+from qmoe.reference.activation import is_glu
+from tests.kernels.activation_inputs import activation_inputs
 from tests.kernels.interpret import INTERPRETING, inside, launcher, run_under_interpreter  # noqa: F401
 
 pytest.importorskip("triton")
@@ -41,24 +43,6 @@ def _quiet_numpy():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         yield
-
-
-def _glu(activation):
-    return activation in ("swiglu", "geglu", "clamped_qgeglu")
-
-
-def _inputs(activation, dtype, rows, f, seed=0):
-    """h ~ 4 N(0, 1) with exact +-7 (clamped_qgeglu's bounds) and zeros sprinkled in; probs with a
-    padding row of 0; da ~ N(0, 1)."""
-    gen = torch.Generator().manual_seed(seed)
-    width = 2 * f if _glu(activation) else f
-    h = torch.randn(rows, width, generator=gen) * 4
-    pick = torch.rand(rows, width, generator=gen)
-    h = torch.where(pick < 0.05, 7.0, torch.where(pick < 0.1, -7.0, torch.where(pick < 0.12, 0.0, h)))
-    probs = torch.rand(rows, generator=gen)
-    probs[rows // 2:rows // 2 + 1] = 0.0
-    da = torch.randn(rows, f, generator=gen)
-    return h.to(dtype), probs, da.to(dtype)
 
 
 def _assert_close(got, want, what):
@@ -122,7 +106,7 @@ IDS = [f"{a}-{str(d).split('.')[-1]}-R{r}-F{f}-k{k}-{'p' if p else 'nop'}" for a
 @inside
 @pytest.mark.parametrize("activation, dtype, rows, f, k, with_probs", CASES, ids=IDS)
 def test_kernels_match_reference(activation, dtype, rows, f, k, with_probs):
-    h, probs, da = _inputs(activation, dtype, rows, f, seed=rows + f)
+    h, probs, da = activation_inputs(activation, dtype, rows, f, seed=rows + f)
     _compare(h, probs if with_probs else None, da, activation, k)
 
 
@@ -135,21 +119,21 @@ def test_special_values_match_reference(activation, dtype):
                              100.0, -100.0, 7.0, -7.0, 1e-30, -1e-30, 0.0, -0.0])
     n = specials.numel()
     rows = torch.cat([specials.roll(i) for i in range(n)]).reshape(n, n)[:, :16]  # every value in every column
-    h = (torch.cat((rows, rows.flip(0)), 1) if _glu(activation) else rows).to(dtype)
+    h = (torch.cat((rows, rows.flip(0)), 1) if is_glu(activation) else rows).to(dtype)
     gen = torch.Generator().manual_seed(1)
     probs = torch.rand(n, generator=gen)
     da = torch.randn(n, 16, generator=gen).to(dtype)
     _compare(h, probs, da, activation, None, "specials")
-    if _glu(activation):
+    if is_glu(activation):
         _compare(h, probs, da, activation, 4, "specials interleaved")
 
 
 @inside
-def test_strided_inputs():
+def test_stridedactivation_inputs():
     """Rows at any stride (views into wider buffers) are read in place; a column-strided h or da
     is copied first. Either way the values equal the contiguous case."""
     from qmoe.kernels import activation as kernels
-    h, probs, da = _inputs("swiglu", BF16, 23, 48, seed=5)
+    h, probs, da = activation_inputs("swiglu", BF16, 23, 48, seed=5)
     wide_h = torch.zeros(23, 96 + 8, dtype=BF16)
     wide_h[:, 3:99] = h
     wide_da = torch.zeros(23, 48 + 16, dtype=BF16)
@@ -175,7 +159,7 @@ def test_reducing_backward_with_row_blocks_and_many_steps(activation, k, monkeyp
     from qmoe.kernels import activation as kernels
     monkeypatch.setattr(kernels, "_reducing_config",
                         lambda rows: triton.Config({"BM": 4, "BN": 16}, num_warps=4, num_stages=1))
-    h, probs, da = _inputs(activation, FP32, 37, 40, seed=6)
+    h, probs, da = activation_inputs(activation, FP32, 37, 40, seed=6)
     _compare(h, probs, da, activation, k, "BM4-BN16")
 
 
@@ -202,7 +186,7 @@ def test_op_and_grouped_mlp_use_the_kernels_and_match_reference(monkeypatch):
 
     def run():
         torch.manual_seed(0)
-        h, probs, da = _inputs("clamped_qgeglu", FP32, 24, 16, seed=7)
+        h, probs, da = activation_inputs("clamped_qgeglu", FP32, 24, 16, seed=7)
         h.requires_grad_(True)
         probs.requires_grad_(True)
         a = expert_activation(h, probs, "clamped_qgeglu", 4)
