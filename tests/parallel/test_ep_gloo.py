@@ -20,8 +20,9 @@ experts' slots local) and the construction error for E not divisible by the rank
 
 One spawn per world size runs all its cases (spawning dominates the runtime); each case is a
 test that reads the workers' verdicts. A deadline kills hung workers, and gloo's own timeout
-turns a collective that never completes into an error. The same cases run on 2 GPUs with NCCL
-under the `gpu` marker, within each recipe's tolerance.
+turns a collective that never completes into an error. Under the `gpu` marker the same cases run
+with qmoe's kernels, within each recipe's tolerance: on 2 GPUs with NCCL, and with both ranks
+sharing one GPU over gloo where only one is present.
 """
 from __future__ import annotations
 
@@ -270,6 +271,9 @@ def _run_case(spec, rank, world):
         return
 
     expect = spec.get("expect", "fp32")
+    # fp32 layers route each rank's tokens on their own (capacity and aux losses are per routing
+    # call), whatever tolerance the device's kernels need below
+    per_rank = spec.get("reference", "per-rank" if expect == "fp32" else "concat") == "per-rank"
     if _DEVICE.type == "cuda" and expect in ("identical", "fp32"):
         # the kernels' tiles may add in another order for other group sizes: the recipe's tolerance
         expect = "tolerance"
@@ -284,7 +288,6 @@ def _run_case(spec, rank, world):
         with pytest.raises(ValueError, match="same token count on every rank"):
             _step(ep, xs[rank], gs[rank], recipe, steps)
         return
-    per_rank = spec.get("reference", "per-rank" if expect == "fp32" else "concat") == "per-rank"
     want = _reference(full, xs, gs, recipe, per_rank, steps)
     got = _step(ep, xs[rank], gs[rank], recipe, steps)
     stats = ep.dispatcher.last_stats
@@ -318,8 +321,12 @@ def _worker(rank, world, port, out_dir, case_ids, backend="gloo"):
     if backend == "nccl":  # NCCL_NVLS_ENABLE and the like are inherited from the environment as they are
         torch.cuda.set_device(rank)
         _DEVICE = torch.device("cuda", rank)
-    # kernels compile and autotune on first use under NCCL: a rank may wait that long for the other
-    timeout = datetime.timedelta(seconds=60 if backend == "gloo" else 300)
+    elif backend == "gloo-one-gpu":  # every rank on GPU 0; gloo stages the CUDA tensors through the host
+        torch.cuda.set_device(0)
+        _DEVICE = torch.device("cuda", 0)
+        backend = "gloo"
+    # kernels compile and autotune on first use on a GPU: a rank may wait that long for the other
+    timeout = datetime.timedelta(seconds=60 if _DEVICE.type == "cpu" else 300)
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
     verdicts = {}
     try:
@@ -405,6 +412,18 @@ def test_expert_parallel_layer_equals_single_process(case, ep_runs):
 GPU_CASES = ["fp32-k2", "fp32-skew-zero-rank-one-expert", "fp32-capacity", "bf16", "delayed", "current-quantized",
              "block-quantized", "mxfp8-quantized", "mxfp8-quantized-skew", "mxfp8-quantized-capacity", "nvfp4",
              "fp32-capacity-cuda-graph", "mxfp8-capacity-cuda-graph"]
+
+
+@pytest.mark.gpu
+def test_expert_parallel_layer_sharing_one_gpu():
+    """The 2-rank cases with qmoe's GPU kernels on a machine with one GPU: both ranks on it, gloo
+    carrying the tokens (CUDA graphs need NCCL: those cases run in the test below)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    cases = [c for c in GPU_CASES if CASES[c][1].get("kind") != "graph"]
+    verdicts = _spawn(2, "gloo-one-gpu", cases, deadline_s=int(os.environ.get("EP_DEADLINE_S", 480)))
+    failures = [f"{case} on rank {r}:\n{v[case]}" for r, v in enumerate(verdicts) for case in cases if v[case]]
+    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.gpu
