@@ -37,9 +37,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op
 
-from qmoe.kernels._triton_utils import launch, wrapped
+from qmoe.kernels._triton_utils import kernel_op, launch, wrapped
 from qmoe.reference.activation import (ACTIVATIONS, GELU_BETA, GELU_KAPPA, GLU_ACTIVATIONS, QGEGLU_ALPHA,
                                        QGEGLU_LIMIT, check_scaled_activation_args, glu_block)
 
@@ -261,7 +260,7 @@ def _out_width(h: torch.Tensor, act: int) -> int:
     return h.shape[1] // 2 if act < len(GLU_ACTIVATIONS) else h.shape[1]
 
 
-@triton_op("qmoe::scaled_activation_forward", mutates_args=())
+@kernel_op("qmoe::scaled_activation_forward")
 def _forward_op(h: torch.Tensor, probs: Optional[torch.Tensor], act: int, glu_block: int) -> torch.Tensor:
     """a [R, F] in h's dtype."""
     r, f = h.shape[0], _out_width(h, act)
@@ -275,7 +274,7 @@ def _forward_op(h: torch.Tensor, probs: Optional[torch.Tensor], act: int, glu_bl
     return a
 
 
-@triton_op("qmoe::scaled_activation_backward", mutates_args=())
+@kernel_op("qmoe::scaled_activation_backward")
 def _backward_op(h: torch.Tensor, probs: Optional[torch.Tensor], da: torch.Tensor, act: int, glu_block: int,
                  need_dprobs: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(dh like h (contiguous), dprobs [R] fp32 | [0] when not needed)."""
@@ -320,8 +319,8 @@ def scaled_activation_forward(h: torch.Tensor, probs: torch.Tensor | None, activ
     """act(h) * probs[:, None]: h [R, 2F] or [R, F] (fp32 / bf16 / fp16), probs [R] float or None
     -> a [R, F] in h's dtype, computed in fp32. One launch."""
     _check(h, probs, activation, glu_interleave_size)
-    return torch.ops.qmoe.scaled_activation_forward(_unit_columns(h), probs, _ACT_CODES[activation],
-                                                    glu_block(activation, glu_interleave_size))
+    return _forward_op(_unit_columns(h), probs, _ACT_CODES[activation],
+                       glu_block(activation, glu_interleave_size))
 
 
 def scaled_activation_backward(h: torch.Tensor, probs: torch.Tensor | None, da: torch.Tensor, activation: str,
@@ -332,7 +331,7 @@ def scaled_activation_backward(h: torch.Tensor, probs: torch.Tensor | None, da: 
     without the reduction).
     """
     _check(h, probs, activation, glu_interleave_size, da)
-    dh, dprobs = torch.ops.qmoe.scaled_activation_backward(
+    dh, dprobs = _backward_op(
         _unit_columns(h), probs, _unit_columns(da), _ACT_CODES[activation],
         glu_block(activation, glu_interleave_size), bool(need_dprobs))
     return dh, (dprobs if probs is not None and need_dprobs else None)

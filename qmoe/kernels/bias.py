@@ -7,10 +7,13 @@ gather plus an elementwise op, which the reference already does without a host s
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
+from qmoe.kernels._triton_utils import kernel_op, wrapped
 from qmoe.reference.bias import row_groups
 
 # Row block: large enough that most blocks sit inside one group (few atomics per column),
@@ -65,18 +68,25 @@ def grouped_bias_backward(dy: torch.Tensor, bias: torch.Tensor, offsets: torch.T
                          f"and {tuple(bias.shape)}")
     if scales is not None and (scales.dim() != 1 or scales.shape[0] != dy.shape[0]):
         raise ValueError(f"scales must be [R] = [{dy.shape[0]}], got {tuple(scales.shape)}")
-    dy = dy.contiguous()
-    bias = bias.contiguous()
+    need = scales is not None and need_dscales
+    dbias, dscales = _backward_op(dy.contiguous(), bias.contiguous(), offsets, scales, need)
+    return dbias, (dscales if need else None)
+
+
+@kernel_op("qmoe::grouped_bias_backward")
+def _backward_op(dy: torch.Tensor, bias: torch.Tensor, offsets: torch.Tensor, scales: Optional[torch.Tensor],
+                 need_dscales: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dbias, dscales: [R], or [0] when not needed)."""
     r, n = dy.shape
     e = bias.shape[0]
     groups = row_groups(offsets, r).to(torch.int32)
     dbias = torch.zeros(e, n, dtype=torch.float32, device=dy.device)
-    need = scales is not None and need_dscales
-    dscales = torch.empty(r, dtype=torch.float32, device=dy.device) if need else dbias
+    dscales = torch.empty(r if need_dscales else 0, dtype=torch.float32, device=dy.device)
     if r:
-        _grouped_bias_backward_kernel[(triton.cdiv(r, _BLOCK_R),)](
-            dy, bias, scales if scales is not None else dy, groups, dbias, dscales,
+        no_scales = torch.empty(0, dtype=torch.float32, device=dy.device)  # never read; no tensor passed twice
+        wrapped(_grouped_bias_backward_kernel)[(triton.cdiv(r, _BLOCK_R),)](
+            dy, bias, scales if scales is not None else no_scales, groups, dbias, dscales,
             r, n, e,
             dy.stride(0), bias.stride(0), dbias.stride(0),
-            HAS_SCALES=scales is not None, NEED_DSCALES=need, BLOCK_R=_BLOCK_R, BLOCK_N=_BLOCK_N)
-    return dbias, (dscales if need else None)
+            HAS_SCALES=scales is not None, NEED_DSCALES=need_dscales, BLOCK_R=_BLOCK_R, BLOCK_N=_BLOCK_N)
+    return dbias, dscales

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
+from typing import Optional
 
 import torch
 import triton
@@ -34,6 +35,7 @@ import triton
 from qmoe.errors import UnsupportedError
 from qmoe.formats import ceil_div
 from qmoe.kernels import grouped_gemm_triton as jit
+from qmoe.kernels._triton_utils import kernel_op, wrapped
 from qmoe.reference.grouped_gemm import Scaling, is_grouped, scaling_of
 from qmoe.reference.quantize_nvfp4 import nvfp4_tensor_scale
 
@@ -132,6 +134,17 @@ class _Operand:
         return self.scale if self.scale is not None else self.data
 
 
+def _flat(op: _Operand) -> tuple:
+    """An operand as custom-op arguments: its tensors, then its layout as ints."""
+    return (op.data, op.scale, op.factor, op.soffs,
+            [op.stride_r, op.stride_k, op.group_stride, op.s_stride_r, op.s_stride_k, op.s_group_stride, *op.block])
+
+
+def _unflat(data, scale, factor, soffs, meta) -> _Operand:
+    return _Operand(data, meta[0], meta[1], meta[2], scale, meta[3], meta[4], meta[5], (meta[6], meta[7]), factor,
+                    soffs)
+
+
 def _scale_tensor(scale: torch.Tensor) -> torch.Tensor:
     return scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale
 
@@ -195,6 +208,24 @@ def _device_offsets(split_sizes, device) -> torch.Tensor:
 # ---------------------------------------------------------------- m-grouped
 
 def _launch_m(a: _Operand, b: _Operand, offsets, total_rows, n_out, k, groups, scaling, out_dtype, cfg=None):
+    if cfg is not None:  # tile sweeps (benchmarks, tests) launch their own tiles eagerly
+        return _launch_m_tiles(a, b, offsets, total_rows, n_out, k, groups, scaling, out_dtype, cfg)
+    return _m_op(*_flat(a), *_flat(b), offsets, [total_rows, n_out, k, groups], scaling.value, out_dtype)
+
+
+@kernel_op("qmoe::m_grouped_gemm")
+def _m_op(a_data: torch.Tensor, a_scale: Optional[torch.Tensor], a_factor: Optional[torch.Tensor],
+          a_soffs: Optional[torch.Tensor], a_meta: list[int], b_data: torch.Tensor, b_scale: Optional[torch.Tensor],
+          b_factor: Optional[torch.Tensor], b_soffs: Optional[torch.Tensor], b_meta: list[int], offsets: torch.Tensor,
+          sizes: list[int], scaling: str, out_dtype: torch.dtype) -> torch.Tensor:
+    """The m-grouped launch as one opaque op (kernels/_triton_utils.KernelOp)."""
+    total_rows, n_out, k, groups = sizes
+    return _launch_m_tiles(_unflat(a_data, a_scale, a_factor, a_soffs, a_meta),
+                           _unflat(b_data, b_scale, b_factor, b_soffs, b_meta), offsets, total_rows, n_out, k, groups,
+                           Scaling(scaling), out_dtype, None)
+
+
+def _launch_m_tiles(a: _Operand, b: _Operand, offsets, total_rows, n_out, k, groups, scaling, out_dtype, cfg):
     device = a.data.device
     out = torch.empty((total_rows, n_out), dtype=out_dtype, device=device)
     if total_rows == 0 or n_out == 0:
@@ -207,7 +238,7 @@ def _launch_m(a: _Operand, b: _Operand, offsets, total_rows, n_out, k, groups, s
     programs = max(1, min(_sms(device) * cfg.ctas_per_sm, upper))
     fa = a.factor if a.factor is not None else a.data
     fb = b.factor if b.factor is not None else b.data
-    jit._m_grouped_gemm_kernel[(programs,)](
+    wrapped(jit._m_grouped_gemm_kernel)[(programs,)](
         a.data, b.data, out, offsets, a.scale_or_data(), b.scale_or_data(), fa, fb,
         total_rows, n_out, k, groups,
         a.stride_r, a.stride_k, b.stride_r, b.stride_k, b.group_stride, out.stride(0), out.stride(1),
@@ -229,35 +260,55 @@ def _torch_grouped_mm_ok(a16: torch.Tensor, mat_b: torch.Tensor, out_dtype) -> b
 
 
 def _torch_grouped_mm(a16, mat_b, offsets, total_rows):
+    return _torch_grouped_mm_op(a16, mat_b, offsets, total_rows)
+
+
+@kernel_op("qmoe::grouped_mm_bf16")
+def _torch_grouped_mm_op(a16: torch.Tensor, mat_b: torch.Tensor, offsets: torch.Tensor,
+                         total_rows: int) -> torch.Tensor:
     """torch._grouped_mm (bf16, CUTLASS) with the rows past the last group zeroed on the device."""
     out = torch._grouped_mm(a16, mat_b, offs=offsets[1:].to(torch.int32))
     n = out.shape[1]
-    jit._zero_rows_from_kernel[(ceil_div(total_rows, 64),)](out, offsets[-1:], total_rows, n, out.stride(0),
-                                                            out.stride(1), BLOCK_R=64, BLOCK_C=128)
+    wrapped(jit._zero_rows_from_kernel)[(ceil_div(total_rows, 64),)](
+        out, offsets[-1:], total_rows, n, out.stride(0), out.stride(1), BLOCK_R=64, BLOCK_C=128)
     return out
 
 
-def _dequantize(op: _Operand, scaling: Scaling, rows: int, cols: int, row_group: int, col_group: int,
-                out: torch.Tensor, out_strides: tuple[int, int], cidx: torch.Tensor | None = None,
-                tile: tuple[int, int, int] | None = None):
-    """Exact bf16 values (MX: q*2^k; NVFP4: q*s_b) of an [rows, cols] operand into `out`.
+def _dequantized(op: _Operand, scaling: Scaling, rows: int, cols: int, row_group: int, col_group: int,
+                 out_shape: tuple, out_strides: tuple[int, int], cidx: torch.Tensor | None = None,
+                 tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """Exact bf16 values (MX: q*2^k; NVFP4: q*s_b) of an [rows, cols] operand: a new contiguous
+    bf16 tensor of `out_shape`, element (r, c) at storage offset r * out_strides[0] + c * out_strides[1].
 
     Rows come in groups of `row_group` rows, columns in groups of `col_group` (weights: one
     expert each); cidx [cols] int32 gives each column's scale column for token groups.
     """
+    return _dequantize_op(*_flat(op), scaling.value, [rows, cols, row_group, col_group], list(out_shape),
+                          list(out_strides), cidx, list(tile or DEQUANT_TILES[scaling]))
+
+
+@kernel_op("qmoe::grouped_gemm_dequantize")
+def _dequantize_op(data: torch.Tensor, scale: Optional[torch.Tensor], factor: Optional[torch.Tensor],
+                   soffs: Optional[torch.Tensor], meta: list[int], scaling: str, sizes: list[int],
+                   out_shape: list[int], out_strides: list[int], cidx: Optional[torch.Tensor],
+                   tile: list[int]) -> torch.Tensor:
+    op = _unflat(data, scale, factor, soffs, meta)
+    rows, cols, row_group, col_group = sizes
+    out = torch.empty(out_shape, dtype=torch.bfloat16, device=data.device)
     br, bc = op.block
-    block_r, block_c, warps = tile or DEQUANT_TILES[scaling]
+    block_r, block_c, warps = tile
     if rows == 0 or cols == 0:
         return out
     gather = cidx is not None or col_group % block_c != 0 or cols % block_c != 0
     if gather and cidx is None:
         c = torch.arange(cols, device=op.data.device, dtype=torch.int32)
         cidx = (c // col_group) * ceil_div(col_group, bc) + (c % col_group) // bc
-    jit._dequantize_kernel[(ceil_div(rows, block_r), ceil_div(cols, block_c))](
+    wrapped(jit._dequantize_kernel)[(ceil_div(rows, block_r), ceil_div(cols, block_c))](
         op.data, op.scale, out, cidx if gather else op.data,
         rows, cols, row_group, ceil_div(row_group, br), col_group, ceil_div(col_group, bc),
         op.stride_r, op.stride_k, op.s_stride_r, op.s_stride_k, out_strides[0], out_strides[1],
-        SCALING=_CODE[scaling], BR=br, BC=bc, GATHER=gather, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+        SCALING=_CODE[Scaling(scaling)], BR=br, BC=bc, GATHER=gather, BLOCK_R=block_r, BLOCK_C=block_c,
+        num_warps=warps)
     return out
 
 
@@ -267,14 +318,12 @@ def _m_dequant_route(a, b, a_op, b_op, scaling, b_columnwise, out_dtype, cfg=Non
     n_w, k_w = b.shape[0] // e, b.shape[1]
     total_rows, k = a.shape[0], a.shape[1]
     dq = cfg.dq if cfg is not None else None
-    a16 = _dequantize(a_op, scaling, total_rows, k, max(total_rows, 1), k,
-                      torch.empty((total_rows, k), dtype=torch.bfloat16, device=device), (k, 1), tile=dq)
-    w16 = torch.empty((e, n_w, k_w), dtype=torch.bfloat16, device=device)  # W_g, either copy
-    if b_columnwise:  # [K, E*N] -> W_g [N, K]: element (r, c) lands at c*K + r
-        _dequantize(b_op, scaling, k_w, e * n_w, k_w, n_w, w16, (1, k_w), tile=dq)
+    a16 = _dequantized(a_op, scaling, total_rows, k, max(total_rows, 1), k, (total_rows, k), (k, 1), tile=dq)
+    if b_columnwise:  # W_g [N, K] from [K, E*N]: element (r, c) lands at c*K + r
+        w16 = _dequantized(b_op, scaling, k_w, e * n_w, k_w, n_w, (e, n_w, k_w), (1, k_w), tile=dq)
         mat_b, plain = w16, _Operand(w16, 1, k_w, n_w * k_w)
     else:
-        _dequantize(b_op, scaling, e * n_w, k_w, n_w, k_w, w16, (k_w, 1), tile=dq)
+        w16 = _dequantized(b_op, scaling, e * n_w, k_w, n_w, k_w, (e, n_w, k_w), (k_w, 1), tile=dq)
         mat_b, plain = w16.transpose(1, 2), _Operand(w16, k_w, 1, n_w * k_w)
     n_out = mat_b.shape[2]
     if scaling is Scaling.MX and _torch_grouped_mm_ok(a16, mat_b, out_dtype):
@@ -318,7 +367,30 @@ def m_grouped_gemm_with(a, b, split_sizes=None, *, b_columnwise=False, out_dtype
 
 # ---------------------------------------------------------------- k-grouped
 
-def _launch_k(a: _Operand, b: _Operand, offsets, n, k, groups, scaling, out, accumulate, cfg=None):
+def _launch_k(a: _Operand, b: _Operand, offsets, n, k, groups, scaling, out, accumulate, cfg=None,
+              out_dtype=torch.bfloat16):
+    """dW [groups, n, k] into `out`, or a new tensor of out_dtype when out is None."""
+    if out is None and cfg is None:
+        return _k_op(*_flat(a), *_flat(b), offsets, [n, k, groups], scaling.value, out_dtype)
+    if out is None:
+        out = torch.empty((groups, n, k), dtype=out_dtype, device=a.data.device)
+    return _launch_k_into(a, b, offsets, n, k, groups, scaling, out, accumulate, cfg)
+
+
+@kernel_op("qmoe::k_grouped_gemm")
+def _k_op(a_data: torch.Tensor, a_scale: Optional[torch.Tensor], a_factor: Optional[torch.Tensor],
+          a_soffs: Optional[torch.Tensor], a_meta: list[int], b_data: torch.Tensor, b_scale: Optional[torch.Tensor],
+          b_factor: Optional[torch.Tensor], b_soffs: Optional[torch.Tensor], b_meta: list[int], offsets: torch.Tensor,
+          sizes: list[int], scaling: str, out_dtype: torch.dtype) -> torch.Tensor:
+    """The k-grouped launch into a new tensor, as one opaque op (kernels/_triton_utils.KernelOp)."""
+    n, k, groups = sizes
+    out = torch.empty((groups, n, k), dtype=out_dtype, device=a_data.device)
+    return _launch_k_into(_unflat(a_data, a_scale, a_factor, a_soffs, a_meta),
+                          _unflat(b_data, b_scale, b_factor, b_soffs, b_meta), offsets, n, k, groups,
+                          Scaling(scaling), out, False, None)
+
+
+def _launch_k_into(a: _Operand, b: _Operand, offsets, n, k, groups, scaling, out, accumulate, cfg):
     if n == 0 or k == 0 or groups == 0:
         return out
     plain_fp32 = scaling is Scaling.NONE and a.data.dtype == torch.float32
@@ -328,7 +400,7 @@ def _launch_k(a: _Operand, b: _Operand, offsets, n, k, groups, scaling, out, acc
         cfg = _fp32_config(cfg) if plain_fp32 else cfg
     align = 16 // a.data.element_size() * (2 if scaling is Scaling.NVFP4 else 1) if tokens_contiguous else 1
     grid = (groups * ceil_div(n, cfg.bm) * ceil_div(k, cfg.bn),)
-    jit._k_grouped_gemm_kernel[grid](
+    wrapped(jit._k_grouped_gemm_kernel)[grid](
         a.data, b.data, out, offsets, a.scale_or_data(), b.scale_or_data(),
         a.soffs if a.soffs is not None else offsets, b.soffs if b.soffs is not None else offsets,
         a.factor if a.factor is not None else a.data, b.factor if b.factor is not None else b.data,
@@ -364,13 +436,11 @@ def k_grouped_gemm_with(a, b, split_sizes=None, *, out_dtype=torch.bfloat16, out
     if not is_grouped(a):
         offsets = _device_offsets(split_sizes, a.device)
         groups, n, k = offsets.numel() - 1, a.shape[1], b.shape[1]
-        out = out if out is not None else torch.empty((groups, n, k), dtype=out_dtype, device=a.device)
         a_op, b_op = _Operand(a, a.stride(1), a.stride(0)), _Operand(b, b.stride(1), b.stride(0))
-        return _launch_k(a_op, b_op, offsets, n, k, groups, Scaling.NONE, out, accumulate, config)
+        return _launch_k(a_op, b_op, offsets, n, k, groups, Scaling.NONE, out, accumulate, config, out_dtype)
     scaling = scaling_of(a)
     groups, total = a.num_groups, a.shape[0]
     n, k = a.shape[1], b.shape[1]
-    out = out if out is not None else torch.empty((groups, n, k), dtype=out_dtype, device=a.device)
     a_op, b_op = tokens_operand(a, scaling), tokens_operand(b, scaling)
     if route == "auto":
         emulated = scaling in (Scaling.MX, Scaling.NVFP4)
@@ -378,13 +448,13 @@ def k_grouped_gemm_with(a, b, split_sizes=None, *, out_dtype=torch.bfloat16, out
     if route == "dequant" and scaling in (Scaling.MX, Scaling.NVFP4) and total > 0:
         ops16 = []
         for x, op, f in ((a, a_op, n), (b, b_op, k)):
-            x16 = torch.empty((f, total), dtype=torch.bfloat16, device=op.data.device)
-            _dequantize(op, scaling, f, total, f, total, x16, (total, 1), _token_cidx(x, op, total),
-                        tile=config.dq if config is not None else None)
+            x16 = _dequantized(op, scaling, f, total, f, total, (f, total), (total, 1), _token_cidx(x, op, total),
+                               tile=config.dq if config is not None else None)
             ops16.append(_Operand(x16, total, 1, factor=op.factor))
         gemm_cfg = config if config is not None and config.bm >= 128 else None
-        return _launch_k(ops16[0], ops16[1], a.offsets, n, k, groups, Scaling.NONE, out, accumulate, gemm_cfg)
-    return _launch_k(a_op, b_op, a.offsets, n, k, groups, scaling, out, accumulate, config)
+        return _launch_k(ops16[0], ops16[1], a.offsets, n, k, groups, Scaling.NONE, out, accumulate, gemm_cfg,
+                         out_dtype)
+    return _launch_k(a_op, b_op, a.offsets, n, k, groups, scaling, out, accumulate, config, out_dtype)
 
 
 def native_block_scaled_gemm(scaling: Scaling, device: torch.device):

@@ -25,8 +25,8 @@ import torch
 
 from qmoe.formats import ElementFormat, ScaleMode
 from qmoe.kernels._triton_utils import as_rows, device_splits
-from qmoe.kernels.quantize import _fp8_meta, fp8_block_supported
-from qmoe.kernels.quantize_nvfp4 import check_nvfp4_shape, draw_seeds
+from qmoe.kernels.quantize import _fp8_meta, amax_op, fp8_block_op, fp8_block_supported, fp8_tensorwise_op, mxfp8_op
+from qmoe.kernels.quantize_nvfp4 import check_nvfp4_shape, draw_seeds, nvfp4_op
 from qmoe.reference import grouped_quantize as _ref
 
 
@@ -38,7 +38,7 @@ def _prepare(x, split_sizes):
 def grouped_tensor_amax(x: torch.Tensor, split_sizes: torch.Tensor) -> torch.Tensor:
     """max|x_g| per group -> [G] fp32 (0 for an empty group, NaN for a group holding one)."""
     x, splits, g = _prepare(x, split_sizes)
-    return torch.ops.qmoe.quantize_amax(x, splits, g)
+    return amax_op(x, splits, g)
 
 
 def grouped_quantize_fp8_tensorwise(x, split_sizes, scales, fmt: ElementFormat, rowwise=True, columnwise=False):
@@ -47,8 +47,8 @@ def grouped_quantize_fp8_tensorwise(x, split_sizes, scales, fmt: ElementFormat, 
     x, splits, g = _prepare(x, split_sizes)
     if scales.numel() != g:
         raise ValueError(f"grouped FP8 cast needs one scale per group ({g}), got {scales.numel()}")
-    row, col, amax = torch.ops.qmoe.quantize_fp8_tensorwise(x, scales.float().reshape(-1), splits, g, fmt.dtype,
-                                                            fmt.max, rowwise, columnwise)
+    row, col, amax = fp8_tensorwise_op(x, scales.float().reshape(-1), splits, g, fmt.dtype,
+                                       fmt.max, rowwise, columnwise)
     return row if rowwise else None, col if columnwise else None, amax
 
 
@@ -60,8 +60,8 @@ def grouped_quantize_fp8_block(x, split_sizes, block_rows, block_cols, fmt, powe
         return _ref.grouped_quantize_fp8_block(x, split_sizes, block_rows, block_cols, fmt, power_2_scale,
                                                amax_epsilon, rowwise, columnwise)
     x, splits, g = _prepare(x, split_sizes)
-    row, rs, col, cs = torch.ops.qmoe.quantize_fp8_block(x, splits, g, block_rows, block_cols, fmt.dtype, fmt.max,
-                                                         power_2_scale, float(amax_epsilon), rowwise, columnwise)
+    row, rs, col, cs = fp8_block_op(x, splits, g, block_rows, block_cols, fmt.dtype, fmt.max,
+                                    power_2_scale, float(amax_epsilon), rowwise, columnwise)
     return (row if rowwise else None, rs if rowwise else None, col if columnwise else None,
             cs if columnwise else None)
 
@@ -71,8 +71,8 @@ def grouped_quantize_mxfp8(x, split_sizes, fmt, scale_mode: ScaleMode = ScaleMod
     """-> (row [sum M, K], row_s [sum M, ceil(K/32)], col [K, sum M], col_s [K, sum M // 32 + G]) (E8M0)."""
     _fp8_meta(fmt)
     x, splits, g = _prepare(x, split_sizes)
-    row, rs, col, cs = torch.ops.qmoe.quantize_mxfp8(x, splits, g, fmt.dtype, fmt.max, fmt.emax,
-                                                     scale_mode is ScaleMode.ROUND_UP, 32, rowwise, columnwise)
+    row, rs, col, cs = mxfp8_op(x, splits, g, fmt.dtype, fmt.max, fmt.emax,
+                                scale_mode is ScaleMode.ROUND_UP, 32, rowwise, columnwise)
     return (row if rowwise else None, rs if rowwise else None, col if columnwise else None,
             cs if columnwise else None)
 
@@ -86,7 +86,7 @@ def grouped_quantize_nvfp4(x, split_sizes, block_2d=False, rowwise=True, columnw
     """
     x, splits, g = _prepare(x, split_sizes)
     check_nvfp4_shape(*x.shape, rowwise, columnwise, rht, block_2d)
-    row, rs, amax, col, cs, camax = torch.ops.qmoe.quantize_nvfp4(
+    row, rs, amax, col, cs, camax = nvfp4_op(
         x, splits, g, block_2d, rowwise, columnwise, rht, draw_seeds(stochastic, generator, x.device))
     return (row if rowwise else None, rs if rowwise else None, amax,
             col if columnwise else None, cs if columnwise else None, camax if columnwise else None)

@@ -18,10 +18,13 @@ permute alike.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
+from qmoe.kernels._triton_utils import kernel_op, wrapped
 from qmoe.reference.permute import (RowIdMap, check_merging_probs, check_permute_index_args,
                                     check_rows, num_permuted_rows)
 
@@ -325,20 +328,30 @@ def _block_n(n: int, itemsize: int) -> int:
     return max(1, min(triton.next_power_of_2(max(n, 1)), _ROW_BYTES_PER_PROGRAM // itemsize))
 
 
-def _zero_padding_rows(out: torch.Tensor, row_id_map: RowIdMap) -> None:
+def _zero_padding_rows(out: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor) -> None:
     r, n = out.shape
-    e = row_id_map.counts.shape[0]
+    e = counts.shape[0]
     if r == 0 or n == 0:
         return
     tail = min(_TAIL_PROGRAMS, triton.cdiv(r, _PAD_BLOCK_R))
-    _zero_padding_rows_kernel[(e + tail,)](
-        out, row_id_map.counts, row_id_map.offsets, n, r, e, out.stride(0), tail,
+    wrapped(_zero_padding_rows_kernel)[(e + tail,)](
+        out, counts, offsets, n, r, e, out.stride(0), tail,
         BLOCK_R=_PAD_BLOCK_R, BLOCK_N=_block_n(n, out.element_size()))
 
 
 def permute_index(routing_map, top_k, align_size):
     """Triton twin of `qmoe.reference.permute.permute_index`: (RowIdMap, split_sizes [E] int32)."""
     check_permute_index_args(routing_map, top_k, align_size)
+    t, e = routing_map.shape
+    rows, experts, counts, offsets, split_sizes = _permute_index_op(routing_map, top_k, align_size)
+    return RowIdMap(rows, experts, counts, offsets, num_permuted_rows(t, top_k, e, align_size)), split_sizes
+
+
+@kernel_op("qmoe::permute_index")
+def _permute_index_op(routing_map: torch.Tensor, top_k: int,
+                      align_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows, experts, counts, offsets, split_sizes): one opaque op, so compiled graphs order every
+    later reader of these tensors after the four launches that write them."""
     t, e = routing_map.shape
     dev = routing_map.device
     m = routing_map.to(torch.uint8).contiguous()  # not a view: Inductor cannot lower bool->uint8 views
@@ -351,33 +364,45 @@ def permute_index(routing_map, top_k, align_size):
     rows = torch.empty(t, top_k, dtype=torch.int32, device=dev)
     experts = torch.empty(t, top_k, dtype=torch.int32, device=dev)
     if t:
-        _count_tokens_kernel[(num_chunks, triton.cdiv(e, _INDEX_BLOCK_E))](
+        wrapped(_count_tokens_kernel)[(num_chunks, triton.cdiv(e, _INDEX_BLOCK_E))](
             m, chunk_counts, t, e, m.stride(0), BLOCK_T=_INDEX_BLOCK_T, BLOCK_E=_INDEX_BLOCK_E)
-    _chunk_scan_kernel[(triton.cdiv(e, _INDEX_BLOCK_E),)](
+    wrapped(_chunk_scan_kernel)[(triton.cdiv(e, _INDEX_BLOCK_E),)](
         chunk_counts, chunk_base, counts, split_sizes, num_chunks, e, align_size,
         BLOCK_C=_SCAN_BLOCK_C, BLOCK_E=_INDEX_BLOCK_E)
-    _expert_offsets_kernel[(1,)](split_sizes, offsets, e, BLOCK_E=_OFFSETS_BLOCK_E)
+    wrapped(_expert_offsets_kernel)[(1,)](split_sizes, offsets, e, BLOCK_E=_OFFSETS_BLOCK_E)
     if t:
-        _map_rows_kernel[(num_chunks,)](
+        wrapped(_map_rows_kernel)[(num_chunks,)](
             m, chunk_base, offsets, rows, experts, t, e, m.stride(0),
             TOP_K=top_k, BLOCK_T=_INDEX_BLOCK_T, BLOCK_E=_INDEX_BLOCK_E,
             BLOCK_K=triton.next_power_of_2(top_k))
-    row_id_map = RowIdMap(rows, experts, counts, offsets, num_permuted_rows(t, top_k, e, align_size))
-    return row_id_map, split_sizes
+    return rows, experts, counts, offsets, split_sizes
+
+
+# Every launcher below is one opaque torch op (kernel_op) taking the RowIdMap's tensors: compiled
+# graphs then run these functions as eager does and order every reader after them.
+
+def _map_args(row_id_map: RowIdMap) -> tuple:
+    return row_id_map.rows, row_id_map.experts, row_id_map.counts, row_id_map.offsets, row_id_map.num_rows
 
 
 def permute_rows(x, row_id_map):
     """Triton twin of `qmoe.reference.permute.permute_rows`: [T, N] any dtype -> [R, N]."""
     check_rows("x", x, row_id_map.rows.shape[0], row_id_map.rows.device)
+    return _permute_rows_op(x, *_map_args(row_id_map))
+
+
+@kernel_op("qmoe::permute_rows")
+def _permute_rows_op(x: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor,
+                     offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
     raw = _raw_2d(x)
     t, n = raw.shape
-    out = torch.empty(row_id_map.num_rows, n, dtype=raw.dtype, device=raw.device)
+    out = torch.empty(num_rows, n, dtype=raw.dtype, device=raw.device)
     if t and n:
         block_n = _block_n(n, raw.element_size())
-        _scatter_rows_kernel[(t, triton.cdiv(n, block_n))](
-            raw, row_id_map.rows, out, n, row_id_map.num_rows, raw.stride(0), out.stride(0),
-            TOP_K=row_id_map.rows.shape[1], BLOCK_N=block_n)
-    _zero_padding_rows(out, row_id_map)
+        wrapped(_scatter_rows_kernel)[(t, triton.cdiv(n, block_n))](
+            raw, rows, out, n, num_rows, raw.stride(0), out.stride(0),
+            TOP_K=rows.shape[1], BLOCK_N=block_n)
+    _zero_padding_rows(out, counts, offsets)
     out = out.view(x.dtype)
     return out if x.dim() == 2 else out.squeeze(1)
 
@@ -385,29 +410,41 @@ def permute_rows(x, row_id_map):
 def permute_probs(probs, row_id_map):
     """Triton twin of `qmoe.reference.permute.permute_probs`: [T, E] -> [R] (probs dtype)."""
     check_merging_probs(probs, row_id_map)
-    probs = _rows_contiguous(probs)
-    out = torch.zeros(row_id_map.num_rows, dtype=probs.dtype, device=probs.device)
-    _launch_probs(probs, out, row_id_map, backward=False, stride_probs=probs.stride(0), stride_out=0)
+    return _permute_probs_op(_rows_contiguous(probs), *_map_args(row_id_map))
+
+
+@kernel_op("qmoe::permute_probs")
+def _permute_probs_op(probs: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor,
+                      offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
+    out = torch.zeros(num_rows, dtype=probs.dtype, device=probs.device)
+    _launch_probs(probs, out, rows, experts, num_rows, backward=False, stride_probs=probs.stride(0), stride_out=0)
     return out
 
 
 def permute_probs_backward(grad_out_probs, row_id_map, probs_dtype=torch.float32):
     """Triton twin of `qmoe.reference.permute.permute_probs_backward`: [R] -> [T, E]."""
-    t, e = row_id_map.rows.shape[0], row_id_map.counts.shape[0]
+    return _permute_probs_backward_op(grad_out_probs.contiguous(), *_map_args(row_id_map), probs_dtype)
+
+
+@kernel_op("qmoe::permute_probs_backward")
+def _permute_probs_backward_op(grad_out_probs: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor,
+                               counts: torch.Tensor, offsets: torch.Tensor, num_rows: int,
+                               probs_dtype: torch.dtype) -> torch.Tensor:
+    t, e = rows.shape[0], counts.shape[0]
     grad = torch.zeros(t, e, dtype=probs_dtype, device=grad_out_probs.device)
-    _launch_probs(grad_out_probs.contiguous(), grad, row_id_map, backward=True, stride_probs=0,
+    _launch_probs(grad_out_probs, grad, rows, experts, num_rows, backward=True, stride_probs=0,
                   stride_out=grad.stride(0))
     return grad
 
 
-def _launch_probs(src, dst, row_id_map, *, backward, stride_probs, stride_out):
-    t, k = row_id_map.rows.shape
+def _launch_probs(src, dst, rows, experts, num_rows, *, backward, stride_probs, stride_out):
+    t, k = rows.shape
     if t == 0:
         return
     block_k = triton.next_power_of_2(k)
     block_t = max(1, 1024 // block_k)
-    _permute_probs_kernel[(triton.cdiv(t, block_t),)](
-        src, row_id_map.rows, row_id_map.experts, dst, t, row_id_map.num_rows, stride_probs,
+    wrapped(_permute_probs_kernel)[(triton.cdiv(t, block_t),)](
+        src, rows, experts, dst, t, num_rows, stride_probs,
         stride_out, TOP_K=k, BACKWARD=backward, BLOCK_T=block_t, BLOCK_K=block_k)
 
 
@@ -417,15 +454,21 @@ def unpermute_rows(y, row_id_map, merging_probs=None):
     if merging_probs is not None:
         check_merging_probs(merging_probs, row_id_map)
         merging_probs = _rows_contiguous(merging_probs)
-    y = _rows_contiguous(y)
-    t, k = row_id_map.rows.shape
+    return _unpermute_rows_op(_rows_contiguous(y), merging_probs, *_map_args(row_id_map))
+
+
+@kernel_op("qmoe::unpermute_rows")
+def _unpermute_rows_op(y: torch.Tensor, merging_probs: Optional[torch.Tensor], rows: torch.Tensor,
+                       experts: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor,
+                       num_rows: int) -> torch.Tensor:
+    t, k = rows.shape
     n = y.shape[1]
     out = torch.empty(t, n, dtype=y.dtype, device=y.device)
     if t and n:
         block_n = _block_n(n, y.element_size())
         probs = merging_probs if merging_probs is not None else y  # dummy, never read
-        _gather_rows_kernel[(t, triton.cdiv(n, block_n))](
-            y, row_id_map.rows, row_id_map.experts, probs, out, n, row_id_map.num_rows,
+        wrapped(_gather_rows_kernel)[(t, triton.cdiv(n, block_n))](
+            y, rows, experts, probs, out, n, num_rows,
             y.stride(0), probs.stride(0), out.stride(0),
             TOP_K=k, HAS_PROBS=merging_probs is not None, BLOCK_N=block_n)
     return out
@@ -438,22 +481,34 @@ def permute_rows_backward(grad_out, row_id_map):
 
 def unpermute_rows_backward(grad_out, y, row_id_map, merging_probs=None, need_probs_grad=True):
     """Triton twin of `qmoe.reference.permute.unpermute_rows_backward`: (grad_y, grad_probs)."""
-    t, k = row_id_map.rows.shape
-    n = y.shape[1]
-    grad_out, y = _rows_contiguous(grad_out), _rows_contiguous(y)
     probs_grad = merging_probs is not None and need_probs_grad
-    grad_y = torch.empty(row_id_map.num_rows, n, dtype=y.dtype, device=y.device)
-    grad_probs = None
+    grad_y, grad_probs = _unpermute_rows_backward_op(
+        _rows_contiguous(grad_out), _rows_contiguous(y),
+        _rows_contiguous(merging_probs) if merging_probs is not None else None, probs_grad,
+        *_map_args(row_id_map))
+    return grad_y, (grad_probs if probs_grad else None)
+
+
+@kernel_op("qmoe::unpermute_rows_backward")
+def _unpermute_rows_backward_op(grad_out: torch.Tensor, y: torch.Tensor, merging_probs: Optional[torch.Tensor],
+                                probs_grad: bool, rows: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor,
+                                offsets: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_y [R, N], grad_probs [T, E], or [0] without probs_grad)."""
+    t, k = rows.shape
+    n = y.shape[1]
+    grad_y = torch.empty(num_rows, n, dtype=y.dtype, device=y.device)
     if probs_grad:
         grad_probs = torch.zeros(merging_probs.shape, dtype=merging_probs.dtype, device=y.device)
+    else:
+        grad_probs = torch.empty(0, dtype=torch.float32, device=y.device)
     if t and n:
-        probs = _rows_contiguous(merging_probs) if merging_probs is not None else y
-        gp = grad_probs if grad_probs is not None else y  # dummy, never written
-        _scatter_grad_rows_kernel[(t,)](
-            grad_out, y, row_id_map.rows, row_id_map.experts, probs, grad_y, gp,
-            n, row_id_map.num_rows,
+        probs = merging_probs if merging_probs is not None else y
+        gp = grad_probs if probs_grad else y  # dummy, never written
+        wrapped(_scatter_grad_rows_kernel)[(t,)](
+            grad_out, y, rows, experts, probs, grad_y, gp,
+            n, num_rows,
             grad_out.stride(0), y.stride(0), probs.stride(0), grad_y.stride(0), gp.stride(0),
             TOP_K=k, HAS_PROBS=merging_probs is not None, PROBS_GRAD=probs_grad,
             BLOCK_N=min(_block_n(n, 4), 1024), BLOCK_K=triton.next_power_of_2(k))
-    _zero_padding_rows(grad_y, row_id_map)
+    _zero_padding_rows(grad_y, counts, offsets)
     return grad_y, grad_probs

@@ -23,11 +23,10 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op
 
 from qmoe.formats import ElementFormat, ScaleMode, ceil_div
 from qmoe.kernels._triton_utils import (as_rows, atomic_max_bits, block_amax_2d, block_amax_first, block_amax_last,
-                                        cast_bits, exp2_int, fp8_scale_from_amax, group_pow2, launch,
+                                        cast_bits, exp2_int, fp8_scale_from_amax, group_pow2, kernel_op, launch,
                                         max_abs_bits, mx_exponent, prune_oversized, reciprocal, scale_2d, scale_last,
                                         store8, tile_configs, tile_rows, wrapped)
 from qmoe.reference import quantize as _ref
@@ -56,6 +55,9 @@ _TILE_CONFIGS = tile_configs(((32, 64, 4), (32, 128, 4), (64, 128, 8), (128, 128
 # 128-wide blocks: BK = 128; BM = 128 whenever blocks also run along M (columnwise, 128x128).
 _BLOCK128_CONFIGS = tile_configs(((32, 128, 4), (64, 128, 8), (128, 128, 8), (128, 128, 16)))
 _KEY = ["M", "K", "G"]
+# Kernels with block scales also key on orientation and block shape: they decide which tiles are
+# legal (a tile tuned for a rowwise-only call cannot hold the 128-row blocks of a columnwise one).
+_ORIENTED_KEY = _KEY + ["ROWWISE", "COLWISE"]
 
 
 # ---------------------------------------------------------------- amax
@@ -90,8 +92,8 @@ def _tile_grid(m: int, k: int, groups: int, grouped: bool):
 _SMALL_TILE = triton.Config({"BM": 32, "BK": 64}, num_warps=4, num_stages=1)
 
 
-@triton_op("qmoe::quantize_amax", mutates_args=())
-def _amax_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int) -> torch.Tensor:
+@kernel_op("qmoe::quantize_amax")
+def amax_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int) -> torch.Tensor:
     """max|x| per group -> [G] fp32 (G = 1 without splits); NaN if a group holds one."""
     m, k = x.shape
     bits = torch.zeros(num_groups, dtype=torch.int32, device=x.device)
@@ -111,7 +113,7 @@ def _as_2d(x: torch.Tensor) -> torch.Tensor:
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     """max|x| of a whole tensor as a 0-dim fp32 tensor (NaN if any element is NaN; 0 if empty)."""
-    return torch.ops.qmoe.quantize_amax(as_rows(_as_2d(x)), None, 1).reshape(())
+    return amax_op(as_rows(_as_2d(x)), None, 1).reshape(())
 
 
 # ---------------------------------------------------------------- FP8 scale from amax
@@ -124,8 +126,8 @@ def _fp8_scale_kernel(amax_ptr, scale_ptr, n, eps, FMT_MAX: tl.constexpr, POW2: 
     tl.store(scale_ptr + offs, fp8_scale_from_amax(amax, FMT_MAX, POW2, eps), mask=offs < n)
 
 
-@triton_op("qmoe::quantize_fp8_scale", mutates_args=())
-def _fp8_scale_op(amax: torch.Tensor, fmt_max: float, power_2_scale: bool, amax_epsilon: float) -> torch.Tensor:
+@kernel_op("qmoe::quantize_fp8_scale")
+def fp8_scale_op(amax: torch.Tensor, fmt_max: float, power_2_scale: bool, amax_epsilon: float) -> torch.Tensor:
     a = amax.reshape(-1).contiguous()
     out = torch.empty(a.shape, dtype=torch.float32, device=amax.device)
     if a.numel():
@@ -139,7 +141,7 @@ def compute_fp8_scale(amax: torch.Tensor, fmt_max: float, power_2_scale: bool = 
     """FP8 scale from amax (NUMERICS.md): fmt_max / max(amax, eps), 1 where amax is 0 or not finite."""
     if amax.numel() > 4096:  # one program holds every value; larger inputs are not a quantizer's
         return _ref.compute_fp8_scale(amax, fmt_max, power_2_scale, amax_epsilon)
-    return torch.ops.qmoe.quantize_fp8_scale(amax, float(fmt_max), bool(power_2_scale), float(amax_epsilon))
+    return fp8_scale_op(amax, float(fmt_max), bool(power_2_scale), float(amax_epsilon))
 
 
 # ---------------------------------------------------------------- FP8 per tensor
@@ -177,10 +179,10 @@ def _fp8_tensorwise_kernel(
         store8(col_ptr, cast_bits(tl.trans(x) * scale, FMT_MAX, OUT_DTYPE), col0, row0, M, K, row_end, BK, BM)
 
 
-@triton_op("qmoe::quantize_fp8_tensorwise", mutates_args=())
-def _fp8_tensorwise_op(x: torch.Tensor, scale: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int,
-                       out_dtype: torch.dtype, fmt_max: float, rowwise: bool,
-                       columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@kernel_op("qmoe::quantize_fp8_tensorwise")
+def fp8_tensorwise_op(x: torch.Tensor, scale: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int,
+                      out_dtype: torch.dtype, fmt_max: float, rowwise: bool,
+                      columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(row [M, K] | empty, col [K, M] | empty, amax [G] fp32)."""
     m, k = x.shape
     row = torch.empty((m, k) if rowwise else (0,), dtype=out_dtype, device=x.device)
@@ -203,14 +205,14 @@ def quantize_fp8_tensorwise(x: torch.Tensor, scale: torch.Tensor, fmt: ElementFo
     Returns (rowwise_data [M, K] | None, columnwise_data [K, M] | None, amax 0-dim fp32).
     """
     _fp8_meta(fmt)
-    row, col, amax = torch.ops.qmoe.quantize_fp8_tensorwise(as_rows(x), scale.float(), None, 1, fmt.dtype,
-                                                            fmt.max, rowwise, columnwise)
+    row, col, amax = fp8_tensorwise_op(as_rows(x), scale.float(), None, 1, fmt.dtype,
+                                       fmt.max, rowwise, columnwise)
     return row if rowwise else None, col if columnwise else None, amax.reshape(())
 
 
 # ---------------------------------------------------------------- FP8 blocks (1x128, 128x128)
 
-@triton.autotune(configs=_BLOCK128_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune_blocks})
+@triton.autotune(configs=_BLOCK128_CONFIGS, key=_ORIENTED_KEY + ["BLOCK_2D"], prune_configs_by={"early_config_prune": _prune_blocks})
 @triton.jit
 def _fp8_block_kernel(
         # pointers
@@ -274,10 +276,10 @@ def scale_width(m: int, block: int, num_groups: int, grouped: bool) -> int:
     return m // block + num_groups if grouped else ceil_div(m, block)
 
 
-@triton_op("qmoe::quantize_fp8_block", mutates_args=())
-def _fp8_block_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, block_rows: int,
-                  block_cols: int, out_dtype: torch.dtype, fmt_max: float, power_2_scale: bool, amax_epsilon: float,
-                  rowwise: bool, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+@kernel_op("qmoe::quantize_fp8_block")
+def fp8_block_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, block_rows: int,
+                 block_cols: int, out_dtype: torch.dtype, fmt_max: float, power_2_scale: bool, amax_epsilon: float,
+                 rowwise: bool, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(row [M, K], row_si, col [K, M], col_si); unrequested outputs are empty. Layouts: reference."""
     m, k = x.shape
     b, two_d, grouped = block_cols, block_rows > 1, splits is not None
@@ -319,16 +321,16 @@ def quantize_fp8_block(x: torch.Tensor, block_rows: int, block_cols: int, fmt: E
     if not fp8_block_supported(block_rows, block_cols):
         return _ref.quantize_fp8_block(x, block_rows, block_cols, fmt, power_2_scale, amax_epsilon, rowwise,
                                        columnwise)
-    row, rs, col, cs = torch.ops.qmoe.quantize_fp8_block(as_rows(x), None, 1, block_rows, block_cols, fmt.dtype,
-                                                         fmt.max, power_2_scale, float(amax_epsilon), rowwise,
-                                                         columnwise)
+    row, rs, col, cs = fp8_block_op(as_rows(x), None, 1, block_rows, block_cols, fmt.dtype,
+                                    fmt.max, power_2_scale, float(amax_epsilon), rowwise,
+                                    columnwise)
     return (row if rowwise else None, rs if rowwise else None, col if columnwise else None,
             cs if columnwise else None)
 
 
 # ---------------------------------------------------------------- MXFP8 (1x32, E8M0 scales)
 
-@triton.autotune(configs=_TILE_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune_blocks})
+@triton.autotune(configs=_TILE_CONFIGS, key=_ORIENTED_KEY, prune_configs_by={"early_config_prune": _prune_blocks})
 @triton.jit
 def _mxfp8_kernel(
         # pointers
@@ -375,10 +377,10 @@ def _mxfp8_kernel(
                  mask=k_ok[:, None] & mb_ok[None, :])
 
 
-@triton_op("qmoe::quantize_mxfp8", mutates_args=())
-def _mxfp8_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, out_dtype: torch.dtype,
-              fmt_max: float, emax: int, round_up: bool, block: int, rowwise: bool,
-              columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+@kernel_op("qmoe::quantize_mxfp8")
+def mxfp8_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, out_dtype: torch.dtype,
+             fmt_max: float, emax: int, round_up: bool, block: int, rowwise: bool,
+             columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(row [M, K], row_s [M, ceil(K/b)] e8m0, col [K, M], col_s [K, width] e8m0); unrequested: empty."""
     m, k = x.shape
     grouped = splits is not None
@@ -404,8 +406,8 @@ def quantize_mxfp8(x: torch.Tensor, fmt: ElementFormat, scale_mode: ScaleMode = 
     _fp8_meta(fmt)
     if block != 32:  # the kernels' tiles assume 32-value blocks
         return _ref.quantize_mxfp8(x, fmt, scale_mode, rowwise, columnwise, block)
-    row, rs, col, cs = torch.ops.qmoe.quantize_mxfp8(as_rows(x), None, 1, fmt.dtype, fmt.max, fmt.emax,
-                                                     scale_mode is ScaleMode.ROUND_UP, block, rowwise, columnwise)
+    row, rs, col, cs = mxfp8_op(as_rows(x), None, 1, fmt.dtype, fmt.max, fmt.emax,
+                                scale_mode is ScaleMode.ROUND_UP, block, rowwise, columnwise)
     return (row if rowwise else None, rs if rowwise else None, col if columnwise else None,
             cs if columnwise else None)
 
@@ -440,9 +442,9 @@ def _dequantize_kernel(
     tl.store(out_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton_op("qmoe::dequantize_scaled", mutates_args=())
-def _dequantize_op(data: torch.Tensor, scale: torch.Tensor, block_rows: int, block_cols: int, e8m0: bool,
-                   out_dtype: torch.dtype) -> torch.Tensor:
+@kernel_op("qmoe::dequantize_scaled")
+def dequantize_op(data: torch.Tensor, scale: torch.Tensor, block_rows: int, block_cols: int, e8m0: bool,
+                  out_dtype: torch.dtype) -> torch.Tensor:
     """float(data) * scale expanded over (block_rows x block_cols) blocks; a 0-dim scale is per tensor."""
     r, c = data.shape
     out = torch.empty((r, c), dtype=out_dtype, device=data.device)
@@ -462,15 +464,15 @@ def _check_2d(data: torch.Tensor, what: str):
 
 def dequantize_fp8_tensorwise(data: torch.Tensor, scale_inv: torch.Tensor, dtype=torch.float32):
     _check_2d(data, "dequantize_fp8_tensorwise")
-    return torch.ops.qmoe.dequantize_scaled(data, scale_inv.float().reshape(()), 1, 1, False, dtype)
+    return dequantize_op(data, scale_inv.float().reshape(()), 1, 1, False, dtype)
 
 
 def dequantize_fp8_block(data: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, block_cols: int,
                          dtype=torch.float32):
     _check_2d(data, "dequantize_fp8_block")
-    return torch.ops.qmoe.dequantize_scaled(data, scale_inv.float(), block_rows, block_cols, False, dtype)
+    return dequantize_op(data, scale_inv.float(), block_rows, block_cols, False, dtype)
 
 
 def dequantize_mxfp8(data: torch.Tensor, scale: torch.Tensor, dtype=torch.float32, block: int = 32):
     _check_2d(data, "dequantize_mxfp8")
-    return torch.ops.qmoe.dequantize_scaled(data, scale, 1, block, True, dtype)
+    return dequantize_op(data, scale, 1, block, True, dtype)

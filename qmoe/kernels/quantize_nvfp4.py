@@ -23,14 +23,13 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op
 
 from qmoe.formats import E2M1, E4M3, FLT_MAX, NVFP4_BLOCK, NVFP4_TENSOR_MAX, RHT_SIZE, ceil_div
 from qmoe.kernels._triton_utils import (RHT_SIGN_MASK, as_rows, atomic_max_bits, block_amax_2d, block_amax_first,
-                                        block_amax_last, cast_satfinite, clamp_nan, group_pow2, is_nan, launch,
+                                        block_amax_last, cast_satfinite, clamp_nan, group_pow2, is_nan, kernel_op, launch,
                                         max_abs_bits, prune_oversized, reciprocal, rht_last, scale_2d, scale_first,
                                         scale_last, store8, tile_configs, tile_rows, trans8, uniform_tile)
-from qmoe.kernels.quantize import _prune_blocks, _tile_grid, scale_width
+from qmoe.kernels.quantize import _ORIENTED_KEY, _prune_blocks, _tile_grid, scale_width
 
 _FLT_MAX = tl.constexpr(FLT_MAX)
 _ONE_SIXTH = tl.constexpr(float(torch.tensor(1.0 / 6.0, dtype=torch.float32)))  # fp32(1/6), as the reference
@@ -179,7 +178,8 @@ def _nvfp4_amax_kernel(
 
 # ---------------------------------------------------------------- quantize launch
 
-@triton.autotune(configs=_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune_blocks})
+@triton.autotune(configs=_CONFIGS, key=_ORIENTED_KEY + ["BLOCK_2D"],
+                 prune_configs_by={"early_config_prune": _prune_blocks})
 @triton.jit
 def _nvfp4_kernel(
         # pointers
@@ -259,9 +259,9 @@ def _nvfp4_kernel(
                      mask=k_ok[:, None] & mb_ok[None, :])
 
 
-@triton_op("qmoe::quantize_nvfp4", mutates_args=())
-def _nvfp4_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, block_2d: bool, rowwise: bool,
-              columnwise: bool, rht: bool, seeds: Optional[torch.Tensor]) -> tuple[
+@kernel_op("qmoe::quantize_nvfp4")
+def nvfp4_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, block_2d: bool, rowwise: bool,
+             columnwise: bool, rht: bool, seeds: Optional[torch.Tensor]) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(row [M, K/2] u8, row_s e4m3, amax [G], col [K, M/2] u8, col_s e4m3, col_amax [G]); empty if unasked.
 
@@ -324,7 +324,7 @@ def quantize_nvfp4(x: torch.Tensor, block_2d: bool = False, rowwise: bool = True
     """NVFP4-quantize x [M, K]; returns the reference's 6-tuple (None for copies not asked for)."""
     x = as_rows(x)
     check_nvfp4_shape(*x.shape, rowwise, columnwise, rht, block_2d)
-    row, rs, amax, col, cs, camax = torch.ops.qmoe.quantize_nvfp4(
+    row, rs, amax, col, cs, camax = nvfp4_op(
         x, None, 1, block_2d, rowwise, columnwise, rht, draw_seeds(stochastic, generator, x.device))
     return (row if rowwise else None, rs if rowwise else None, amax.reshape(()),
             col if columnwise else None, cs if columnwise else None, camax.reshape(()) if columnwise else None)
@@ -359,9 +359,9 @@ def _dequantize_nvfp4_kernel(
     tl.store(out_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton_op("qmoe::dequantize_nvfp4", mutates_args=())
-def _dequantize_nvfp4_op(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, block_rows: int,
-                         out_dtype: torch.dtype) -> torch.Tensor:
+@kernel_op("qmoe::dequantize_nvfp4")
+def dequantize_nvfp4_op(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, block_rows: int,
+                        out_dtype: torch.dtype) -> torch.Tensor:
     r, c = data.shape[0], data.shape[1] * 2
     out = torch.empty((r, c), dtype=out_dtype, device=data.device)
     if out.numel():
@@ -378,4 +378,4 @@ def dequantize_nvfp4(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor
     if data.dim() != 2 or data.dtype != torch.uint8 or data.stride(1) != 1:
         raise ValueError(f"dequantize_nvfp4 takes packed uint8 data [M, K/2] with unit column stride, got "
                          f"{data.dtype} of shape {tuple(data.shape)}")
-    return torch.ops.qmoe.dequantize_nvfp4(data, scale, amax, NVFP4_BLOCK if block_2d else 1, dtype)
+    return dequantize_nvfp4_op(data, scale, amax, NVFP4_BLOCK if block_2d else 1, dtype)

@@ -10,11 +10,13 @@ what makes ties go to the lower expert, as the reference's stable sort does.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from qmoe.kernels._triton_utils import kernel_op, wrapped
 from qmoe.reference.router import NORMALIZE_EPS, ScoreFunction, check_topk_route_args, parse_score_function
 
 # Kernel constants for `ScoreFunction`: the one place the enum becomes a number.
@@ -228,39 +230,56 @@ def route_forward(logits, top_k, fn, pre_softmax, num_groups, group_topk, scalin
     Unchecked: `qmoe.ops.topk_route` validates once per call, `topk_route` below for callers
     of the twin.
     """
-    t, e = logits.shape
-    logits = _rows_contiguous(logits)
-    probs = torch.empty(t, e, dtype=torch.float32, device=logits.device)
+    probs, map_bytes = _route_forward_op(
+        _rows_contiguous(logits), expert_bias.contiguous() if expert_bias is not None else None, top_k, fn.value,
+        bool(pre_softmax), num_groups, group_topk, 1.0 if scaling_factor is None else float(scaling_factor))
     # the kernel writes 0/1 bytes; compared to a bool map afterwards (one tiny pass) rather than
     # viewing a bool tensor as uint8, which Inductor cannot lower (torch.compile)
+    return probs, map_bytes != 0
+
+
+@kernel_op("qmoe::route_forward")
+def _route_forward_op(logits: torch.Tensor, expert_bias: Optional[torch.Tensor], top_k: int, score_function: str,
+                      pre_softmax: bool, num_groups: Optional[int], group_topk: Optional[int],
+                      scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One opaque op (kernels/_triton_utils.KernelOp): (probs, routing map as 0/1 bytes)."""
+    t, e = logits.shape
+    probs = torch.empty(t, e, dtype=torch.float32, device=logits.device)
     map_bytes = torch.empty(t, e, dtype=torch.uint8, device=logits.device)
     if t:
-        grid, meta, _ = _route_launch(t, e, top_k, fn, bool(pre_softmax), num_groups, group_topk,
-                                      expert_bias is not None)
-        _topk_route_kernel[grid](
-            logits, probs if expert_bias is None else expert_bias.contiguous(), probs, map_bytes,
+        grid, meta, _ = _route_launch(t, e, top_k, ScoreFunction(score_function), pre_softmax, num_groups,
+                                      group_topk, expert_bias is not None)
+        no_bias = torch.empty(0, dtype=torch.float32, device=logits.device)  # never read; no tensor passed twice
+        wrapped(_topk_route_kernel)[grid](
+            logits, expert_bias if expert_bias is not None else no_bias, probs, map_bytes,
             t, e,
             logits.stride(0), probs.stride(0), map_bytes.stride(0),
-            1.0 if scaling_factor is None else float(scaling_factor),
+            scaling_factor,
             **meta,
         )
-    return probs, map_bytes != 0
+    return probs, map_bytes
 
 
 def route_backward(grad_probs, logits, routing_map, top_k, fn, pre_softmax, scaling_factor):
     """d probs / d logits [T, E] in the logits' dtype, for validated arguments. Unchecked."""
-    t, e = logits.shape
-    grad_probs, logits = _rows_contiguous(grad_probs), _rows_contiguous(logits)
     map_bytes = routing_map.to(torch.uint8).contiguous()  # a copy, not a view: Inductor cannot lower bool->uint8 views
+    return _route_backward_op(_rows_contiguous(grad_probs), _rows_contiguous(logits), map_bytes, top_k, fn.value,
+                              bool(pre_softmax), 1.0 if scaling_factor is None else float(scaling_factor))
+
+
+@kernel_op("qmoe::route_backward")
+def _route_backward_op(grad_probs: torch.Tensor, logits: torch.Tensor, map_bytes: torch.Tensor, top_k: int,
+                       score_function: str, pre_softmax: bool, scaling_factor: float) -> torch.Tensor:
+    t, e = logits.shape
     dlogits = torch.empty(t, e, dtype=logits.dtype, device=logits.device)
     if t == 0:
         return dlogits
-    grid, _, meta = _route_launch(t, e, top_k, fn, bool(pre_softmax), None, None, False)
-    _topk_route_bwd_kernel[grid](
+    grid, _, meta = _route_launch(t, e, top_k, ScoreFunction(score_function), pre_softmax, None, None, False)
+    wrapped(_topk_route_bwd_kernel)[grid](
         grad_probs, logits, map_bytes, dlogits,
         t, e,
         grad_probs.stride(0), logits.stride(0), map_bytes.stride(0), dlogits.stride(0),
-        1.0 if scaling_factor is None else float(scaling_factor),
+        scaling_factor,
         **meta,
     )
     return dlogits

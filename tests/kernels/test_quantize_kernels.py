@@ -162,6 +162,31 @@ def test_nvfp4(block_2d, orient, kind):
         assert_all_same(got, want, ("row", "row_s", "amax", "col", "col_s", "col_amax"))
 
 
+@pytest.mark.parametrize("order", ["row-then-both", "both-then-row"])
+def test_autotuned_shape_in_every_orientation(order):
+    """Shapes large enough to autotune, quantized in one orientation and then the other: a tile
+    tuned for rowwise-only must never be reused where columnwise blocks need taller tiles (a
+    regression: 1x128 and MXFP8 once failed to compile on the second call)."""
+    from qmoe.kernels._triton_utils import AUTOTUNE_MIN_ELEMENTS
+
+    m, k = 2 * AUTOTUNE_MIN_ELEMENTS // 2048, 2048
+    x = make_input(m, k, torch.bfloat16, seed=40, kind="normal")
+    calls = {
+        "block1x128": (lambda *o: K.quantize_fp8_block(x, 1, 128, E4M3, True, 0.0, *o),
+                       lambda *o: R.quantize_fp8_block(x, 1, 128, E4M3, True, 0.0, *o)),
+        "block128x128": (lambda *o: K.quantize_fp8_block(x, 128, 128, E4M3, True, 0.0, *o),
+                         lambda *o: R.quantize_fp8_block(x, 128, 128, E4M3, True, 0.0, *o)),
+        "mxfp8": (lambda *o: K.quantize_mxfp8(x, E4M3, ScaleMode.ROUND_UP, *o),
+                  lambda *o: R.quantize_mxfp8(x, E4M3, ScaleMode.ROUND_UP, *o)),
+        "nvfp4": (lambda *o: K4.quantize_nvfp4(x, False, *o), lambda *o: R4.quantize_nvfp4(x, False, *o)),
+    }
+    orients = [(True, False), (True, True)] if order == "row-then-both" else [(True, True), (True, False)]
+    for name, (kernel, reference) in calls.items():
+        for orient in orients:
+            got, want = kernel(*orient), reference(*orient)
+            assert_all_same(got, want, [f"{name} {orient}: {i}" for i in range(len(want))])
+
+
 def exact_rht_input(m, k, dtype):
     """Small integers times a power of two: every Hadamard sum is exact in fp32."""
     g = torch.Generator(device=DEV).manual_seed(11)

@@ -1,0 +1,59 @@
+"""KernelOp: eager calls skip torch's dispatcher; torch.compile and fake tensors still see the op."""
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from qmoe.kernels._triton_utils import KernelOp
+
+
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+TWICE = KernelOp("qmoe_test::twice", _twice)
+
+
+def _dispatched_ops(fn) -> set[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.name for e in prof.events()}
+
+
+def test_eager_calls_the_function_and_matches_the_op():
+    x = torch.randn(5, 3)
+    assert torch.equal(TWICE(x), x * 2)
+    assert torch.equal(TWICE.op(x), x * 2)  # the registered op computes the same
+    assert "qmoe_test::twice" not in _dispatched_ops(lambda: TWICE(x))
+    assert "qmoe_test::twice" in _dispatched_ops(lambda: TWICE.op(x))
+
+
+def test_fake_tensors_go_through_the_registered_op():
+    with FakeTensorMode():
+        y = TWICE(torch.empty(4, 2))
+    assert isinstance(y, FakeTensor) and y.shape == (4, 2)
+
+
+def test_compiled_graphs_contain_the_op():
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    fn = torch.compile(lambda x: TWICE(x) + 1, backend=record, fullgraph=True)
+    x = torch.randn(3)
+    assert torch.equal(fn(x), x * 2 + 1)
+    assert any("qmoe_test.twice" in gm.code for gm in graphs), [gm.code for gm in graphs]
+
+
+def test_dispatcher_path_can_be_forced():
+    x = torch.randn(2)
+    KernelOp.direct = False
+    try:
+        assert torch.equal(TWICE(x), x * 2)
+        assert "qmoe_test::twice" in _dispatched_ops(lambda: TWICE(x))
+    finally:
+        KernelOp.direct = True
