@@ -8,13 +8,14 @@ the step times of record are `qmoe bench moe`'s.
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 
 from benchmarks.bench_moe import RECIPES, SHAPES, _step_fn
 
 
-def profile(shape: dict, recipe_name: str, steps: int = 2, top: int = 25) -> str:
+def profile(shape: dict, recipe_name: str, steps: int = 4, top: int = 25) -> str:
     import qmoe
     from qmoe.recipes import recipe_from_config
     from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -29,6 +30,12 @@ def profile(shape: dict, recipe_name: str, steps: int = 2, top: int = 25) -> str
     for _ in range(3):
         step()
     torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    host_ms = (time.perf_counter() - t0) / steps * 1e3  # the host's time to issue a step
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) / steps * 1e3
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
@@ -36,7 +43,8 @@ def profile(shape: dict, recipe_name: str, steps: int = 2, top: int = 25) -> str
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     events.sort(key=lambda e: e.device_time_total, reverse=True)
     total = sum(e.self_device_time_total for e in events) / steps / 1e3
-    lines = [f"== {recipe_name}: {total:.2f} ms of kernels per step"]
+    lines = [f"== {recipe_name}: {total:.2f} ms of kernels per step, {wall_ms:.2f} ms wall "
+             f"({host_ms:.2f} ms to issue it: near the wall time means the host bounds the step)"]
     for e in events[:top]:
         ms = e.self_device_time_total / steps / 1e3
         if ms <= 0:
