@@ -83,9 +83,8 @@ def _backward_op(dy: torch.Tensor, bias: torch.Tensor, offsets: torch.Tensor, sc
     dbias = torch.zeros(e, n, dtype=torch.float32, device=dy.device)
     dscales = torch.empty(r if need_dscales else 0, dtype=torch.float32, device=dy.device)
     if r:
-        no_scales = torch.empty(0, dtype=torch.float32, device=dy.device)  # never read; no tensor passed twice
         wrapped(_grouped_bias_backward_kernel)[(triton.cdiv(r, _BLOCK_R),)](
-            dy, bias, scales if scales is not None else no_scales, groups, dbias, dscales,
+            dy, bias, scales if scales is not None else dy, groups, dbias, dscales,  # dy: a placeholder, never read
             r, n, e,
             dy.stride(0), bias.stride(0), dbias.stride(0),
             HAS_SCALES=scales is not None, NEED_DSCALES=need_dscales, BLOCK_R=_BLOCK_R, BLOCK_N=_BLOCK_N)

@@ -313,7 +313,6 @@ def _dequantize_op(data: torch.Tensor, scale: Optional[torch.Tensor], factor: Op
 
 
 def _m_dequant_route(a, b, a_op, b_op, scaling, b_columnwise, out_dtype, cfg=None):
-    device = a_op.data.device
     e = b.num_groups
     n_w, k_w = b.shape[0] // e, b.shape[1]
     total_rows, k = a.shape[0], a.shape[1]

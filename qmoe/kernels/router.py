@@ -249,9 +249,8 @@ def _route_forward_op(logits: torch.Tensor, expert_bias: Optional[torch.Tensor],
     if t:
         grid, meta, _ = _route_launch(t, e, top_k, ScoreFunction(score_function), pre_softmax, num_groups,
                                       group_topk, expert_bias is not None)
-        no_bias = torch.empty(0, dtype=torch.float32, device=logits.device)  # never read; no tensor passed twice
         wrapped(_topk_route_kernel)[grid](
-            logits, expert_bias if expert_bias is not None else no_bias, probs, map_bytes,
+            logits, expert_bias if expert_bias is not None else probs, probs, map_bytes,  # probs: never read as bias
             t, e,
             logits.stride(0), probs.stride(0), map_bytes.stride(0),
             scaling_factor,
