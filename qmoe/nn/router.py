@@ -56,7 +56,7 @@ class TopKRouter(nn.Module):
     def forward(self, x: torch.Tensor, seq_length: int | None = None):
         """x: [T, H] any float dtype; seq_length: tokens per sequence for the sequence-level loss
         (T must be a multiple; default: all T tokens form one sequence)."""
-        logits = x.float() @ self.weight.t()
+        logits = ops.router_logits(x, self.weight)
         probs, routing_map = ops.topk_route(
             logits, self.top_k, score_function=self.score_function.value, pre_softmax=self.pre_softmax,
             num_groups=self.num_groups, group_topk=self.group_topk, scaling_factor=self.scaling_factor,

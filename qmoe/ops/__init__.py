@@ -1,6 +1,6 @@
 """Functional ops and autograd Functions; each picks the Triton kernel or the reference."""
 from qmoe.ops.linear import quantized_linear
-from qmoe.ops.router import apply_capacity, topk_route
+from qmoe.ops.router import apply_capacity, router_logits, topk_route
 from qmoe.ops.aux_loss import moe_aux_loss, seq_aux_loss, update_expert_bias, z_loss
 from qmoe.ops.permute import RowIdMap, moe_permute, moe_unpermute
 from qmoe.ops.grouped_gemm import (GROUPED_PATHS, k_grouped_gemm, linear_k_grouped, linear_m_grouped,

@@ -16,7 +16,7 @@ from qmoe.backend import use_kernels
 from qmoe.reference import router as reference
 from qmoe.reference.router import apply_capacity, check_capacity_factor, check_topk_route_args
 
-__all__ = ["topk_route", "apply_capacity"]
+__all__ = ["topk_route", "apply_capacity", "router_logits"]
 
 
 @functools.cache
@@ -44,6 +44,34 @@ class _TopKRoute(torch.autograd.Function):
         logits, routing_map = ctx.saved_tensors
         grad_logits = _kernels().route_backward(grad_probs, logits, routing_map, *ctx.args)
         return grad_logits, None, None, None, None, None, None, None
+
+
+class _RouterLogits(torch.autograd.Function):
+    # Saves x in its own dtype: autograd of `x.float() @ w.t()` would keep the fp32 copy of x
+    # (twice a bf16 input's bytes, 235 MB at the DeepSeek-V3 shard) for the weight gradient.
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return x.float() @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad_logits):
+        x, weight = ctx.saved_tensors
+        dx = (grad_logits @ weight).to(x.dtype) if ctx.needs_input_grad[0] else None
+        dw = grad_logits.t() @ x.float() if ctx.needs_input_grad[1] else None
+        return dx, dw
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 router logits [T, E] = x [T, H] (any float dtype) @ weight [E, H] (fp32)^T.
+
+    The same values and gradients as `x.float() @ weight.t()`, without keeping an fp32 copy of x
+    alive for the backward.
+    """
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"router_logits needs x [T, H] and weight [E, H], got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    return _RouterLogits.apply(x, weight)
 
 
 def topk_route(logits, top_k, *, score_function="softmax", pre_softmax=False, num_groups=None,

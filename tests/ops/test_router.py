@@ -5,6 +5,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
+from qmoe import ops
 from qmoe.ops import apply_capacity, topk_route
 from qmoe.reference import router as reference
 
@@ -296,3 +297,36 @@ def test_op_forward_and_backward_match_reference(t, e, k, kw):
     (got,) = torch.autograd.grad(probs, logits, g)
     (want,) = torch.autograd.grad(ref_probs, ref_logits, g)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- router logits
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_router_logits_match_autograd_of_the_fp32_matmul(dtype):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 24, generator=g).to(dtype)
+    w = torch.randn(6, 24, generator=g)
+    dlogits = torch.randn(37, 6, generator=g)
+    got_x, got_w = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    want_x, want_w = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    got = ops.router_logits(got_x, got_w)
+    want = want_x.float() @ want_w.t()
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    (got * dlogits).sum().backward()
+    (want * dlogits).sum().backward()
+    assert got_x.grad.dtype == dtype and torch.equal(got_x.grad, want_x.grad)
+    torch.testing.assert_close(got_w.grad, want_w.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_router_logits_keep_no_fp32_copy_of_a_bf16_input():
+    x = torch.randn(16, 8, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(4, 8, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, tuple(t.shape))) or t, lambda t: t):
+        ops.router_logits(x, w)
+    assert sorted(saved, key=str) == sorted([(torch.bfloat16, (16, 8)), (torch.float32, (4, 8))], key=str)
+
+
+def test_router_logits_reject_mismatched_shapes():
+    with pytest.raises(ValueError, match=r"router_logits needs x \[T, H\] and weight \[E, H\]"):
+        ops.router_logits(torch.zeros(3, 5), torch.zeros(2, 4))
