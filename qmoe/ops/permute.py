@@ -48,15 +48,22 @@ class _PermuteProbs(torch.autograd.Function):
 
 
 class _UnpermuteRows(torch.autograd.Function):
+    # y's values are read back only for the merging probs' gradient; without it the backward
+    # keeps y's shape alone (the expert outputs, R x H: 940 MB of bf16 at the DeepSeek-V3 shard).
     @staticmethod
     def forward(ctx, y, merging_probs, row_id_map):
-        ctx.save_for_backward(y, merging_probs)
+        keep_y = merging_probs is not None and ctx.needs_input_grad[1]
+        ctx.save_for_backward(y if keep_y else None, merging_probs)
+        ctx.y_meta = (y.shape, y.dtype, y.device)
         ctx.row_id_map = row_id_map
         return _kernels().unpermute_rows(y, row_id_map, merging_probs)
 
     @staticmethod
     def backward(ctx, grad_out):
         y, merging_probs = ctx.saved_tensors
+        if y is None:  # a stand-in with y's shape and dtype: one row, never read
+            shape, dtype, device = ctx.y_meta
+            y = torch.empty(1, shape[1], dtype=dtype, device=device).expand(shape)
         grad_y, grad_probs = _kernels().unpermute_rows_backward(
             grad_out, y, ctx.row_id_map, merging_probs, need_probs_grad=ctx.needs_input_grad[1])
         return grad_y, grad_probs, None

@@ -145,3 +145,13 @@ def test_permute(t, e, k, align, h):
     want = torch.autograd.grad(r_y, [rx, rp], g)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+    # without merging probs the backward keeps no copy of the expert outputs, only their shape
+    rows = out.detach().clone().requires_grad_(True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda v: saved.append(tuple(v.shape)) or v, lambda v: v):
+        y2 = moe_unpermute(rows * 1.0, row_id_map)
+    assert tuple(rows.shape) not in saved, saved
+    r_rows = r_out.detach().clone().requires_grad_(True)
+    r_y2 = reference.moe_unpermute(r_rows * 1.0, ref_map)
+    torch.testing.assert_close(torch.autograd.grad(y2, rows, g)[0], torch.autograd.grad(r_y2, r_rows, g)[0])
