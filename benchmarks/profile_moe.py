@@ -8,11 +8,11 @@ the step times of record are `qmoe bench moe`'s.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from benchmarks.bench_moe import RECIPES, SHAPES, _step_fn
+from benchmarks.profile_quantize import issue_and_wall_s
 
 
 def profile(shape: dict, recipe_name: str, steps: int = 4, top: int = 25) -> str:
@@ -27,15 +27,8 @@ def profile(shape: dict, recipe_name: str, steps: int = 4, top: int = 25) -> str
     dy = torch.randn_like(x)
     recipe = None if recipe_name == "bf16" else recipe_from_config({"name": recipe_name})
     step = _step_fn(layer, x, dy, recipe)
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    host_ms = (time.perf_counter() - t0) / steps * 1e3  # the host's time to issue a step
-    torch.cuda.synchronize()
-    wall_ms = (time.perf_counter() - t0) / steps * 1e3
+    host_s, wall_s = issue_and_wall_s(step, steps, warmup=3)
+    host_ms, wall_ms = host_s * 1e3, wall_s * 1e3
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()

@@ -29,16 +29,21 @@ from benchmarks.bench_quantize import RECIPES, make_recipe, region
 SHAPES = {"128x2048": (128, 2048), "16384x2048": (16384, 2048)}
 
 
-def host_us(fn, calls: int = 300) -> float:
-    for _ in range(20):
+def issue_and_wall_s(fn, calls: int, warmup: int) -> tuple[float, float]:
+    """Seconds per call: to issue it (no synchronisation inside the loop), and until the GPU is done."""
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
-    elapsed = time.perf_counter() - t0
+    issue = (time.perf_counter() - t0) / calls
     torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+    return issue, (time.perf_counter() - t0) / calls
+
+
+def host_us(fn, calls: int = 300) -> float:
+    return issue_and_wall_s(fn, calls, warmup=20)[0] * 1e6
 
 
 def device_profile(fn, calls: int = 20) -> tuple[float, float, list[str]]:

@@ -326,11 +326,11 @@ class KernelOp:
         self.name, self.fn = name, fn
 
         def shapes_only(*args):  # fake tensors: fn allocates its outputs; wrapped() launches nothing
-            _FAKE.on = True
+            outer, _FAKE.on = getattr(_FAKE, "on", False), True
             try:
                 return fn(*args)
             finally:
-                _FAKE.on = False
+                _FAKE.on = outer
 
         def run(*args):  # the op calls self.fn, so a diagnostic can wrap it (benchmarks/diagnose_compile.py)
             return self.fn(*args)

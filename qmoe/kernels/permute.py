@@ -350,8 +350,7 @@ def permute_index(routing_map, top_k, align_size):
 @kernel_op("qmoe::permute_index")
 def _permute_index_op(routing_map: torch.Tensor, top_k: int,
                       align_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rows, experts, counts, offsets, split_sizes): one opaque op, so compiled graphs order every
-    later reader of these tensors after the four launches that write them."""
+    """(rows, experts, counts, offsets, split_sizes): the four launches as one op (KernelOp)."""
     t, e = routing_map.shape
     dev = routing_map.device
     m = routing_map.to(torch.uint8).contiguous()  # not a view: Inductor cannot lower bool->uint8 views
@@ -378,8 +377,8 @@ def _permute_index_op(routing_map: torch.Tensor, top_k: int,
     return rows, experts, counts, offsets, split_sizes
 
 
-# Every launcher below is one opaque torch op (kernel_op) taking the RowIdMap's tensors: compiled
-# graphs then run these functions as eager does and order every reader after them.
+# Every launcher below is one opaque torch op (kernel_op) taking the RowIdMap's tensors (a custom
+# op's schema holds tensors and scalars, not the NamedTuple).
 
 def _map_args(row_id_map: RowIdMap) -> tuple:
     return row_id_map.rows, row_id_map.experts, row_id_map.counts, row_id_map.offsets, row_id_map.num_rows
