@@ -354,6 +354,11 @@ def kernel_op(name: str):
     return lambda fn: KernelOp(name, fn)
 
 
+def rows_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """`t` when its last dimension is dense (the kernels take a row stride), else a dense copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qmoe.kernels._triton_utils import rows_contiguous
 from qmoe.reference.aux_loss import (check_moe_aux_loss_args, check_seq_aux_loss_args,
                                      check_update_expert_bias_args, _check_coeff, _check_scores)
 
@@ -431,10 +432,6 @@ def _z_geometry(t: int, e: int, device: torch.device):
     return max(1, min(blocks, _PROGRAMS_PER_SM * _num_sms(device))), blocks, block_t, block_e
 
 
-def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 # ---------------------------------------------------------------- unchecked launchers (qmoe.ops)
 
 
@@ -450,7 +447,7 @@ def aux_loss_forward(probs, weights, scale, num_tokens=None, grad_rows=False):
     if t == 0 or e == 0:
         zero = torch.zeros((), dtype=torch.float32, device=probs.device)
         return zero, (torch.zeros(e, dtype=torch.float32, device=probs.device) if grad_rows else None)
-    probs = _rows_contiguous(probs)
+    probs = rows_contiguous(probs)
     programs, block_t, block_e = _reduce_geometry(t, e, probs.device)
     out = torch.empty((), dtype=torch.float32, device=probs.device)
     work = torch.empty(programs + (e if grad_rows else 0), dtype=torch.float32, device=probs.device)
@@ -471,7 +468,7 @@ def seq_aux_loss_forward(probs, routing_map, seq_length, scale):
     if t == 0 or e == 0:
         return torch.zeros((), dtype=torch.float32, device=probs.device), \
             torch.zeros(b * e, dtype=torch.float32, device=probs.device)
-    probs = _rows_contiguous(probs)
+    probs = rows_contiguous(probs)
     m = routing_map.to(torch.uint8).contiguous()  # not a view: Inductor cannot lower bool->uint8 views
     chunks, chunk, block_t, block_e, pairs, scratch_size = _seq_geometry(b, seq_length, e, probs.device)
     out = torch.empty((), dtype=torch.float32, device=probs.device)
@@ -535,7 +532,7 @@ def z_loss_forward(logits, coeff, grad=False):
     t, e = logits.shape
     if t == 0 or e == 0:  # the mean of nothing, as the reference says
         return torch.full((), float("nan"), dtype=torch.float32, device=logits.device), None, None
-    logits = _rows_contiguous(logits)
+    logits = rows_contiguous(logits)
     programs, _, block_t, block_e = _z_geometry(t, e, logits.device)
     out = torch.empty((), dtype=torch.float32, device=logits.device)
     lse = torch.empty(t + programs, dtype=torch.float32, device=logits.device)  # lse | partials
@@ -554,7 +551,7 @@ def z_loss_grad(grad_loss, logits, coeff, lse=None):
     `z_loss_forward`, or None to recompute it. (When the forward wrote the unit gradient, the
     backward is `scaled_grad`.) Unchecked."""
     t, e = logits.shape
-    logits = _rows_contiguous(logits)
+    logits = rows_contiguous(logits)
     dx = torch.empty(t, e, dtype=logits.dtype, device=logits.device)
     if dx.numel() == 0:
         return dx

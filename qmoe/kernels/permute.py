@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qmoe.kernels._triton_utils import kernel_op, wrapped
+from qmoe.kernels._triton_utils import kernel_op, rows_contiguous, wrapped
 from qmoe.reference.permute import (RowIdMap, check_merging_probs, check_permute_index_args,
                                     check_rows, num_permuted_rows)
 
@@ -314,14 +314,10 @@ def _permute_probs_kernel(
 # ---------------------------------------------------------------- launchers
 
 
-def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _raw_2d(t: torch.Tensor) -> torch.Tensor:
     """[T, N] (or [T] as [T, 1]) integer view of the bits of `t`, rows contiguous."""
     t = t if t.dim() == 2 else t.unsqueeze(1)
-    return _rows_contiguous(t).view(_RAW[t.element_size()])
+    return rows_contiguous(t).view(_RAW[t.element_size()])
 
 
 def _block_n(n: int, itemsize: int) -> int:
@@ -409,7 +405,7 @@ def _permute_rows_op(x: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor,
 def permute_probs(probs, row_id_map):
     """Triton twin of `qmoe.reference.permute.permute_probs`: [T, E] -> [R] (probs dtype)."""
     check_merging_probs(probs, row_id_map)
-    return _permute_probs_op(_rows_contiguous(probs), *_map_args(row_id_map))
+    return _permute_probs_op(rows_contiguous(probs), *_map_args(row_id_map))
 
 
 @kernel_op("qmoe::permute_probs")
@@ -452,8 +448,8 @@ def unpermute_rows(y, row_id_map, merging_probs=None):
     check_rows("y", y, row_id_map.num_rows, row_id_map.rows.device)
     if merging_probs is not None:
         check_merging_probs(merging_probs, row_id_map)
-        merging_probs = _rows_contiguous(merging_probs)
-    return _unpermute_rows_op(_rows_contiguous(y), merging_probs, *_map_args(row_id_map))
+        merging_probs = rows_contiguous(merging_probs)
+    return _unpermute_rows_op(rows_contiguous(y), merging_probs, *_map_args(row_id_map))
 
 
 @kernel_op("qmoe::unpermute_rows")
@@ -482,8 +478,8 @@ def unpermute_rows_backward(grad_out, y, row_id_map, merging_probs=None, need_pr
     """Triton twin of `qmoe.reference.permute.unpermute_rows_backward`: (grad_y, grad_probs)."""
     probs_grad = merging_probs is not None and need_probs_grad
     grad_y, grad_probs = _unpermute_rows_backward_op(
-        _rows_contiguous(grad_out), _rows_contiguous(y),
-        _rows_contiguous(merging_probs) if merging_probs is not None else None, probs_grad,
+        rows_contiguous(grad_out), rows_contiguous(y),
+        rows_contiguous(merging_probs) if merging_probs is not None else None, probs_grad,
         *_map_args(row_id_map))
     return grad_y, (grad_probs if probs_grad else None)
 

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qmoe.kernels._triton_utils import kernel_op, wrapped
+from qmoe.kernels._triton_utils import kernel_op, rows_contiguous, wrapped
 from qmoe.reference.router import NORMALIZE_EPS, ScoreFunction, check_topk_route_args, parse_score_function
 
 # Kernel constants for `ScoreFunction`: the one place the enum becomes a number.
@@ -220,10 +220,6 @@ def _route_launch(t: int, e: int, top_k: int, fn: ScoreFunction, pre_softmax: bo
     return (triton.cdiv(t, block_t),), fwd, shared
 
 
-def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def route_forward(logits, top_k, fn, pre_softmax, num_groups, group_topk, scaling_factor, expert_bias):
     """(probs [T, E] fp32, routing_map [T, E] bool) for validated arguments (`fn` parsed).
 
@@ -231,7 +227,7 @@ def route_forward(logits, top_k, fn, pre_softmax, num_groups, group_topk, scalin
     of the twin.
     """
     probs, map_bytes = _route_forward_op(
-        _rows_contiguous(logits), expert_bias.contiguous() if expert_bias is not None else None, top_k, fn.value,
+        rows_contiguous(logits), expert_bias.contiguous() if expert_bias is not None else None, top_k, fn.value,
         bool(pre_softmax), num_groups, group_topk, 1.0 if scaling_factor is None else float(scaling_factor))
     # the kernel writes 0/1 bytes; compared to a bool map afterwards (one tiny pass) rather than
     # viewing a bool tensor as uint8, which Inductor cannot lower (torch.compile)
@@ -262,7 +258,7 @@ def _route_forward_op(logits: torch.Tensor, expert_bias: Optional[torch.Tensor],
 def route_backward(grad_probs, logits, routing_map, top_k, fn, pre_softmax, scaling_factor):
     """d probs / d logits [T, E] in the logits' dtype, for validated arguments. Unchecked."""
     map_bytes = routing_map.to(torch.uint8).contiguous()  # a copy, not a view: Inductor cannot lower bool->uint8 views
-    return _route_backward_op(_rows_contiguous(grad_probs), _rows_contiguous(logits), map_bytes, top_k, fn.value,
+    return _route_backward_op(rows_contiguous(grad_probs), rows_contiguous(logits), map_bytes, top_k, fn.value,
                               bool(pre_softmax), 1.0 if scaling_factor is None else float(scaling_factor))
 
 
