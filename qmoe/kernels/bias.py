@@ -1,9 +1,11 @@
-"""Triton grouped-bias backward: dbias per group and dscales per row in one pass over dy.
+"""Triton grouped bias: y + bias[group] * scale per row, and its backward in one pass over dy.
 
-Twin of `qmoe/reference/bias.py` (same names and signatures). Rows are sorted by group, so a
-block of rows spans few groups: each program sums its rows per group and adds one fp32 partial
-per (group, column) with an atomic, and writes its rows' dscales directly. The forward add is a
-gather plus an elementwise op, which the reference already does without a host sync.
+Twin of `qmoe/reference/bias.py` (same names and signatures). The forward is one elementwise
+pass; as a kernel op it is opaque to torch.compile, which miscompiled the reference's torch glue
+on CUDA (torch 2.11: the bias-added output aliased an intermediate and AOTAutograd gave it a zero
+gradient). In the backward, rows are sorted by group, so a block of rows spans few groups: each
+program sums its rows per group and adds one fp32 partial per (group, column) with an atomic,
+and writes its rows' dscales directly.
 """
 from __future__ import annotations
 
@@ -13,8 +15,66 @@ import torch
 import triton
 import triton.language as tl
 
-from qmoe.kernels._triton_utils import kernel_op, wrapped
+from qmoe.kernels._triton_utils import kernel_op, rows_contiguous, wrapped
 from qmoe.reference.bias import row_groups
+
+@triton.jit
+def _grouped_bias_forward_kernel(
+    # pointers
+    y_ptr, bias_ptr, scales_ptr, groups_ptr, out_ptr,
+    # sizes
+    num_rows, n, num_groups,
+    # strides
+    stride_y, stride_bias, stride_out,
+    # meta
+    HAS_SCALES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < num_rows, cols < n
+    g = tl.load(groups_ptr + rows, mask=row_ok, other=num_groups)
+    m = row_ok[:, None] & col_ok[None, :]
+    y = tl.load(y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :], mask=m, other=0.0)
+    b = tl.load(bias_ptr + g[:, None].to(tl.int64) * stride_bias + cols[None, :],
+                mask=m & (g < num_groups)[:, None], other=0.0).to(tl.float32)  # no group: no bias
+    if HAS_SCALES:
+        b = b * tl.load(scales_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    out = y.to(tl.float32) + b
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=m)
+
+
+_FWD_BLOCK_R = 16
+_FWD_BLOCK_N = 128
+
+
+def grouped_bias_forward(y: torch.Tensor, bias: torch.Tensor, offsets: torch.Tensor,
+                         scales: torch.Tensor | None = None) -> torch.Tensor:
+    """y [R, N] + bias [E, N] per group (times scales [R] when given), fp32 math, y's dtype out."""
+    if y.dim() != 2 or bias.dim() != 2 or y.shape[1] != bias.shape[1]:
+        raise ValueError(f"grouped_bias_forward needs y [R, N] and bias [E, N], got {tuple(y.shape)} "
+                         f"and {tuple(bias.shape)}")
+    if scales is not None and (scales.dim() != 1 or scales.shape[0] != y.shape[0]):
+        raise ValueError(f"scales must be [R] = [{y.shape[0]}], got {tuple(scales.shape)}")
+    return _forward_op(rows_contiguous(y), bias.contiguous(), offsets,
+                       scales.contiguous() if scales is not None else None)
+
+
+@kernel_op("qmoe::grouped_bias_forward")
+def _forward_op(y: torch.Tensor, bias: torch.Tensor, offsets: torch.Tensor,
+                scales: Optional[torch.Tensor]) -> torch.Tensor:
+    r, n = y.shape
+    out = torch.empty(r, n, dtype=y.dtype, device=y.device)
+    if r and n:
+        groups = row_groups(offsets, r).to(torch.int32)
+        wrapped(_grouped_bias_forward_kernel)[(triton.cdiv(r, _FWD_BLOCK_R), triton.cdiv(n, _FWD_BLOCK_N))](
+            y, bias, scales if scales is not None else y, groups, out,  # y: a placeholder, never read
+            r, n, bias.shape[0],
+            y.stride(0), bias.stride(0), out.stride(0),
+            HAS_SCALES=scales is not None, BLOCK_R=_FWD_BLOCK_R, BLOCK_N=_FWD_BLOCK_N,
+            enable_fp_fusion=False)  # round bias * scale before the add, as the reference does
+    return out
+
 
 # Row block: large enough that most blocks sit inside one group (few atomics per column),
 # small enough to keep a [BLOCK_R, BLOCK_N] fp32 tile in registers.

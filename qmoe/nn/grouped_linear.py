@@ -10,7 +10,6 @@ from torch import nn
 from qmoe.autocast import RecipeState, autocast_state
 from qmoe.ops.grouped_gemm import select_grouped_path
 from qmoe.ops.grouped_linear import grouped_linear
-from qmoe.nn.compile_guard import eager_on_cuda_under_compile
 
 _PER_EXPERT = re.compile(r"^(weight|bias)(\d+)$")
 
@@ -124,7 +123,6 @@ class GroupedLinear(nn.Module):
                     state_dict[f"{prefix}{name}{g}"] = stacked[g].clone()
 
     # ---- compute
-    @eager_on_cuda_under_compile
     def forward(self, x: torch.Tensor, split_sizes: torch.Tensor, scales: torch.Tensor | None = None,
                 quantized_input=None):
         """quantized_input: optional QuantizedTensor, x's rows already quantized rowwise by the recipe's

@@ -7,7 +7,6 @@ from torch import nn
 from qmoe.nn.grouped_linear import GroupedLinear
 from qmoe.ops.activation import expert_activation
 from qmoe.reference.activation import check_activation, deinterleave_glu, interleave_glu, is_glu
-from qmoe.nn.compile_guard import eager_on_cuda_under_compile
 
 
 class GroupedMLP(nn.Module):
@@ -72,7 +71,6 @@ class GroupedMLP(nn.Module):
         self._convert(state_dict, prefix, interleave_glu)
 
     # ---- compute
-    @eager_on_cuda_under_compile
     def forward(self, x: torch.Tensor, split_sizes: torch.Tensor, probs: torch.Tensor | None = None,
                 quantized_input=None) -> torch.Tensor:
         """quantized_input: optional QuantizedTensor of x's rows quantized before an expert-parallel

@@ -9,7 +9,6 @@ from torch import nn
 
 from qmoe.autocast import RecipeState, autocast_state
 from qmoe.ops.linear import quantized_linear
-from qmoe.nn.compile_guard import eager_on_cuda_under_compile
 
 
 class Linear(nn.Module):
@@ -41,7 +40,6 @@ class Linear(nn.Module):
             bound = 1 / math.sqrt(self.in_features)
             nn.init.uniform_(self.bias, -bound, bound)
 
-    @eager_on_cuda_under_compile
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise TypeError(f"Linear expects a floating-point tensor, got "

@@ -15,7 +15,6 @@ from qmoe.autocast import RecipeState, autocast_state
 from qmoe.nn.grouped_mlp import GroupedMLP
 from qmoe.nn.router import TopKRouter
 from qmoe.reference.permute import num_permuted_rows
-from qmoe.nn.compile_guard import eager_on_cuda_under_compile
 
 
 class MoELayer(nn.Module):
@@ -78,7 +77,6 @@ class MoELayer(nn.Module):
                 fc.recipe_state = RecipeState(local_amax=True)  # local slot g is a different expert on each rank
         self.aux_loss: torch.Tensor = torch.zeros(())
 
-    @eager_on_cuda_under_compile
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 1 \
                 or x.shape[-1] != self.hidden_size:

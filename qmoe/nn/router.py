@@ -6,7 +6,6 @@ from torch import nn
 
 from qmoe import ops
 from qmoe.reference.router import compute_scores, parse_score_function
-from qmoe.nn.compile_guard import eager_on_cuda_under_compile
 
 
 class TopKRouter(nn.Module):
@@ -52,7 +51,6 @@ class TopKRouter(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
 
-    @eager_on_cuda_under_compile
     def forward(self, x: torch.Tensor, seq_length: int | None = None):
         """x: [T, H] any float dtype; seq_length: tokens per sequence for the sequence-level loss
         (T must be a multiple; default: all T tokens form one sequence)."""

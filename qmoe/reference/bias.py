@@ -30,7 +30,10 @@ def grouped_bias_forward(y: torch.Tensor, bias: torch.Tensor, offsets: torch.Ten
     b = _bias_rows(bias, row_groups(offsets, y.shape[0]))
     if scales is not None:
         b = b * scales.float()[:, None]
-    return (y.float() + b).to(y.dtype)
+    out = y.float() + b
+    # no `.to` when y is fp32: a no-op `.to` returns an alias of `out`, and AOTAutograd (torch
+    # 2.11, CUDA) gave that aliased output of an autograd.Function a zero gradient
+    return out if out.dtype == y.dtype else out.to(y.dtype)
 
 
 def grouped_bias_backward(dy: torch.Tensor, bias: torch.Tensor, offsets: torch.Tensor,

@@ -11,15 +11,16 @@ the reference's custom ops and runs the traced ops as they are (Inductor's C++ c
 takes ~20 s a graph on CPU, so it runs on the GPU below). The graph runs eager's ops in eager's
 order, so the output and every gradient are equal to eager's bit for bit.
 
-GPU (sm90 kernels): compiled graphs of the layer gave wrong results there (Inductor: outputs
-33% off in norm or lowering errors; aot_eager: wrong fp32 input gradients; H200, torch 2.11),
-so on CUDA the qmoe modules run eagerly inside a compiled model (qmoe/nn/compile_guard.py):
-the test checks the compiled model equals eager exactly. On CPU, Inductor measured against
-eager at the CPU shape: 0.2-0.5% in norm without a recipe, 1-3% with FP8 and NVFP4 recipes.
+GPU (sm90 kernels): the same, one graph per recipe: aot_eager equals eager bit for bit;
+Inductor fuses the torch glue (router softmax, aux losses) in its own order. Measured on an
+H200 (torch 2.11) at the GPU shape: y equal; dx 1.7e-3 and router.weight 4e-4 off in relative
+norm with bf16 parameters (bf16 roundings of the glue), 2e-12 in fp32. (Until 2026-11-23 the
+layer ran eagerly on CUDA inside compiled models: a bias-added output aliased an intermediate
+and AOTAutograd gave it a zero gradient; tests/ops/test_ops_compile_gpu.py has the story.)
 
 DelayedScaling refuses torch.compile (on the CPU, where the layer is traced) with
 qmoe.UnsupportedError's message: its histories and scales update outside forward and backward
-(at autocast exit, after backward). On CUDA the layer runs eagerly, delayed scaling included.
+(at autocast exit, after backward).
 """
 import pytest
 import torch
@@ -27,6 +28,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import qmoe
 from qmoe.recipes import recipe_from_config
+from tests.tolerances import assert_within_tolerance, recipe_tolerance
 
 TOP_K = 2
 NAMES = ["current", "block", "mxfp8", "nvfp4"]
@@ -140,13 +142,20 @@ def test_delayed_scaling_refuses_compile():
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("name, dtype", CASES)
-def test_compiled_model_runs_the_layer_eagerly_on_gpu(name, dtype, backend):
-    """On CUDA the layer runs eagerly inside a compiled model (qmoe/nn/compile_guard.py says why):
-    the compiled model's results equal eager's bit for bit, with either backend."""
+def test_compiled_layer_is_one_graph_and_equals_eager_on_gpu(name, dtype, backend):
+    """aot_eager runs eager's kernel ops in eager's order (bit for bit); Inductor fuses the torch
+    glue around them (router, aux losses, offsets) in its own fp32 order: fp32 within 1e-4, the
+    rest within NUMERICS.md's tolerance."""
     recipe = _recipe(name)
     layer = _layer(dtype, "cuda")
     x, g = _inputs(dtype, "cuda")
     want = _step(layer, layer, recipe, x, g)
-    compiled = torch.compile(torch.nn.Sequential(torch.nn.Identity(), layer), backend=backend)
-    got = _step(layer, compiled, recipe, x, g)
-    _assert_equal(got, want)
+    counter = CompileCounterWithBackend(backend)
+    got = _step(layer, torch.compile(layer, backend=counter, fullgraph=True), recipe, x, g)
+    assert counter.frame_count == 1
+    if backend == "aot_eager":
+        _assert_equal(got, want)
+        return
+    rtol, atol = (1e-4, 1e-4) if dtype == torch.float32 else recipe_tolerance(recipe)
+    for k in want:
+        assert_within_tolerance(got[k], want[k], rtol, atol, k)

@@ -1,16 +1,14 @@
 """Each op family compiled on the GPU (torch.compile, fullgraph) equals eager, forward and backward.
 
-Compiled MoE layers came out wrong on CUDA (qmoe/nn/compile_guard.py); this pins the ops one by
-one. AOTAutograd (backend="aot_eager") runs the very kernels eager runs (each launcher is one
-opaque op, kernels/_triton_utils.KernelOp), so results must be bit-identical; Inductor may fuse
-the torch glue around them, so it gets fp32 tolerance.
+AOTAutograd (backend="aot_eager") runs the very kernels eager runs (each launcher is one opaque
+op, kernels/_triton_utils.KernelOp), so results must be bit-identical; Inductor may fuse the
+torch glue around them, so it gets fp32 tolerance.
 
-Known wrong on an H200 (torch 2.11, triton 3.6), marked strict xfail so a fix shows up: a grouped
-linear whose bias is scaled per row by the permuted routing probs. aot_eager: the router's
-gradient differs (max 21.8); Inductor: the output too. The same graphs with the kernels run by
-Triton's interpreter on the CPU (TRITON_INTERPRET=1 QMOE_BACKEND=triton) equal eager exactly,
-and every case without the scaled bias passes on the GPU: the cause is not found yet. This is
-the failure behind the layer-level guard (a MoELayer with bias=True).
+The scaled-bias case caught a real failure (H200, torch 2.11): the grouped bias forward was
+torch glue ending in a no-op `.to(fp32)`, so the autograd.Function's output aliased an
+intermediate and AOTAutograd gave it a zero gradient (benchmarks/diagnose_compile.py found the
+backward graph feeding zeros to the dgrad GEMM). The forward is a kernel op now
+(kernels/bias.py), and the reference no longer returns an alias.
 """
 from __future__ import annotations
 
@@ -102,12 +100,8 @@ def _run(fn, t):
     return [o.detach() for o in outs] + [gr if gr is not None else torch.zeros(()) for gr in grads]
 
 
-KNOWN_WRONG = {"grouped_gemm_scaled_bias": "compiled scaled-bias grouped linear differs on CUDA (module docstring)"}
-
-
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=KNOWN_WRONG[c]))
-                                  if c in KNOWN_WRONG else c for c in CASES])
+@pytest.mark.parametrize("case", list(CASES))
 def test_op_compiles_to_eager_results(case, backend):
     torch._dynamo.reset()
     t = _inputs()
