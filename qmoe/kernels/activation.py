@@ -135,6 +135,49 @@ def _glu_columns(cols, F, GLU_BLOCK: tl.constexpr):
     return gate, linear
 
 
+# ---------------------------------------------------------------- the activation as a quantizer's prologue
+
+NO_ACTIVATION = -1  # load_rows' ACT for a plain input
+
+
+def activation_code(activation: str | None) -> int:
+    """The kernels' constant for an activation name (None: NO_ACTIVATION)."""
+    return NO_ACTIVATION if activation is None else _ACT_CODES[activation]
+
+
+def input_width(x: torch.Tensor, act: int) -> int:
+    """Columns of the rows load_rows gives: x's own, or the activation's output width F."""
+    return x.shape[1] // 2 if 0 <= act < len(GLU_ACTIVATIONS) else x.shape[1]
+
+
+@triton.jit
+def load_rows(x_ptr, probs_ptr, rows, cols, row_ok, col_ok, stride_x, K, ACT: tl.constexpr,
+              GLU_BLOCK: tl.constexpr):
+    """A [rows, cols] tile of a quantizer's input, in x's dtype, zeros where masked.
+
+    ACT = NO_ACTIVATION: x itself. Otherwise x_ptr holds h and the input is
+    act(h) * probs[row] for output columns `cols` of width K, computed in fp32 exactly as
+    `_forward_kernel` does and rounded to h's dtype: the quantized result is bit for bit that of
+    quantizing the unfused activation output, which never goes to memory.
+    """
+    mask = row_ok[:, None] & col_ok[None, :]
+    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_x
+    if ACT < 0:
+        out = tl.load(x_rows + cols[None, :], mask=mask, other=0.0)
+    else:
+        if ACT < _FIRST_POINTWISE:
+            gate, linear = _glu_columns(cols, K, GLU_BLOCK)
+            g = tl.load(x_rows + gate[None, :], mask=mask, other=0.0).to(tl.float32)
+            y = tl.load(x_rows + linear[None, :], mask=mask, other=0.0).to(tl.float32)
+        else:
+            g = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            y = g
+        act, _, _ = _activation(g, y, g, ACT)
+        act = act * tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        out = act.to(x_ptr.dtype.element_ty)
+    return out
+
+
 # ---------------------------------------------------------------- kernels
 
 def _tile_configs(tiles) -> list[triton.Config]:

@@ -8,6 +8,10 @@ the device split sizes and exiting when past the last group. Shapes and launches
 on (sum M, K, G), never on the split values: no host synchronisation, CUDA-graph capturable,
 zero-size groups allowed, and no block crosses a group boundary.
 
+x may be an `ActivatedRows` (act(h) * probs): the kernels then read h and apply the expert
+activation as they load (kernels.activation.load_rows), so the activation output is never
+written; the result equals quantizing that output bit for bit.
+
 Per-tensor formats need the group amax before the cast: `grouped_tensor_amax` (one launch,
 atomic max of |x| bits per group) feeds the quantizer's scale, then one cast launch. NVFP4
 runs its amax launch and its quantize launch inside `grouped_quantize_nvfp4`.
@@ -25,30 +29,40 @@ import torch
 
 from qmoe.formats import ElementFormat, ScaleMode
 from qmoe.kernels._triton_utils import as_rows, device_splits
+from qmoe.kernels.activation import activation_code
 from qmoe.kernels.quantize import _fp8_meta, amax_op, fp8_block_op, fp8_block_supported, fp8_tensorwise_op, mxfp8_op
 from qmoe.kernels.quantize_nvfp4 import check_nvfp4_shape, draw_seeds, nvfp4_op
 from qmoe.reference import grouped_quantize as _ref
+from qmoe.reference.activation import ActivatedRows, glu_block
 
 
 def _prepare(x, split_sizes):
+    """(the tensor the kernels read, device splits, G, the fused activation's op arguments or ())."""
+    fused = ()
+    if isinstance(x, ActivatedRows):
+        h = x.h if x.h.stride(1) == 1 else x.h.contiguous()
+        probs = (x.probs.float().contiguous() if x.probs is not None
+                 else torch.ones(h.shape[0], dtype=torch.float32, device=h.device))  # x * 1 == x exactly
+        fused = (probs, activation_code(x.activation), glu_block(x.activation, x.glu_interleave_size))
+        x = h
     x = as_rows(x)
-    return x, device_splits(split_sizes, x), split_sizes.numel()
+    return x, device_splits(split_sizes, x), split_sizes.numel(), fused
 
 
 def grouped_tensor_amax(x: torch.Tensor, split_sizes: torch.Tensor) -> torch.Tensor:
     """max|x_g| per group -> [G] fp32 (0 for an empty group, NaN for a group holding one)."""
-    x, splits, g = _prepare(x, split_sizes)
-    return amax_op(x, splits, g)
+    x, splits, g, fused = _prepare(x, split_sizes)
+    return amax_op(x, splits, g, *fused)
 
 
 def grouped_quantize_fp8_tensorwise(x, split_sizes, scales, fmt: ElementFormat, rowwise=True, columnwise=False):
     """Per-group scales [G] -> (row [sum M, K], col [K, sum M], amax [G])."""
     _fp8_meta(fmt)
-    x, splits, g = _prepare(x, split_sizes)
+    x, splits, g, fused = _prepare(x, split_sizes)
     if scales.numel() != g:
         raise ValueError(f"grouped FP8 cast needs one scale per group ({g}), got {scales.numel()}")
     row, col, amax = fp8_tensorwise_op(x, scales.float().reshape(-1), splits, g, fmt.dtype,
-                                       fmt.max, rowwise, columnwise)
+                                       fmt.max, rowwise, columnwise, *fused)
     return row if rowwise else None, col if columnwise else None, amax
 
 
@@ -59,9 +73,9 @@ def grouped_quantize_fp8_block(x, split_sizes, block_rows, block_cols, fmt, powe
     if not fp8_block_supported(block_rows, block_cols):
         return _ref.grouped_quantize_fp8_block(x, split_sizes, block_rows, block_cols, fmt, power_2_scale,
                                                amax_epsilon, rowwise, columnwise)
-    x, splits, g = _prepare(x, split_sizes)
+    x, splits, g, fused = _prepare(x, split_sizes)
     row, rs, col, cs = fp8_block_op(x, splits, g, block_rows, block_cols, fmt.dtype, fmt.max,
-                                    power_2_scale, float(amax_epsilon), rowwise, columnwise)
+                                    power_2_scale, float(amax_epsilon), rowwise, columnwise, *fused)
     return (row if rowwise else None, rs if rowwise else None, col if columnwise else None,
             cs if columnwise else None)
 
@@ -70,9 +84,9 @@ def grouped_quantize_mxfp8(x, split_sizes, fmt, scale_mode: ScaleMode = ScaleMod
                            columnwise=False):
     """-> (row [sum M, K], row_s [sum M, ceil(K/32)], col [K, sum M], col_s [K, sum M // 32 + G]) (E8M0)."""
     _fp8_meta(fmt)
-    x, splits, g = _prepare(x, split_sizes)
+    x, splits, g, fused = _prepare(x, split_sizes)
     row, rs, col, cs = mxfp8_op(x, splits, g, fmt.dtype, fmt.max, fmt.emax,
-                                scale_mode is ScaleMode.ROUND_UP, 32, rowwise, columnwise)
+                                scale_mode is ScaleMode.ROUND_UP, 32, rowwise, columnwise, *fused)
     return (row if rowwise else None, rs if rowwise else None, col if columnwise else None,
             cs if columnwise else None)
 
@@ -84,9 +98,10 @@ def grouped_quantize_nvfp4(x, split_sizes, block_2d=False, rowwise=True, columnw
     With rht, every group's row count must be a multiple of 16 (NVFP4's align_size, 128, is);
     a group that is not is transformed as if padded with zero rows (the reference raises).
     """
-    x, splits, g = _prepare(x, split_sizes)
-    check_nvfp4_shape(*x.shape, rowwise, columnwise, rht, block_2d)
+    m, k = x.shape
+    x, splits, g, fused = _prepare(x, split_sizes)
+    check_nvfp4_shape(m, k, rowwise, columnwise, rht, block_2d)
     row, rs, amax, col, cs, camax = nvfp4_op(
-        x, splits, g, block_2d, rowwise, columnwise, rht, draw_seeds(stochastic, generator, x.device))
+        x, splits, g, block_2d, rowwise, columnwise, rht, draw_seeds(stochastic, generator, x.device), *fused)
     return (row if rowwise else None, rs if rowwise else None, amax,
             col if columnwise else None, cs if columnwise else None, camax if columnwise else None)

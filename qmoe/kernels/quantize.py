@@ -29,6 +29,7 @@ from qmoe.kernels._triton_utils import (as_rows, atomic_max_bits, block_amax_2d,
                                         cast_bits, exp2_int, fp8_scale_from_amax, group_pow2, kernel_op, launch,
                                         max_abs_bits, mx_exponent, prune_oversized, reciprocal, scale_2d, scale_last,
                                         store8, tile_configs, tile_rows, wrapped)
+from qmoe.kernels.activation import NO_ACTIVATION, input_width, load_rows
 from qmoe.reference import quantize as _ref
 
 _TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
@@ -50,11 +51,12 @@ def _prune_blocks(configs, named_args, **kwargs):
 
 # Configs: 16-64 elements per thread (8-32 KB of bf16 per program), the range where the reductions
 # and the transposed store stay in registers without spilling (ptxas -v on sm_90a); the autotuner
-# picks per (M, K, G). Short lists on purpose: every config is one more compile per specialization.
+# picks per (M, K, G) and per fused activation (ACT: h's two loads and the activation's registers
+# change the best tile). Short lists on purpose: every config is one more compile per specialization.
 _TILE_CONFIGS = tile_configs(((32, 64, 4), (32, 128, 4), (64, 128, 8), (128, 128, 8)))
 # 128-wide blocks: BK = 128; BM = 128 whenever blocks also run along M (columnwise, 128x128).
 _BLOCK128_CONFIGS = tile_configs(((32, 128, 4), (64, 128, 8), (128, 128, 8), (128, 128, 16)))
-_KEY = ["M", "K", "G"]
+_KEY = ["M", "K", "G", "ACT"]
 # Kernels with block scales also key on orientation and block shape: they decide which tiles are
 # legal (a tile tuned for a rowwise-only call cannot hold the 128-row blocks of a columnwise one).
 _ORIENTED_KEY = _KEY + ["ROWWISE", "COLWISE"]
@@ -67,21 +69,21 @@ _ORIENTED_KEY = _KEY + ["ROWWISE", "COLWISE"]
 @triton.jit
 def _amax_kernel(
         # pointers
-        x_ptr, amax_ptr, splits_ptr,
+        x_ptr, probs_ptr, amax_ptr, splits_ptr,
         # sizes
         M, K, G,
         # strides
         stride_xm,
         # meta
-        GROUPED: tl.constexpr, G_P2: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+        ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, GROUPED: tl.constexpr, G_P2: tl.constexpr, BM: tl.constexpr,
+        BK: tl.constexpr):
     """max|x| per group into amax_ptr (int32 bits of non-negative floats, so atomic_max orders them)."""
     g, row0, row_end, _, _ = tile_rows(splits_ptr, M, G, tl.program_id(0), BM, BM, G_P2, GROUPED)
     if g >= G:
         return
     rows = row0 + tl.arange(0, BM)
     cols = tl.program_id(1) * BK + tl.arange(0, BK)
-    mask = (rows < row_end)[:, None] & (cols < K)[None, :]
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask, other=0.0)
+    x = load_rows(x_ptr, probs_ptr, rows, cols, rows < row_end, cols < K, stride_xm, K, ACT, GLU_BLOCK)
     atomic_max_bits(amax_ptr + g, max_abs_bits(x.to(tl.float32), False))
 
 
@@ -93,15 +95,20 @@ _SMALL_TILE = triton.Config({"BM": 32, "BK": 64}, num_warps=4, num_stages=1)
 
 
 @kernel_op("qmoe::quantize_amax")
-def amax_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int) -> torch.Tensor:
-    """max|x| per group -> [G] fp32 (G = 1 without splits); NaN if a group holds one."""
-    m, k = x.shape
+def amax_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, probs: Optional[torch.Tensor] = None,
+            act: int = NO_ACTIVATION, glu_block: int = 0) -> torch.Tensor:
+    """max|x| per group -> [G] fp32 (G = 1 without splits); NaN if a group holds one.
+
+    probs, act, glu_block (here and in every quantize op): x is h and the input is
+    act(h) * probs (kernels.activation.load_rows); probs [R] contiguous fp32 when act is set.
+    """
+    m, k = x.shape[0], input_width(x, act)
     bits = torch.zeros(num_groups, dtype=torch.int32, device=x.device)
-    if x.numel():
+    if m * k:
         grouped = splits is not None
         launch(_amax_kernel, _tile_grid(m, k, num_groups, grouped),
-               (x, bits, splits if grouped else x, m, k, num_groups, x.stride(0)), _SMALL_TILE, x.numel(),
-               GROUPED=grouped, G_P2=group_pow2(num_groups))
+               (x, probs if probs is not None else x, bits, splits if grouped else x, m, k, num_groups, x.stride(0)),
+               _SMALL_TILE, m * k, ACT=act, GLU_BLOCK=glu_block, GROUPED=grouped, G_P2=group_pow2(num_groups))
     return bits.view(torch.float32)
 
 
@@ -151,13 +158,13 @@ def compute_fp8_scale(amax: torch.Tensor, fmt_max: float, power_2_scale: bool = 
 @triton.jit
 def _fp8_tensorwise_kernel(
         # pointers
-        x_ptr, scale_ptr, row_ptr, col_ptr, amax_ptr, splits_ptr,
+        x_ptr, probs_ptr, scale_ptr, row_ptr, col_ptr, amax_ptr, splits_ptr,
         # sizes
         M, K, G,
         # strides
         stride_xm,
         # meta
-        FMT_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
+        ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, FMT_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
         GROUPED: tl.constexpr, G_P2: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     """q = cast(x * scale[g]) in both orientations, and max|x| per group (for delayed scaling)."""
     g, row0, row_end, _, _ = tile_rows(splits_ptr, M, G, tl.program_id(0), BM, BM, G_P2, GROUPED)
@@ -168,9 +175,7 @@ def _fp8_tensorwise_kernel(
     cols = col0 + tl.arange(0, BK)
     m_ok = rows < row_end
     k_ok = cols < K
-    mask = m_ok[:, None] & k_ok[None, :]
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask, other=0.0)
-    x = x.to(tl.float32)
+    x = load_rows(x_ptr, probs_ptr, rows, cols, m_ok, k_ok, stride_xm, K, ACT, GLU_BLOCK).to(tl.float32)
     atomic_max_bits(amax_ptr + g, max_abs_bits(x, False))
     scale = tl.load(scale_ptr + g)
     if ROWWISE:
@@ -181,19 +186,20 @@ def _fp8_tensorwise_kernel(
 
 @kernel_op("qmoe::quantize_fp8_tensorwise")
 def fp8_tensorwise_op(x: torch.Tensor, scale: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int,
-                      out_dtype: torch.dtype, fmt_max: float, rowwise: bool,
-                      columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      out_dtype: torch.dtype, fmt_max: float, rowwise: bool, columnwise: bool,
+                      probs: Optional[torch.Tensor] = None, act: int = NO_ACTIVATION,
+                      glu_block: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(row [M, K] | empty, col [K, M] | empty, amax [G] fp32)."""
-    m, k = x.shape
+    m, k = x.shape[0], input_width(x, act)
     row = torch.empty((m, k) if rowwise else (0,), dtype=out_dtype, device=x.device)
     col = torch.empty((k, m) if columnwise else (0,), dtype=out_dtype, device=x.device)
     bits = torch.zeros(num_groups, dtype=torch.int32, device=x.device)
-    if x.numel():
+    if m * k:
         grouped = splits is not None
         launch(_fp8_tensorwise_kernel, _tile_grid(m, k, num_groups, grouped),
-               (x, scale.reshape(-1), row.view(torch.uint8), col.view(torch.uint8), bits, splits if grouped else x, m, k,
-                num_groups, x.stride(0)),
-               _SMALL_TILE, x.numel(), FMT_MAX=fmt_max, OUT_DTYPE=_TL_FP8[out_dtype], ROWWISE=rowwise,
+               (x, probs if probs is not None else x, scale.reshape(-1), row.view(torch.uint8), col.view(torch.uint8),
+                bits, splits if grouped else x, m, k, num_groups, x.stride(0)),
+               _SMALL_TILE, m * k, ACT=act, GLU_BLOCK=glu_block, FMT_MAX=fmt_max, OUT_DTYPE=_TL_FP8[out_dtype], ROWWISE=rowwise,
                COLWISE=columnwise, GROUPED=grouped, G_P2=group_pow2(num_groups))
     return row, col, bits.view(torch.float32)
 
@@ -216,13 +222,14 @@ def quantize_fp8_tensorwise(x: torch.Tensor, scale: torch.Tensor, fmt: ElementFo
 @triton.jit
 def _fp8_block_kernel(
         # pointers
-        x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr,
+        x_ptr, probs_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr,
         # sizes
         M, K, G, eps,
         # strides (scales: row scales [*, ceil(K/B)]; columnwise scales [*, stride_cs])
         stride_xm, stride_rs, stride_cs,
         # meta
-        FMT_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr, POW2: tl.constexpr, B: tl.constexpr,
+        ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, FMT_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr,
+        POW2: tl.constexpr, B: tl.constexpr,
         BLOCK_2D: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr, GROUPED: tl.constexpr,
         G_P2: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     """FP8 with an fp32 scale per 1 x B run (each orientation) or per B x B tile (shared)."""
@@ -235,9 +242,7 @@ def _fp8_block_kernel(
     cols = col0 + tl.arange(0, BK)
     m_ok = rows < row_end
     k_ok = cols < K
-    mask = m_ok[:, None] & k_ok[None, :]
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask, other=0.0)
-    x = x.to(tl.float32)
+    x = load_rows(x_ptr, probs_ptr, rows, cols, m_ok, k_ok, stride_xm, K, ACT, GLU_BLOCK).to(tl.float32)
     kb = pid_k * (BK // B) + tl.arange(0, BK // B)
     kb_ok = kb * B < K
     if BLOCK_2D:
@@ -279,9 +284,10 @@ def scale_width(m: int, block: int, num_groups: int, grouped: bool) -> int:
 @kernel_op("qmoe::quantize_fp8_block")
 def fp8_block_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, block_rows: int,
                  block_cols: int, out_dtype: torch.dtype, fmt_max: float, power_2_scale: bool, amax_epsilon: float,
-                 rowwise: bool, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 rowwise: bool, columnwise: bool, probs: Optional[torch.Tensor] = None, act: int = NO_ACTIVATION,
+                 glu_block: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(row [M, K], row_si, col [K, M], col_si); unrequested outputs are empty. Layouts: reference."""
-    m, k = x.shape
+    m, k = x.shape[0], input_width(x, act)
     b, two_d, grouped = block_cols, block_rows > 1, splits is not None
     nkb, width = ceil_div(k, b), scale_width(m, b, num_groups, grouped)
     dev, f32 = x.device, torch.float32
@@ -295,13 +301,13 @@ def fp8_block_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: in
     else:
         row_s = torch.empty((m, nkb) if rowwise else (0,), dtype=f32, device=dev)
         col_s = alloc((k, width) if columnwise else (0,), dtype=f32, device=dev)
-    if x.numel():
+    if m * k:
         small = triton.Config({"BM": b if (columnwise or two_d) else 32, "BK": b}, num_warps=4, num_stages=1)
         launch(_fp8_block_kernel, _tile_grid(m, k, num_groups, grouped),
-               (x, row.view(torch.uint8), row_s, col.view(torch.uint8), col_s, splits if grouped else x, m, k, num_groups,
-                amax_epsilon,
+               (x, probs if probs is not None else x, row.view(torch.uint8), row_s, col.view(torch.uint8), col_s,
+                splits if grouped else x, m, k, num_groups, amax_epsilon,
                 x.stride(0), nkb, width),
-               small, x.numel(), FMT_MAX=fmt_max, OUT_DTYPE=_TL_FP8[out_dtype], POW2=power_2_scale, B=b,
+               small, m * k, ACT=act, GLU_BLOCK=glu_block, FMT_MAX=fmt_max, OUT_DTYPE=_TL_FP8[out_dtype], POW2=power_2_scale, B=b,
                BLOCK_2D=two_d, ROWWISE=rowwise, COLWISE=columnwise, GROUPED=grouped, G_P2=group_pow2(num_groups))
     return row, row_s, col, col_s
 
@@ -334,13 +340,13 @@ def quantize_fp8_block(x: torch.Tensor, block_rows: int, block_cols: int, fmt: E
 @triton.jit
 def _mxfp8_kernel(
         # pointers
-        x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr,
+        x_ptr, probs_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr,
         # sizes
         M, K, G,
         # strides
         stride_xm, stride_rs, stride_cs,
         # meta
-        FMT_MAX: tl.constexpr, EMAX: tl.constexpr, ROUND_UP: tl.constexpr, OUT_DTYPE: tl.constexpr,
+        ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, FMT_MAX: tl.constexpr, EMAX: tl.constexpr, ROUND_UP: tl.constexpr, OUT_DTYPE: tl.constexpr,
         B: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr, GROUPED: tl.constexpr,
         G_P2: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     """MXFP8: codes cast(x * 2^-b) with an E8M0 byte b + 127 per 1 x B run, in each orientation."""
@@ -353,9 +359,7 @@ def _mxfp8_kernel(
     cols = col0 + tl.arange(0, BK)
     m_ok = rows < row_end
     k_ok = cols < K
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :],
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-    x = x.to(tl.float32)
+    x = load_rows(x_ptr, probs_ptr, rows, cols, m_ok, k_ok, stride_xm, K, ACT, GLU_BLOCK).to(tl.float32)
     if ROWWISE:
         kb = pid_k * (BK // B) + tl.arange(0, BK // B)
         amax = block_amax_last(x, BM, BK, B, False)
@@ -379,10 +383,11 @@ def _mxfp8_kernel(
 
 @kernel_op("qmoe::quantize_mxfp8")
 def mxfp8_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, out_dtype: torch.dtype,
-             fmt_max: float, emax: int, round_up: bool, block: int, rowwise: bool,
-             columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+             fmt_max: float, emax: int, round_up: bool, block: int, rowwise: bool, columnwise: bool,
+             probs: Optional[torch.Tensor] = None, act: int = NO_ACTIVATION,
+             glu_block: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(row [M, K], row_s [M, ceil(K/b)] e8m0, col [K, M], col_s [K, width] e8m0); unrequested: empty."""
-    m, k = x.shape
+    m, k = x.shape[0], input_width(x, act)
     grouped = splits is not None
     nkb, width = ceil_div(k, block), scale_width(m, block, num_groups, grouped)
     dev, u8 = x.device, torch.uint8
@@ -390,11 +395,11 @@ def mxfp8_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, o
     col = torch.empty((k, m) if columnwise else (0,), dtype=out_dtype, device=dev)
     row_s = torch.empty((m, nkb) if rowwise else (0,), dtype=u8, device=dev)
     col_s = (torch.zeros if grouped else torch.empty)((k, width) if columnwise else (0,), dtype=u8, device=dev)
-    if x.numel():
+    if m * k:
         launch(_mxfp8_kernel, _tile_grid(m, k, num_groups, grouped),
-               (x, row.view(torch.uint8), row_s, col.view(torch.uint8), col_s, splits if grouped else x, m, k, num_groups,
-                x.stride(0), nkb, width),
-               _SMALL_TILE, x.numel(), FMT_MAX=fmt_max, EMAX=emax, ROUND_UP=round_up,
+               (x, probs if probs is not None else x, row.view(torch.uint8), row_s, col.view(torch.uint8), col_s,
+                splits if grouped else x, m, k, num_groups, x.stride(0), nkb, width),
+               _SMALL_TILE, m * k, ACT=act, GLU_BLOCK=glu_block, FMT_MAX=fmt_max, EMAX=emax, ROUND_UP=round_up,
                OUT_DTYPE=_TL_FP8[out_dtype], B=block, ROWWISE=rowwise, COLWISE=columnwise, GROUPED=grouped,
                G_P2=group_pow2(num_groups))
     return row, row_s.view(torch.float8_e8m0fnu), col, col_s.view(torch.float8_e8m0fnu)

@@ -29,6 +29,7 @@ from qmoe.kernels._triton_utils import (RHT_SIGN_MASK, as_rows, atomic_max_bits,
                                         block_amax_last, cast_satfinite, clamp_nan, group_pow2, is_nan, kernel_op, launch,
                                         max_abs_bits, prune_oversized, reciprocal, rht_last, scale_2d, scale_first,
                                         scale_last, store8, tile_configs, tile_rows, trans8, uniform_tile)
+from qmoe.kernels.activation import NO_ACTIVATION, input_width, load_rows
 from qmoe.kernels.quantize import _ORIENTED_KEY, _prune_blocks, _tile_grid, scale_width
 
 _FLT_MAX = tl.constexpr(FLT_MAX)
@@ -41,7 +42,7 @@ _E2M1_MAX = tl.constexpr(E2M1.max)
 # two copies, the Hadamard product and Philox in registers (ptxas -v on sm_90a).
 _CONFIGS = tile_configs(((32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 8)))
 _SMALL = triton.Config({"BM": 32, "BK": 64}, num_warps=4, num_stages=1)
-_KEY = ["M", "K", "G"]
+_KEY = ["M", "K", "G", "ACT"]  # as in kernels/quantize.py
 
 
 # ---------------------------------------------------------------- elementwise pieces
@@ -149,13 +150,13 @@ def store_col_codes(col_ptr, codes_t, col0, row0, row_end, gstart, K, stride_col
 @triton.jit
 def _nvfp4_amax_kernel(
         # pointers
-        x_ptr, amax_ptr, rht_amax_ptr, col_ptr, splits_ptr,
+        x_ptr, probs_ptr, amax_ptr, rht_amax_ptr, col_ptr, splits_ptr,
         # sizes
         M, K, G,
         # strides
         stride_xm, stride_col,
         # meta
-        RHT: tl.constexpr, ZERO_ODD: tl.constexpr, GROUPED: tl.constexpr, G_P2: tl.constexpr,
+        ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, RHT: tl.constexpr, ZERO_ODD: tl.constexpr, GROUPED: tl.constexpr, G_P2: tl.constexpr,
         SIGN_MASK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     """Per group: max|x| ignoring NaN, the same after RHT along M; zero bytes of odd-start groups."""
     g, row0, row_end, _, gstart = tile_rows(splits_ptr, M, G, tl.program_id(0), BM, BM, G_P2, GROUPED)
@@ -165,8 +166,7 @@ def _nvfp4_amax_kernel(
     cols = tl.program_id(1) * BK + tl.arange(0, BK)
     m_ok = rows < row_end
     k_ok = cols < K
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :],
-                mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    x = load_rows(x_ptr, probs_ptr, rows, cols, m_ok, k_ok, stride_xm, K, ACT, GLU_BLOCK)
     atomic_max_bits(amax_ptr + g, max_abs_bits(x.to(tl.float32), True))
     if RHT:
         atomic_max_bits(rht_amax_ptr + g, max_abs_bits(rht_last(tl.trans(x), BK, BM, SIGN_MASK), True))
@@ -183,13 +183,13 @@ def _nvfp4_amax_kernel(
 @triton.jit
 def _nvfp4_kernel(
         # pointers
-        x_ptr, amax_ptr, col_amax_ptr, seed_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr,
+        x_ptr, probs_ptr, amax_ptr, col_amax_ptr, seed_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr,
         # sizes
         M, K, G,
         # strides (packed data: K/2 and M/2 bytes per row; scales: row [*, stride_rs], columnwise [*, stride_cs])
         stride_xm, stride_row, stride_col, stride_rs, stride_cs,
         # meta
-        B: tl.constexpr, BLOCK_2D: tl.constexpr, RHT: tl.constexpr, STOCHASTIC: tl.constexpr,
+        ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, B: tl.constexpr, BLOCK_2D: tl.constexpr, RHT: tl.constexpr, STOCHASTIC: tl.constexpr,
         ROWWISE: tl.constexpr, COLWISE: tl.constexpr, GROUPED: tl.constexpr, G_P2: tl.constexpr,
         SIGN_MASK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     pid_k = tl.program_id(1)
@@ -201,8 +201,7 @@ def _nvfp4_kernel(
     cols = col0 + tl.arange(0, BK)
     m_ok = rows < row_end
     k_ok = cols < K
-    x_raw = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :],
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    x_raw = load_rows(x_ptr, probs_ptr, rows, cols, m_ok, k_ok, stride_xm, K, ACT, GLU_BLOCK)
     x = x_raw.to(tl.float32)
     s_enc = tensor_scale(tl.load(amax_ptr + g))
     quads = pid_k * BK + 4 * tl.arange(0, BK // 4)  # Philox counters: one per 4 values (uniform_tile)
@@ -261,13 +260,15 @@ def _nvfp4_kernel(
 
 @kernel_op("qmoe::quantize_nvfp4")
 def nvfp4_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, block_2d: bool, rowwise: bool,
-             columnwise: bool, rht: bool, seeds: Optional[torch.Tensor]) -> tuple[
+             columnwise: bool, rht: bool, seeds: Optional[torch.Tensor], probs: Optional[torch.Tensor] = None,
+             act: int = NO_ACTIVATION, glu_block: int = 0) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(row [M, K/2] u8, row_s e4m3, amax [G], col [K, M/2] u8, col_s e4m3, col_amax [G]); empty if unasked.
 
     seeds: [2] int64 on the device for stochastic rounding (None: round to nearest).
+    probs, act, glu_block: the fused activation (kernels.quantize.amax_op).
     """
-    m, k = x.shape
+    m, k = x.shape[0], input_width(x, act)
     b, grouped, dev = NVFP4_BLOCK, splits is not None, x.device
     nkb, width = ceil_div(k, b), scale_width(m, b, num_groups, grouped)
     alloc = torch.zeros if grouped else torch.empty  # grouped scale entries no group uses are zero
@@ -282,18 +283,20 @@ def nvfp4_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, b
         col_s = alloc((k, width) if columnwise else (0,), dtype=e4m3, device=dev)
     bits = torch.zeros((2, num_groups), dtype=torch.int32, device=dev)  # amax, amax after RHT
     amax, rht_amax = bits.view(torch.float32).unbind(0)
-    if x.numel():
+    if m * k:
         amax_bits, rht_bits = bits.unbind(0)  # atomic_max runs on the int32 patterns
         rht_col = rht and columnwise
         grid = _tile_grid(m, k, num_groups, grouped)
         dummy = splits if grouped else x
-        launch(_nvfp4_amax_kernel, grid, (x, amax_bits, rht_bits, col, dummy, m, k, num_groups, x.stride(0), m // 2),
-               _SMALL, x.numel(), RHT=rht_col, ZERO_ODD=grouped and columnwise, GROUPED=grouped,
+        p = probs if probs is not None else x
+        launch(_nvfp4_amax_kernel, grid, (x, p, amax_bits, rht_bits, col, dummy, m, k, num_groups, x.stride(0), m // 2),
+               _SMALL, m * k, ACT=act, GLU_BLOCK=glu_block, RHT=rht_col, ZERO_ODD=grouped and columnwise, GROUPED=grouped,
                G_P2=group_pow2(num_groups), SIGN_MASK=RHT_SIGN_MASK)
         launch(_nvfp4_kernel, grid,
-               (x, amax, rht_amax if rht_col else amax, seeds if seeds is not None else x, row, row_s.view(torch.uint8),
-                col, col_s.view(torch.uint8), dummy, m, k, num_groups, x.stride(0), k // 2, m // 2, nkb, width),
-               _SMALL, x.numel(), B=b, BLOCK_2D=block_2d, RHT=rht_col, STOCHASTIC=seeds is not None,
+               (x, p, amax, rht_amax if rht_col else amax, seeds if seeds is not None else x, row,
+                row_s.view(torch.uint8), col, col_s.view(torch.uint8), dummy, m, k, num_groups, x.stride(0), k // 2,
+                m // 2, nkb, width),
+               _SMALL, m * k, ACT=act, GLU_BLOCK=glu_block, B=b, BLOCK_2D=block_2d, RHT=rht_col, STOCHASTIC=seeds is not None,
                ROWWISE=rowwise, COLWISE=columnwise, GROUPED=grouped, G_P2=group_pow2(num_groups),
                SIGN_MASK=RHT_SIGN_MASK)
     col_amax = rht_amax if rht and columnwise else amax

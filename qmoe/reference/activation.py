@@ -23,6 +23,7 @@ names and signatures); `scaled_activation` is the plain formula autograd differe
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -235,3 +236,43 @@ def _pointwise_backward(activation, x, dact):
         return r * r, dact * (2 * r)
     gelu, dgelu = _gelu_tanh_and_grad(x)  # "gelu"
     return gelu, dact * dgelu
+
+
+# ---------------------------------------------------------------- an activation fused into its consumer
+
+class ActivatedRows(NamedTuple):
+    """The rows act(h) * probs[:, None], not computed yet: a quantizer that takes it reads h and
+    applies the activation as it loads (the expert MLP's activation fused into the quantization
+    of FC2's input), so the [R, F] activation never goes to memory. Its values are exactly
+    `scaled_activation_forward`'s (fp32 math, rounded once to h's dtype); the reference
+    quantizers call `values()`.
+    """
+
+    h: torch.Tensor
+    probs: torch.Tensor | None
+    activation: str
+    glu_interleave_size: int | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.h.shape[0], self.h.shape[1] // 2 if is_glu(self.activation) else self.h.shape[1]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.h.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.h.device
+
+    def dim(self) -> int:
+        return 2
+
+    def values(self) -> torch.Tensor:
+        """act(h) * probs[:, None] as a tensor [R, F]."""
+        return scaled_activation_forward(self.h, self.probs, self.activation, self.glu_interleave_size)
+
+
+def rows_of(x) -> torch.Tensor:
+    """x itself, or the computed values of an `ActivatedRows`."""
+    return x.values() if isinstance(x, ActivatedRows) else x

@@ -9,7 +9,9 @@ grouped layouts that the grouped kernels (`qmoe/kernels/grouped_quantize.py`) wr
   ceil(M_g/b) columns starting at `group_scale_offsets(split_sizes, b)[g]`;
 - 2-D block scales: rowwise [sum M // b + G, ceil(K/b)] (rows at the same offsets), columnwise
   its transpose. Scale entries no group uses are zero.
-This loops over groups on the host; it is the spec, not the fast path.
+x may also be an `ActivatedRows` (act(h) * probs, the expert activation fused into FC2's input
+quantization): its values are quantized. This loops over groups on the host; it is the spec,
+not the fast path.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 from qmoe.formats import ElementFormat, ScaleMode, pack_e2m1, unpack_e2m1
 from qmoe.reference import quantize as q
 from qmoe.reference import quantize_nvfp4 as q4
+from qmoe.reference.activation import rows_of
 
 
 def group_scale_offsets(split_sizes: torch.Tensor, block: int) -> torch.Tensor:
@@ -41,12 +44,14 @@ def _bounds(split_sizes: torch.Tensor):
 
 def grouped_tensor_amax(x: torch.Tensor, split_sizes: torch.Tensor) -> torch.Tensor:
     """max|x_g| per group -> [G] fp32 (0 for an empty group)."""
+    x = rows_of(x)
     return torch.stack([q.tensor_amax(x[a:b]) for a, b in _bounds(split_sizes)]) if len(split_sizes) else \
         x.new_zeros(0, dtype=torch.float32)
 
 
 def grouped_quantize_fp8_tensorwise(x, split_sizes, scales, fmt: ElementFormat, rowwise=True, columnwise=False):
     """Per-group scales [G] -> (row [sum M, K], col [K, sum M], amax [G])."""
+    x = rows_of(x)
     rows, cols, amaxes = [], [], []
     for g, (a, b) in enumerate(_bounds(split_sizes)):
         r, c, m = q.quantize_fp8_tensorwise(x[a:b], scales[g], fmt, rowwise, columnwise)
@@ -97,6 +102,7 @@ def _grouped_blocks(x, split_sizes, block, quantize_one, rowwise, columnwise, sc
 
 def grouped_quantize_fp8_block(x, split_sizes, block_rows, block_cols, fmt, power_2_scale=True,
                                amax_epsilon=0.0, rowwise=True, columnwise=False):
+    x = rows_of(x)
     def one(xg):
         return q.quantize_fp8_block(xg, block_rows, block_cols, fmt, power_2_scale, amax_epsilon, True, True)
 
@@ -105,6 +111,7 @@ def grouped_quantize_fp8_block(x, split_sizes, block_rows, block_cols, fmt, powe
 
 def grouped_quantize_mxfp8(x, split_sizes, fmt, scale_mode: ScaleMode = ScaleMode.ROUND_UP, rowwise=True,
                            columnwise=False):
+    x = rows_of(x)
     def one(xg):
         return q.quantize_mxfp8(xg, fmt, scale_mode, True, True)
 
@@ -114,6 +121,7 @@ def grouped_quantize_mxfp8(x, split_sizes, fmt, scale_mode: ScaleMode = ScaleMod
 def grouped_quantize_nvfp4(x, split_sizes, block_2d=False, rowwise=True, columnwise=False, rht=False,
                            stochastic=False, generator=None):
     """-> (row, row_scale, amax [G], col, col_scale, col_amax [G]); data packed over all groups."""
+    x = rows_of(x)
     amaxes, col_amaxes = [], []
 
     def one(xg):

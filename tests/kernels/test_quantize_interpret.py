@@ -6,6 +6,8 @@ bit: tensor and group amaxes, FP8 block scales (1x128, 128x128, power-of-two and
 exponents of both MX scale modes, grouped scale layouts with empty and odd groups, and NVFP4
 codes, E4M3 scales and amaxes on inputs whose block scales are exact (every 16-run holds the
 tensor amax), including odd group boundaries in the packed columnwise data and the RHT (fp32).
+The expert activation fused into the grouped quantizers (an ActivatedRows input) gives every
+output bit for bit as quantizing the activation kernel's output does (both interpreted).
 Runs in a subprocess so the interpreter switch never leaks into other tests.
 """
 from __future__ import annotations
@@ -131,8 +133,46 @@ def check_nvfp4():
     assert torch.equal(a[0], b[0]) and torch.equal(a[3], b[3]), "stochastic rounding must be reproducible"
 
 
+def check_fused_activation():
+    import torch
+    from qmoe.formats import E4M3, ScaleMode
+    from qmoe.kernels import activation as KA
+    from qmoe.kernels import grouped_quantize as KG
+    from qmoe.reference.activation import ActivatedRows
+    g = torch.Generator().manual_seed(5)
+    splits = torch.tensor([0, 40, 64, 6, 50])
+    quantizers = {
+        "amax": lambda x: (KG.grouped_tensor_amax(x, splits),),
+        "tensorwise": lambda x: KG.grouped_quantize_fp8_tensorwise(x, splits, torch.rand(5, generator=g) + 0.5,
+                                                                   E4M3, True, True),
+        "block1x128": lambda x: KG.grouped_quantize_fp8_block(x, splits, 1, 128, E4M3, True, 0.0, True, True),
+        "block128x128": lambda x: KG.grouped_quantize_fp8_block(x, splits, 128, 128, E4M3, False, 0.0, True, True),
+        "mxfp8": lambda x: KG.grouped_quantize_mxfp8(x, splits, E4M3, ScaleMode.ROUND_UP, True, True),
+        "nvfp4": lambda x: KG.grouped_quantize_nvfp4(x, splits, False, True, True),
+        "nvfp4-2d-rht": lambda x: KG.grouped_quantize_nvfp4(x, splits, True, True, True),
+    }
+    cases = [("swiglu", None, torch.float32, True), ("swiglu", 16, torch.bfloat16, True),
+             ("clamped_qgeglu", None, torch.bfloat16, False), ("gelu", None, torch.float32, True),
+             ("relu2", None, torch.float16, True)]
+    for activation, k, dtype, with_probs in cases:
+        width = 128 * (2 if activation in ("swiglu", "geglu", "clamped_qgeglu") else 1)
+        h = (torch.randn(160, width, generator=g) * 3).to(dtype)
+        probs = torch.rand(160, generator=g) if with_probs else None
+        a = KA.scaled_activation_forward(h, probs, activation, k)
+        fused = ActivatedRows(h, probs, activation, k)
+        for name, quantize in quantizers.items():
+            state = g.get_state()
+            want = quantize(a)
+            g.set_state(state)  # the same random scales for both calls
+            got = quantize(fused)
+            for i, (x, y) in enumerate(zip(got, want)):
+                if x is not None:
+                    _same(x, y, f"fused {activation} k={k} {dtype} {name} output {i}")
+
+
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
     check_fp8_scales()
     check_nvfp4()
+    check_fused_activation()
     print("all interpreter checks passed")
