@@ -10,6 +10,7 @@ from torch import nn
 from qmoe.autocast import RecipeState, autocast_state
 from qmoe.ops.grouped_gemm import select_grouped_path
 from qmoe.ops.grouped_linear import grouped_linear
+from qmoe.reference.activation import check_activation, is_glu
 
 _PER_EXPERT = re.compile(r"^(weight|bias)(\d+)$")
 
@@ -124,11 +125,16 @@ class GroupedLinear(nn.Module):
 
     # ---- compute
     def forward(self, x: torch.Tensor, split_sizes: torch.Tensor, scales: torch.Tensor | None = None,
-                quantized_input=None):
+                quantized_input=None, *, input_activation: tuple | None = None):
         """quantized_input: optional QuantizedTensor, x's rows already quantized rowwise by the recipe's
         input format (expert-parallel quantized dispatch); the forward GEMM uses it as it is and x
-        (its dequantized values) takes the gradient and gives wgrad's columnwise copy."""
-        self._check_inputs(x, split_sizes, scales)
+        (its dequantized values) takes the gradient and gives wgrad's columnwise copy.
+
+        input_activation: optional (activation, probs [R] or None, glu_interleave_size): x is the
+        previous layer's output h and this layer's input is act(h) * probs
+        (`qmoe.ops.expert_activation`), fused into the input's quantization on the grouped path
+        under a recipe (GroupedMLP's FC2 uses it)."""
+        self._check_inputs(x, split_sizes, scales, input_activation)
         state = autocast_state()
         recipe = state.active_recipe
         quantizers = self.recipe_state.get(recipe, state.amax_reduction_group) if recipe is not None else None
@@ -140,14 +146,21 @@ class GroupedLinear(nn.Module):
             # running the weights' post-accumulate-grad hooks (with no gradient) during backward
             weight = weight.detach().requires_grad_(weight.requires_grad)
         return grouped_linear(x, split_sizes, weight, self.stacked_bias(),
-                              scales if self.scale_bias else None, quantizers, path, sink, quantized_input)
+                              scales if self.scale_bias else None, quantizers, path, sink, quantized_input,
+                              input_activation)
 
-    def _check_inputs(self, x, split_sizes, scales):
+    def _check_inputs(self, x, split_sizes, scales, input_activation=None):
+        width = self.in_features
+        if input_activation is not None:
+            if not isinstance(input_activation, tuple) or len(input_activation) != 3:
+                raise TypeError("input_activation must be (activation, probs or None, glu_interleave_size or None)")
+            width *= 2 if is_glu(check_activation(input_activation[0])) else 1
         if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() != 2:
-            raise TypeError(f"GroupedLinear expects a floating-point x [R, {self.in_features}], got "
+            raise TypeError(f"GroupedLinear expects a floating-point x [R, {width}], got "
                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-        if x.shape[1] != self.in_features:
-            raise ValueError(f"GroupedLinear expects x [R, {self.in_features}], got {tuple(x.shape)}")
+        if x.shape[1] != width:
+            what = f" (the {input_activation[0]} activation's input)" if input_activation is not None else ""
+            raise ValueError(f"GroupedLinear expects x [R, {width}]{what}, got {tuple(x.shape)}")
         if not isinstance(split_sizes, torch.Tensor) or split_sizes.dtype not in (torch.int32, torch.int64):
             raise TypeError("split_sizes must be an int32/int64 tensor [E] on x's device")
         if split_sizes.shape != (self.num_groups,):

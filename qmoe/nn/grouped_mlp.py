@@ -5,7 +5,6 @@ import torch
 from torch import nn
 
 from qmoe.nn.grouped_linear import GroupedLinear
-from qmoe.ops.activation import expert_activation
 from qmoe.reference.activation import check_activation, deinterleave_glu, interleave_glu, is_glu
 
 
@@ -78,11 +77,11 @@ class GroupedMLP(nn.Module):
         if probs is not None and (probs.shape != (x.shape[0],) or not probs.is_floating_point()):
             raise ValueError(f"probs must be a float tensor [R] = [{x.shape[0]}], got {tuple(probs.shape)}")
         h = self.fc1(x, split_sizes, quantized_input=quantized_input)
-        a = expert_activation(h, probs, self.activation, self.glu_interleave_size)
         scales = None
         if self.fc2.scale_bias:
-            scales = probs.to(a.dtype) if probs is not None else torch.ones(x.shape[0], dtype=a.dtype, device=x.device)
-        return self.fc2(a, split_sizes, scales)
+            scales = probs.to(h.dtype) if probs is not None else torch.ones(x.shape[0], dtype=h.dtype, device=x.device)
+        # the activation runs inside FC2: fused into the quantization of FC2's input under a recipe
+        return self.fc2(h, split_sizes, scales, input_activation=(self.activation, probs, self.glu_interleave_size))
 
     def backward_dw(self) -> None:
         self.fc1.backward_dw()

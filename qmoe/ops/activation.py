@@ -36,10 +36,17 @@ class _ExpertActivation(torch.autograd.Function):
     @staticmethod
     def backward(ctx, da):
         h, probs = ctx.saved_tensors
-        need_dprobs = probs is not None and ctx.needs_input_grad[1]
-        dh, dprobs = _twin("scaled_activation_backward", h, probs, da)(h, probs, da, *ctx.args, need_dprobs)
-        return (dh if ctx.needs_input_grad[0] else None,
-                dprobs.to(probs.dtype) if need_dprobs else None, None, None)
+        dh, dprobs = activation_backward(h, probs, da, *ctx.args, ctx.needs_input_grad[1])
+        return dh if ctx.needs_input_grad[0] else None, dprobs, None, None
+
+
+def activation_backward(h, probs, da, activation, glu_interleave_size, need_dprobs):
+    """(dh, dprobs in probs' dtype or None) of expert_activation: the one backward shared with
+    activations fused into their consumer (qmoe.ops.grouped_linear's input_activation)."""
+    need_dprobs = probs is not None and need_dprobs
+    dh, dprobs = _twin("scaled_activation_backward", h, probs, da)(h, probs, da, activation, glu_interleave_size,
+                                                                   need_dprobs)
+    return dh, dprobs.to(probs.dtype) if need_dprobs else None
 
 
 def expert_activation(h: torch.Tensor, probs: torch.Tensor | None, activation: str,

@@ -10,14 +10,22 @@ GEMM (split sizes stay on the device); "split" reads the split sizes on the host
 and multiplies every group on its own: the cross-check, and the fallback. Weights are quantized
 once per forward (rowwise for fprop plus columnwise for dgrad, in one call) and reused by dgrad;
 backward keeps the quantized columnwise copies of x, not x itself.
+
+`input_activation` fuses the expert MLP's activation into FC2: the input is act(h) * probs,
+quantized straight from h on the grouped path with a recipe (GroupedTensor.quantize of an
+ActivatedRows), so the [R, F] activation output is neither written nor read back; the backward
+turns FC2's dgrad into dh and dprobs with the activation's own backward. Elsewhere the
+activation runs first (qmoe.ops.expert_activation): the results are the same.
 """
 from __future__ import annotations
 
 import torch
 
 from qmoe.backend import implementation
+from qmoe.ops.activation import activation_backward, expert_activation
 from qmoe.ops.grouped_gemm import host_readable, k_grouped_gemm, m_grouped_gemm, quantize_weights
 from qmoe.quant import GroupedTensor, QuantizedTensor
+from qmoe.reference.activation import ActivatedRows, check_scaled_activation_args
 
 
 def gemm_nt(a: QuantizedTensor, b: QuantizedTensor, a_columnwise: bool, b_columnwise: bool,
@@ -72,8 +80,14 @@ def _split_weights(w, q, rowwise, columnwise):
 
 class GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, split_sizes, weight, bias, scales, quantizers, path, wgrad_sink, quantized_input=None):
-        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+    def forward(ctx, x, split_sizes, weight, bias, scales, quantizers, path, wgrad_sink, quantized_input=None,
+                act_probs=None, activation=None):
+        # activation: (name, glu_interleave_size) when x is h and the input is act(h) * act_probs
+        # (grouped path with quantizers only: grouped_linear runs the activation first otherwise)
+        ctx.activation = activation
+        need_dgrad = ctx.needs_input_grad[0] or (activation is not None and ctx.needs_input_grad[9])
+        need_wgrad = ctx.needs_input_grad[2]
+        h = x if activation is not None else None
         e, n, _ = weight.shape
         split_sizes = absorb_tail(split_sizes, x.shape[0])
         ctx.path, ctx.quantizers, ctx.wgrad_sink = path, quantizers, wgrad_sink
@@ -88,11 +102,14 @@ class GroupedLinearFunction(torch.autograd.Function):
             else:
                 y = torch.cat([x[a:b] @ w[g].t() for g, (a, b) in enumerate(ctx.split.bounds)], 0)
             ctx.save_for_backward(x if need_wgrad else None, w if need_dgrad else None, split_sizes, offsets,
-                                  bias, scales)
+                                  bias, scales, None, None)
         else:
             q_in, q_w = quantizers["input"], quantizers["weight"]
             if path == "grouped":
-                if quantized_input is None:
+                if activation is not None:
+                    xq = GroupedTensor.quantize(ActivatedRows(h, act_probs, *activation), split_sizes, q_in,
+                                                rowwise=True, columnwise=need_wgrad, validate=False)
+                elif quantized_input is None:
                     xq = GroupedTensor.quantize(x, split_sizes, q_in, rowwise=True, columnwise=need_wgrad,
                                                 validate=False)
                 else:  # rows quantized before dispatch; wgrad's columnwise copy comes from x's values
@@ -119,16 +136,17 @@ class GroupedLinearFunction(torch.autograd.Function):
                         y[a:b] = gemm_nt(xs[g], ws[g], False, False, x.dtype)
                 ctx.xq = [_drop_rowwise(t) if t is not None else None for t in xs] if need_wgrad else None
                 ctx.wq = [_drop_rowwise(t) for t in ws] if need_dgrad else None
-            ctx.save_for_backward(None, None, split_sizes, offsets, bias, scales)
+            ctx.save_for_backward(None, None, split_sizes, offsets, bias, scales, h, act_probs)
         if bias is not None:
             y = implementation("bias", "grouped_bias_forward", y)(y, bias, offsets, scales)
-        ctx.x_shape = x.shape
+        ctx.x_shape = x.shape if activation is None else xq.shape
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, w, split_sizes, offsets, bias, scales = ctx.saved_tensors
-        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        x, w, split_sizes, offsets, bias, scales, h, act_probs = ctx.saved_tensors
+        need_dprobs = ctx.activation is not None and ctx.needs_input_grad[9]
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0] or need_dprobs, ctx.needs_input_grad[2]
         dy = dy.contiguous()
         dx = dw = dbias = dscales = None
         if ctx.quantizers is None:
@@ -176,7 +194,10 @@ class GroupedLinearFunction(torch.autograd.Function):
             dbias = dbias.to(bias.dtype) if ctx.needs_input_grad[3] else None
             dscales = dscales.to(scales.dtype) if dscales is not None else None
         ctx.xq = ctx.wq = None
-        return dx, None, dw, dbias, dscales, None, None, None, None
+        dprobs = None
+        if ctx.activation is not None and dx is not None:  # dx is the activation output's gradient
+            dx, dprobs = activation_backward(h, act_probs, dx, *ctx.activation, need_dprobs)
+        return dx if ctx.needs_input_grad[0] else None, None, dw, dbias, dscales, None, None, None, None, dprobs, None
 
 
 def _wgrad_dtype(w_dtype: torch.dtype) -> torch.dtype:
@@ -203,7 +224,8 @@ def _split_dgrad_plain(dy, w, split, x_shape):
 
 def grouped_linear(x: torch.Tensor, split_sizes: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                    scales: torch.Tensor | None = None, quantizers: dict | None = None, path: str = "grouped",
-                   wgrad_sink: list | None = None, quantized_input: QuantizedTensor | None = None) -> torch.Tensor:
+                   wgrad_sink: list | None = None, quantized_input: QuantizedTensor | None = None,
+                   input_activation: tuple | None = None) -> torch.Tensor:
     """y [R, N] = grouped x [R, K] @ weight[g]^T (+ bias[g] (* scales[row])).
 
     split_sizes: [E] int on x's device; rows past their sum join the last group (absorb_tail).
@@ -215,6 +237,10 @@ def grouped_linear(x: torch.Tensor, split_sizes: torch.Tensor, weight: torch.Ten
     before an expert-parallel all-to-all), used by the forward GEMM instead of quantizing x;
     x still takes the gradient, and the weight gradient's columnwise copy is quantized from x's
     values (pass the dequantized rows as x). Needs `quantizers`.
+    input_activation: (activation, probs, glu_interleave_size): x is h ([R, 2K] for GLU
+    activations, [R, K] otherwise) and the input is `expert_activation(h, probs, activation,
+    glu_interleave_size)`; fused into the input's quantization on the grouped path with
+    quantizers (see the module docstring). h and probs get their gradients.
     """
     if path == "split" or host_readable(split_sizes):
         # host-readable sizes are checked (the split path reads them anyway); device sizes on the
@@ -229,5 +255,15 @@ def grouped_linear(x: torch.Tensor, split_sizes: torch.Tensor, weight: torch.Ten
         if not isinstance(quantized_input, QuantizedTensor) or quantized_input.shape_2d != tuple(x.shape):
             raise ValueError(f"quantized_input must be a QuantizedTensor of x's shape {tuple(x.shape)}, got "
                              f"{getattr(quantized_input, 'shape', type(quantized_input).__name__)}")
+    if input_activation is not None:
+        activation, probs, glu = input_activation
+        check_scaled_activation_args(x, probs, activation, glu)
+        if quantized_input is not None:
+            raise ValueError("input_activation and quantized_input exclude each other: FC2's input is computed here")
+        if quantizers is None or path != "grouped":  # nothing to fuse into: the activation runs first
+            x = expert_activation(x, probs, activation, glu)
+        else:
+            return GroupedLinearFunction.apply(x, split_sizes, weight, bias, scales, quantizers, path, wgrad_sink,
+                                               None, probs, (activation, glu))
     return GroupedLinearFunction.apply(x, split_sizes, weight, bias, scales, quantizers, path, wgrad_sink,
                                        quantized_input)

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import torch
 
+from qmoe.backend import implementation, use_kernels
 from qmoe.formats import pack_e2m1, unpack_e2m1
 from qmoe.quant.quantizer import NVFP4Quantizer, Quantizer, check_float_input
 from qmoe.quant.tensor import QuantizedTensor
+from qmoe.reference.activation import ActivatedRows
 from qmoe.reference.grouped_quantize import group_scale_offsets
 
 
@@ -71,9 +73,14 @@ class GroupedTensor:
         return self.split_sizes.device
 
     @classmethod
-    def quantize(cls, x: torch.Tensor, split_sizes, quantizer: Quantizer, rowwise: bool = True,
+    def quantize(cls, x: torch.Tensor | ActivatedRows, split_sizes, quantizer: Quantizer, rowwise: bool = True,
                  columnwise: bool = True, validate: bool = True) -> "GroupedTensor":
         """Quantize x [sum M_g, K] group by group with `quantizer`.
+
+        x may be an `ActivatedRows` (act(h) * probs, qmoe.reference.activation): the kernels
+        apply the activation while loading h, and the [sum M_g, K] activation output is never
+        written; the result is the same as quantizing that output (computed first where the
+        kernels do not run, and for quantizers that do not fuse: `Quantizer.fuses_activation`).
 
         split_sizes: [G] int tensor (on x's device, or the host) or a list of ints; zeros allowed.
         validate=False skips the sign/sum check, which reads device splits on the host; pass it
@@ -84,9 +91,12 @@ class GroupedTensor:
         >>> gt.split()[2].rowwise_data.shape
         torch.Size([64, 64])
         """
-        check_float_input(x, "GroupedTensor.quantize")
+        check_float_input(x.h if isinstance(x, ActivatedRows) else x, "GroupedTensor.quantize")
         if not isinstance(quantizer, Quantizer):
             raise TypeError(f"quantizer must be a qmoe Quantizer (recipe.quantizer(role)), got {quantizer!r}")
+        if isinstance(x, ActivatedRows) and not (use_kernels(x.h) and quantizer.fuses_activation):
+            # the fusion lives in the kernels: compute the rows first, as the unfused layer would
+            x = implementation("activation", "scaled_activation_forward", x.h)(*x)
         if x.dim() != 2:
             raise ValueError(f"GroupedTensor.quantize needs a 2-D input [sum M_g, K], got shape {tuple(x.shape)}")
         if not (rowwise or columnwise):

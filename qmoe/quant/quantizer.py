@@ -15,6 +15,7 @@ from qmoe.formats import E2M1, FP8_BLOCK, MXFP8_BLOCK, NVFP4_BLOCK, RHT_SIZE, El
 from qmoe.quant.delayed import (DelayedScalingState, all_reduce_amax, in_forward_region, register_backward,
                                 register_forward)
 from qmoe.quant.tensor import QuantizedTensor
+from qmoe.reference.activation import ActivatedRows
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -35,6 +36,8 @@ class Quantizer:
 
     fmt: ElementFormat
     block: tuple[int, int] | None = None  # rowwise block (rows, cols); None = one scale per tensor
+    # whether the grouped kernels apply an ActivatedRows' activation as they load (same bits either way)
+    fuses_activation: bool = True
 
     def __init__(self, role: str, fmt: ElementFormat):
         self.role, self.fmt = role, fmt
@@ -94,7 +97,8 @@ class Quantizer:
         raise NotImplementedError
 
     def _impl(self, family: str, name: str, *tensors):
-        return implementation(family, name, *tensors)
+        # an ActivatedRows input (GroupedTensor.quantize on the kernels' device) runs where its h is
+        return implementation(family, name, *(t.h if isinstance(t, ActivatedRows) else t for t in tensors))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(role={self.role!r}, fmt={self.fmt})"
@@ -290,6 +294,11 @@ class NVFP4Quantizer(Quantizer):
     rounds with random draws from `generator` (set it, e.g. torch.Generator().manual_seed(0),
     to reproduce a run).
     """
+
+    # the NVFP4 kernels hold two copies, the Hadamard product and Philox in registers already: with
+    # the activation as well the fused pass ran 0.83x the activation-then-quantize pair (H200,
+    # benchmarks/results/fused_activation.json), so the activation runs first
+    fuses_activation = False
 
     def __init__(self, role, block_2d: bool = False, rht: bool = False, stochastic: bool = False,
                  generator: torch.Generator | None = None):

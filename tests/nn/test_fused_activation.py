@@ -1,0 +1,107 @@
+"""The expert activation fused into FC2's input quantization == the activation run first, bit for bit.
+
+`GroupedLinear(..., input_activation=(activation, probs, k))` takes FC1's output h and quantizes
+act(h) * probs straight from h (on the GPU the quantize kernels apply the activation as they
+load: kernels.activation.load_rows; on the CPU the rows are computed first). Against the same
+layer fed `expert_activation(h, probs, ...)`: the output and the gradients of h, probs, weight,
+bias and bias scales are equal bit for bit (on the GPU dbias to fp32 summation order: the bias
+kernel adds with atomics), under every recipe and without one (then nothing is fused and the
+activation runs first). GroupedMLP goes through this path.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import qmoe
+from qmoe.recipes import recipe_from_config
+
+RECIPES = [None, "delayed", "current", "block", "mxfp8", "nvfp4"]
+# (activation, glu_interleave_size, h's dtype)
+ACTIVATIONS = [("swiglu", None, torch.bfloat16), ("swiglu", 32, torch.bfloat16), ("clamped_qgeglu", None, torch.float32),
+               ("gelu", None, torch.bfloat16), ("relu2", None, torch.float32)]
+E, F, N = 4, 256, 128
+
+
+def _recipe(name):
+    if name is None:
+        return None
+    config = {"name": name}
+    if name == "nvfp4":
+        config["disable_stochastic_rounding"] = True
+    return recipe_from_config(config)
+
+
+def _run(fc2, h, probs, splits, recipe, activation, k, fused, dy):
+    h, probs = h.detach().clone().requires_grad_(True), probs.detach().clone().requires_grad_(True)
+    fc2.zero_grad(set_to_none=True)
+    scales = probs.to(h.dtype)
+    with qmoe.autocast(recipe=recipe, enabled=recipe is not None):
+        if fused:
+            y = fc2(h, splits, scales, input_activation=(activation, probs, k))
+        else:
+            y = fc2(qmoe.ops.expert_activation(h, probs, activation, k), splits, scales)
+    y.backward(dy)
+    return {"y": y.detach(), "dh": h.grad, "dprobs": probs.grad, **{n: p.grad for n, p in fc2.named_parameters()}}
+
+
+def _check(device, recipe_name, activation, k, dtype):
+    torch.manual_seed(0)
+    glu = activation in ("swiglu", "geglu", "clamped_qgeglu")
+    splits = torch.tensor([128, 0, 256, 128], device=device)
+    rows = int(splits.sum())
+    fc2 = qmoe.nn.GroupedLinear(E, F, N, scale_bias=True, grouped_path="grouped", params_dtype=dtype, device=device)
+    gen = torch.Generator().manual_seed(1)
+    h = (torch.randn(rows, (2 if glu else 1) * F, generator=gen) * 3).to(device, dtype)
+    probs = torch.rand(rows, generator=gen).to(device)
+    dy = torch.randn(rows, N, generator=gen).to(device, dtype)
+    recipe = _recipe(recipe_name)
+    twin = copy.deepcopy(fc2)  # before any step: delayed scaling's state changes with each
+    got = _run(fc2, h, probs, splits, recipe, activation, k, True, dy)
+    want = _run(twin, h, probs, splits, recipe, activation, k, False, dy)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name] is not None, name
+        if name == "bias" and device == "cuda":  # the bias kernel sums dbias with fp32 atomics: any order
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5 * float(want[name].abs().max()))
+        else:
+            assert torch.equal(got[name], want[name]), name
+
+
+@pytest.mark.parametrize("recipe_name", RECIPES)
+@pytest.mark.parametrize("activation, k, dtype", ACTIVATIONS[:2])
+def test_fused_equals_activation_first(recipe_name, activation, k, dtype):
+    _check("cpu", recipe_name, activation, k, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe_name", RECIPES)
+@pytest.mark.parametrize("activation, k, dtype", ACTIVATIONS)
+def test_fused_equals_activation_first_on_gpu(recipe_name, activation, k, dtype):
+    _check("cuda", recipe_name, activation, k, dtype)
+
+
+def test_recipe_on_the_grouped_path_takes_the_fused_function(monkeypatch):
+    """Under a recipe on the grouped path the layer never calls expert_activation's forward."""
+    from qmoe.ops import activation as ops_activation
+    calls = []
+    monkeypatch.setattr(ops_activation._ExpertActivation, "forward",
+                        staticmethod(lambda *a: calls.append(1) or (_ for _ in ()).throw(AssertionError("ran"))))
+    fc2 = qmoe.nn.GroupedLinear(2, 64, 32, grouped_path="grouped")
+    h, probs = torch.randn(8, 128), torch.rand(8)
+    with qmoe.autocast(recipe=_recipe("current")):
+        fc2(h, torch.tensor([3, 5]), input_activation=("swiglu", probs, None)).sum().backward()
+    assert not calls
+
+
+def test_input_activation_checks_its_arguments():
+    fc2 = qmoe.nn.GroupedLinear(2, 64, 32, grouped_path="grouped")
+    splits = torch.tensor([3, 5])
+    with pytest.raises(ValueError):
+        fc2(torch.randn(8, 100), splits, input_activation=("swiglu", None, None))  # not 2 x 64 columns
+    with pytest.raises(ValueError):
+        fc2(torch.randn(8, 128), splits, input_activation=("swish", None, None))
+    with pytest.raises(ValueError):
+        fc2(torch.randn(8, 128), splits, input_activation=("swiglu", torch.rand(7), None))
