@@ -111,10 +111,15 @@ def _measure(module, x, dy, recipe, warmup: int, iters: int, graphed: bool) -> d
     step = _step_fn(module, x, dy, recipe)
     _drop_grads(module, x)  # earlier runs' gradients (a graph's pool included) are not this run's memory
     torch.cuda.synchronize()
+    resident = torch.cuda.memory_allocated() / 2 ** 30  # weights, inputs (and any other layer held)
+    grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad) / 2 ** 30
     torch.cuda.reset_peak_memory_stats()
     eager = _time_ms(step, warmup, iters)
     peak = torch.cuda.max_memory_allocated() / 2 ** 30
-    out = dict(eager_ms=eager, peak_gib=peak, graphed_ms=None, graph_error=None)
+    # what the step itself needs beyond what any training of this model holds (weights, their
+    # gradients, the input): saved activations, quantized copies, workspaces
+    out = dict(eager_ms=eager, peak_gib=peak, work_gib=peak - resident - grads - x.numel() * x.element_size() / 2 ** 30,
+               graphed_ms=None, graph_error=None)
     if graphed:
         out["graphed_ms"], out["graph_error"] = _graphed_ms(step, warmup, iters)
     _drop_grads(module, x)
@@ -168,7 +173,7 @@ def bench_shape(rows, name, shape, recipes, warmup, iters, graphed, device="cuda
     for rname in recipes:
         recipe = None if rname == "bf16" else recipe_from_config({"name": rname})
         row = dict(shape=name, recipe=rname, **shape, eager_ms=None, graphed_ms=None, tokens_per_s=None,
-                   peak_gib=None, peer_ms=peer["peer_ms"], speedup_vs_peer=None, ratio_vs_qmoe_bf16=None,
+                   peak_gib=None, work_gib=None, peer_ms=peer["peer_ms"], speedup_vs_peer=None, ratio_vs_qmoe_bf16=None,
                    path=resolve_path("bf16" if recipe is None else recipe, layer, device), graph_error=None,
                    error=None, **{k: v for k, v in peer.items() if k != "peer_ms"})
         try:
@@ -192,14 +197,15 @@ def _fmt(v, spec):
     return format(v, spec) if isinstance(v, (int, float)) else format("-", spec.split(".")[0] or "")
 
 
-HEADER = (f"{'shape':<16} {'recipe':<8} {'eager ms':>9} {'graph ms':>9} {'tok/s':>10} {'peak GiB':>9} "
+HEADER = (f"{'shape':<16} {'recipe':<8} {'eager ms':>9} {'graph ms':>9} {'tok/s':>10} {'peak GiB':>9} {'work GiB':>9} "
           f"{'peer ms':>9} {'vs peer':>8} {'vs bf16':>8}  note")
 
 
 def _print_row(r):
     note = r["error"] or (f"graph: {r['graph_error']}" if r["graph_error"] else r["path"])
     print(f"{r['shape']:<16} {r['recipe']:<8} {_fmt(r['eager_ms'], '>9.3f')} {_fmt(r['graphed_ms'], '>9.3f')} "
-          f"{_fmt(r['tokens_per_s'], '>10.0f')} {_fmt(r['peak_gib'], '>9.2f')} {_fmt(r['peer_ms'], '>9.3f')} "
+          f"{_fmt(r['tokens_per_s'], '>10.0f')} {_fmt(r['peak_gib'], '>9.2f')} {_fmt(r.get('work_gib'), '>9.2f')} "
+          f"{_fmt(r['peer_ms'], '>9.3f')} "
           f"{_fmt(r['speedup_vs_peer'], '>7.2f')}x {_fmt(r['ratio_vs_qmoe_bf16'], '>7.2f')}x  {note}", flush=True)
 
 
@@ -255,7 +261,9 @@ def _write(args, rows, warmup, iters) -> None:
                 f"eager_ms: eager steps; graphed_ms: replays of the whole step captured in one torch.cuda.CUDAGraph "
                 f"(graph_error when capture fails); tokens_per_s from eager_ms; peak_gib: torch.cuda."
                 f"max_memory_allocated over the eager steps (weights, grads and inputs included; peer_peak_gib "
-                f"excludes the qmoe layer's weights, resident meanwhile); "
+                f"excludes the qmoe layer's weights, resident meanwhile); work_gib: peak_gib less what was resident "
+                f"before the steps (weights, inputs), the parameters' gradients and dx: the step's own working memory "
+                f"(saved activations, quantized copies, workspaces); "
                 f"peer: benchmarks/plain_moe.py, plain PyTorch bf16 MoE on torch._grouped_mm, same weights, same run; "
                 f"speedup_vs_peer = peer_ms / eager_ms; ratio_vs_qmoe_bf16 = qmoe bf16 eager_ms / eager_ms "
                 f"(> 1 is faster than qmoe bf16)"),
