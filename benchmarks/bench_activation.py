@@ -20,22 +20,12 @@ import sys
 
 import torch
 
+from benchmarks.timing import copy_gbps, median_ms
+
 CASES = [("swiglu", None), ("swiglu", 128), ("geglu", None), ("clamped_qgeglu", None), ("relu2", None),
          ("gelu", None)]
 ROWS, FFN = 65536, 2048
 QUICK_SCALE = 8  # --quick divides the row count by this
-
-
-def _bench(fn):
-    import triton.testing
-    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
-
-
-def _copy_gbps() -> float:
-    """Bytes read + written per second by a 1 GiB device-to-device copy (the roofline's bandwidth)."""
-    src = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * src.element_size() / (_bench(lambda: dst.copy_(src)) * 1e-3) / 1e9
 
 
 def _min_bytes(rows: int, width: int, f: int, elt: int = 2) -> int:
@@ -59,12 +49,12 @@ def bench_case(rows_out, activation, k, r, f, gbps):
     row = dict(activation=activation, glu_interleave_size=k, R=r, F=f, dtype="bf16")
     for name, fn in (("eager", _eager), ("qmoe", expert_activation)):
         with torch.no_grad():
-            row[f"{name}_fwd_ms"] = _bench(lambda: fn(h, probs, activation, k))
+            row[f"{name}_fwd_ms"] = median_ms(lambda: fn(h, probs, activation, k))
 
         def step():
             h.grad = probs.grad = None
             fn(h, probs, activation, k).backward(da)
-        row[f"{name}_ms"] = _bench(step)
+        row[f"{name}_ms"] = median_ms(step)
     row["speedup"] = row["eager_ms"] / row["qmoe_ms"]
     row["min_bytes"] = _min_bytes(r, width, f)
     row["roofline_ms"] = row["min_bytes"] / (gbps * 1e9) * 1e3
@@ -90,7 +80,7 @@ def main(argv=None) -> int:
     if not use_kernels(probe):
         print("warning: qmoe ops run the reference on this device (sm < 90 or QMOE_BACKEND=reference)",
               file=sys.stderr)
-    gbps = _copy_gbps()
+    gbps = copy_gbps()
     rows = []
     r = ROWS // (QUICK_SCALE if args.quick else 1)
     for activation, k in CASES:

@@ -23,20 +23,11 @@ import sys
 
 import torch
 
+from benchmarks.timing import copy_gbps, median_ms
+
 RECIPES = ["current", "block", "mxfp8", "nvfp4"]
 ROWS, FFN, EXPERTS = 65536, 2048, 32
 QUICK_SCALE = 8
-
-
-def _bench(fn):
-    import triton.testing
-    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
-
-
-def _copy_gbps() -> float:
-    src = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * src.element_size() / (_bench(lambda: dst.copy_(src)) * 1e-3) / 1e9
 
 
 def _out_bytes(gt) -> int:
@@ -69,7 +60,7 @@ def bench_recipe(name, h, probs, splits, gbps) -> dict:
     passes = 2 if name in ("current", "nvfp4") else 1  # an amax launch reads h before the cast
     min_bytes = passes * h.numel() * h.element_size() + probs.numel() * 4 + _out_bytes(got)
     row = dict(recipe=name, R=h.shape[0], F=h.shape[1] // 2, activation="swiglu", dtype="bf16",
-               separate_ms=_bench(separate), fused_ms=_bench(fused), same_bits=same, min_bytes=min_bytes)
+               separate_ms=median_ms(separate), fused_ms=median_ms(fused), same_bits=same, min_bytes=min_bytes)
     row["speedup"] = row["separate_ms"] / row["fused_ms"]
     row["fused_frac_copy"] = min_bytes / (gbps * 1e9) * 1e3 / row["fused_ms"]
     print(f"{name:>8}: separate {row['separate_ms']:.3f} ms  fused {row['fused_ms']:.3f} ms  x{row['speedup']:.2f}  "
@@ -92,7 +83,7 @@ def main(argv=None) -> int:
     h = (torch.randn(r, 2 * FFN, device="cuda") * 3).bfloat16()
     probs = torch.rand(r, device="cuda")
     splits = torch.full((EXPERTS,), r // EXPERTS, device="cuda")
-    gbps = _copy_gbps()
+    gbps = copy_gbps()
     rows = [bench_recipe(name, h, probs, splits, gbps) for name in RECIPES]
     result = dict(
         suite="fused_activation",

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.timing import copy_gbps, median_ms
+
 SHAPES = {"65536x7168": (65536, 7168, None), "16384x2048": (16384, 2048, None), "32x2048x7168": (65536, 7168, 32)}
 RECIPES = ("delayed", "current", "block", "mxfp8", "nvfp4")
 ROLES = ("input", "weight", "grad_output")
@@ -117,15 +119,7 @@ def peer_call(q, x, splits, both):
 
 
 def bench_ms(fn, rep):
-    import triton.testing
-    return triton.testing.do_bench(fn, warmup=max(5, rep // 4), rep=rep, return_mode="median")
-
-
-def copy_gbps(rep) -> float:
-    src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)  # 1 GiB
-    dst = torch.empty_like(src)
-    ms = bench_ms(lambda: dst.copy_(src), rep)
-    return 2 * src.numel() * src.element_size() / ms / 1e6
+    return median_ms(fn, max(5, rep // 4), rep)
 
 
 # ---------------------------------------------------------------- driver

@@ -20,6 +20,8 @@ import sys
 
 import torch
 
+from benchmarks.timing import copy_gbps, median_ms
+
 MODELS = {
     "deepseek-v3": dict(tokens=8192, experts=256, top_k=8, hidden=7168, align=16,
                         router=dict(score_function="sigmoid", num_groups=8, group_topk=4,
@@ -29,11 +31,6 @@ MODELS = {
 }
 AUX_ONLY = [(131072, 64), (131072, 1024), (131072, 4096)]
 QUICK_SCALE = 8  # --quick divides token counts by this
-
-
-def _bench(fn, warmup=10, rep=50):
-    import triton.testing
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
 def _fwd_bwd(forward, inputs):
@@ -51,19 +48,6 @@ def _fwd_bwd(forward, inputs):
                if isinstance(o, torch.Tensor) and o.requires_grad]
         torch.autograd.backward(res, grads)
     return run
-
-
-_COPY_GBPS = []  # the device's copy bandwidth, measured once per run
-
-
-def copy_gbps() -> float:
-    """Bytes read + written per second by a 1 GiB device-to-device copy (the roofline's bandwidth)."""
-    if not _COPY_GBPS:
-        src = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
-        dst = torch.empty_like(src)
-        ms = _bench(lambda: dst.copy_(src))
-        _COPY_GBPS.append(2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9)
-    return _COPY_GBPS[0]
 
 
 def min_bytes(stage: str, t: int, e: int, k: int = 0, h: int = 0, rows: int = 0) -> int:
@@ -84,8 +68,8 @@ def _stage(rows, model, stage, shape, eager_fwd, qmoe_fwd, inputs, nbytes=None):
     row = dict(model=model, stage=stage, shape=shape)
     for name, fwd in (("eager", eager_fwd), ("qmoe", qmoe_fwd)):
         with torch.no_grad():
-            row[f"{name}_fwd_ms"] = _bench(fwd)
-        row[f"{name}_ms"] = _bench(_fwd_bwd(fwd, inputs))
+            row[f"{name}_fwd_ms"] = median_ms(fwd)
+        row[f"{name}_ms"] = median_ms(_fwd_bwd(fwd, inputs))
     row["speedup"] = row["eager_ms"] / row["qmoe_ms"]
     row["speedup_fwd"] = row["eager_fwd_ms"] / row["qmoe_fwd_ms"]
     # the speed of light: min bytes at copy bandwidth. eager_ms / roofline_ms is the largest
