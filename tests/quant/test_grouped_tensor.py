@@ -179,3 +179,33 @@ def test_bad_grouped_inputs_raise():
         GroupedTensor.quantize(torch.ones(8), [8], q)
     with pytest.raises(TypeError):
         GroupedTensor.quantize(torch.ones(8, 32), [8], Float8CurrentScaling())
+
+
+@pytest.mark.parametrize("recipe", ["current", "block", "mxfp8", "nvfp4-1d"])
+@pytest.mark.parametrize("activation, k", [("swiglu", None), ("swiglu", 16), ("gelu", None)])
+def test_activated_rows_quantize_as_their_values(recipe, activation, k):
+    """GroupedTensor.quantize(ActivatedRows(h, probs, ...)) == quantizing act(h) * probs, and the
+    reference grouped quantizers take ActivatedRows directly (the kernels' fallback hands them one)."""
+    from qmoe.formats import E4M3
+    from qmoe.reference import grouped_quantize as RG
+    from qmoe.reference.activation import ActivatedRows, scaled_activation_forward
+    gen = torch.Generator().manual_seed(3)
+    width = 64 * (2 if activation == "swiglu" else 1)
+    h = (torch.randn(96, width, generator=gen) * 3).bfloat16()
+    probs = torch.rand(96, generator=gen)
+    splits = [32, 0, 64]
+    fused = ActivatedRows(h, probs, activation, k)
+    assert fused.shape == (96, 64) and fused.dtype == torch.bfloat16
+    values = scaled_activation_forward(h, probs, activation, k)
+    q = RECIPES[recipe].quantizer("input")
+    got = GroupedTensor.quantize(fused, splits, q)
+    want = GroupedTensor.quantize(values, splits, q)
+    for field in FIELDS:
+        a, b = getattr(got, field), getattr(want, field)
+        assert (a is None) == (b is None), field
+        if a is not None:
+            assert np.array_equal(raw(a), raw(b)), field
+    splits_t = torch.tensor(splits)
+    for x, y in zip(RG.grouped_quantize_mxfp8(fused, splits_t, E4M3, rowwise=True, columnwise=True),
+                    RG.grouped_quantize_mxfp8(values, splits_t, E4M3, rowwise=True, columnwise=True)):
+        assert np.array_equal(raw(x), raw(y))
