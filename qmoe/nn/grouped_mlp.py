@@ -15,6 +15,11 @@ class GroupedMLP(nn.Module):
     The prob multiplies the activation output (and FC2's bias), so each row's expert output is
     prob * expert(x) and the prob receives its gradient; padding rows (prob 0) come out zero.
 
+    Under a recipe on the grouped path the activation is fused into the quantization of FC2's
+    input (`GroupedLinear(..., input_activation=...)`): the quantize kernels read FC1's output and
+    apply the activation as they load, so the [R, F] activation is never written; the results
+    are those of running it first, bit for bit.
+
     FC1 is `fc1.weight [E, 2F, H]` for GLU activations (gate rows first, then linear rows) and
     `[E, F, H]` otherwise; FC2 is `fc2.weight [E, H, F]`. `glu_interleave_size=k` stores FC1's
     rows physically as alternating k-row gate/linear blocks (so an activation fused into FC1's
