@@ -1,6 +1,6 @@
 """Expert activation fused into FC2's input quantization vs the activation, then the quantizer.
 
-Run: `PYTHONPATH=. python -m benchmarks.bench_fused_activation [--quick]` (GPU only).
+Run: `qmoe bench fused_activation [--quick]` (GPU only).
 
 At the DeepSeek-V3 expert shard (65536 permuted rows over 32 experts, F 2048, swiglu, bf16 h
 [R, 4096]), per recipe, in one run on one GPU (triton.testing.do_bench medians):
@@ -69,13 +69,14 @@ def bench_recipe(name, h, probs, splits, gbps) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="bench_fused_activation", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="qmoe bench fused_activation", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"rows / {QUICK_SCALE}: a smoke run")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                       "results", "fused_activation.json"))
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench_fused_activation needs a CUDA GPU; none found", file=sys.stderr)
+        print("qmoe bench fused_activation needs a CUDA GPU (the fused kernels run on sm90+); none found",
+              file=sys.stderr)
         return 2
     import triton
     r = ROWS // (QUICK_SCALE if args.quick else 1)
