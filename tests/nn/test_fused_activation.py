@@ -14,6 +14,8 @@ import copy
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import qmoe
 from qmoe.recipes import recipe_from_config
@@ -47,12 +49,13 @@ def _run(fc2, h, probs, splits, recipe, activation, k, fused, dy):
     return {"y": y.detach(), "dh": h.grad, "dprobs": probs.grad, **{n: p.grad for n, p in fc2.named_parameters()}}
 
 
-def _check(device, recipe_name, activation, k, dtype):
+def _check(device, recipe_name, activation, k, dtype, sizes=(128, 0, 256, 128), path="grouped"):
     torch.manual_seed(0)
     glu = activation in ("swiglu", "geglu", "clamped_qgeglu")
-    splits = torch.tensor([128, 0, 256, 128], device=device)
+    splits = torch.tensor(sizes, device=device)
     rows = int(splits.sum())
-    fc2 = qmoe.nn.GroupedLinear(E, F, N, scale_bias=True, grouped_path="grouped", params_dtype=dtype, device=device)
+    fc2 = qmoe.nn.GroupedLinear(len(sizes), F, N, scale_bias=True, grouped_path=path, params_dtype=dtype,
+                                device=device)
     gen = torch.Generator().manual_seed(1)
     h = (torch.randn(rows, (2 if glu else 1) * F, generator=gen) * 3).to(device, dtype)
     probs = torch.rand(rows, generator=gen).to(device)
@@ -74,6 +77,20 @@ def _check(device, recipe_name, activation, k, dtype):
 @pytest.mark.parametrize("activation, k, dtype", ACTIVATIONS[:2])
 def test_fused_equals_activation_first(recipe_name, activation, k, dtype):
     _check("cpu", recipe_name, activation, k, dtype)
+
+
+@settings(max_examples=12, deadline=None)
+@given(sizes=st.lists(st.integers(0, 3).map(lambda b: 32 * b), min_size=1, max_size=5).filter(lambda v: sum(v) > 0),
+       recipe_name=st.sampled_from(RECIPES[1:]), activation=st.sampled_from(["swiglu", "relu2"]))
+def test_fused_equals_activation_first_on_any_split(sizes, recipe_name, activation):
+    """Jagged splits, empty experts and one expert holding every row (multiples of 32 rows: the
+    MXFP8 columnwise blocks' alignment, as moe_permute pads them)."""
+    _check("cpu", recipe_name, activation, None, torch.bfloat16, sizes)
+
+
+@pytest.mark.parametrize("recipe_name", [None, "current"])
+def test_split_path_runs_the_activation_first(recipe_name):
+    _check("cpu", recipe_name, "swiglu", None, torch.bfloat16, path="split")
 
 
 @pytest.mark.gpu
