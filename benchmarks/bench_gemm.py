@@ -187,21 +187,25 @@ def _target(name, layout, shape, memory_bound, peers, fprop_tflops):
     return f"torch._grouped_mm bf16 x{factor}", bf16, factor * bf16 if bf16 else None
 
 
-def _sweep_candidates(name, layout, memory_bound):
+def _sweep_candidates(name, layout, memory_bound, rows_per_group):
     """(route, TileConfig) pairs worth timing for one case (--sweep)."""
     from dataclasses import replace
 
-    from qmoe.kernels.grouped_gemm import tile_configs
+    from qmoe.kernels.grouped_gemm import TileConfig, tile_configs
     from qmoe.reference.grouped_gemm import Scaling
 
     if name == "block":
         return [("fused", c) for c in tile_configs(Scaling.BLOCK, small_m=memory_bound)]
     if name in ("mxfp8", "nvfp4"):
         if memory_bound:
-            return [("fused", c) for c in tile_configs(Scaling.MX, small_m=True)]
+            tiles = tile_configs(Scaling.MX, small_m=True, rows_per_group=rows_per_group)
+            return [("fused", c) for c in tiles]
         base = tile_configs(Scaling.NONE, small_m=False)
         dqs = [(32, 64, 4), (64, 256, 8), (128, 128, 8)]
-        return [("dequant", c) for c in base] + [("dequant", replace(base[0], dq=d)) for d in dqs]
+        fused = tile_configs(Scaling.MX, small_m=False) + [TileConfig(128, 128, 128, 8, 3),
+                                                            TileConfig(128, 256, 128, 8, 2)]
+        return ([("dequant", c) for c in base] + [("dequant", replace(base[0], dq=d)) for d in dqs]
+                + [("fused", c) for c in fused])
     if name == "bf16" and layout == "wgrad":
         return [("fused", c) for c in tile_configs(Scaling.NONE, small_m=False)]
     return []
@@ -244,9 +248,10 @@ def run_shape(shape, dims, recipes, layouts, sweep, rows, details):
                 detail["other_route"] = {other: _tflops(flops, _ms(_qmoe_fn(layout, ops, splits, other)))}
             if sweep:
                 tried = {f"{route} {c.bm}x{c.bn}x{c.bk} w{c.warps} s{c.stages} x{c.ctas_per_sm}"
-                         f"{' lag' if c.lag else ''}{' dq%dx%dw%d' % c.dq if c.dq else ''}":
+                         f"{' lag' if c.lag else ''}{' swap' if c.swap else ''}"
+                         f"{' dq%dx%dw%d' % c.dq if c.dq else ''}":
                          _tflops(flops, _ms(_qmoe_fn(layout, ops, splits, route, c)))
-                         for route, c in _sweep_candidates(name, layout, memory_bound)}
+                         for route, c in _sweep_candidates(name, layout, memory_bound, m)}
                 if tried:
                     detail["sweep"] = tried
                     print(f"  sweep {name} {layout} {shape}: " + ", ".join(f"{kk}={v}" for kk, v in tried.items()))

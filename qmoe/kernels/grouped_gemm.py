@@ -58,6 +58,7 @@ class TileConfig:
     group_m: int = 8
     ctas_per_sm: int = 1  # persistent programs per SM (m-grouped): more hide memory latency
     lag: bool = False  # BLOCK: scale and add each step's product one iteration later
+    swap: bool = False  # m-grouped: compute tiles transposed (weights on the 64-row MMA side)
     dq: tuple[int, int, int] | None = None  # "dequant" route: rows, columns, warps per program
 
 
@@ -66,19 +67,30 @@ class TileConfig:
 DEQUANT_TILES = {Scaling.MX: (64, 256, 8), Scaling.NVFP4: (32, 64, 4)}
 
 
-def tile_configs(scaling: Scaling, small_m: bool) -> list[TileConfig]:
+def tile_configs(scaling: Scaling, small_m: bool, rows_per_group: int = 64) -> list[TileConfig]:
     """Candidate tiles per scaling, the default first (the benchmark's --sweep times the rest).
 
     sm90: 228 KB shared memory, 64-row wgmma per warpgroup. Compute-bound groups take 128-row
     tiles with 8 warps; FP8 takes BK = 128 (one BLOCK scale step, 128-byte rows), the bodies
     that dequantize in registers BK = 64 to keep their bf16 tiles small. Few rows per group
-    (small_m, memory-bound) take 64-row tiles and several programs per SM, so more weight
-    bytes are in flight.
+    (small_m, memory-bound) take 64-row tiles and several programs per SM, so more weight bytes
+    are in flight. At <= 16 rows per group the emulated formats take swapped tiles first (weights
+    on the MMA's 64-row side, a 16-row token tile): on an H200 at 8 x 16 rows, 4096 -> 14336,
+    MXFP8 ran at 70-71 TFLOP/s against 51 unswapped in three runs; NVFP4 at 28-45 against 26-37
+    (it varies that much from run to run either way). From 32 rows on the unswapped tiles were
+    as fast or faster (benchmarks/results/gemm_small_m_sweep.json).
     """
     if small_m:
-        return [TileConfig(64, 128, 128, 4, 3, ctas_per_sm=2), TileConfig(64, 64, 128, 4, 4, ctas_per_sm=4),
-                TileConfig(64, 128, 64, 4, 4, ctas_per_sm=2), TileConfig(64, 256, 128, 8, 3),
-                TileConfig(64, 128, 256, 4, 2, ctas_per_sm=2)]
+        tok = min(64, max(16, triton.next_power_of_2(max(rows_per_group, 1))))
+        plain = [TileConfig(64, 128, 128, 4, 3, ctas_per_sm=2), TileConfig(64, 64, 128, 4, 4, ctas_per_sm=4),
+                 TileConfig(64, 128, 64, 4, 4, ctas_per_sm=2), TileConfig(64, 256, 128, 8, 3),
+                 TileConfig(64, 128, 256, 4, 2, ctas_per_sm=2)]
+        swapped = [TileConfig(tok, 64, 128, 4, 4, ctas_per_sm=4, swap=True),
+                   TileConfig(tok, 128, 128, 4, 4, ctas_per_sm=2, swap=True),
+                   TileConfig(tok, 256, 128, 8, 3, swap=True)]
+        swap_first = rows_per_group <= 16 and scaling in (Scaling.MX, Scaling.NVFP4)  # measured there only
+        configs = swapped + plain if swap_first else plain + swapped
+        return [c for c in configs if c.bk == 128] if scaling is Scaling.BLOCK else configs
     if scaling is Scaling.NONE:
         return [TileConfig(128, 256, 64, 8, 3), TileConfig(128, 128, 64, 8, 4), TileConfig(128, 256, 64, 8, 4)]
     if scaling is Scaling.TENSOR:
@@ -232,8 +244,10 @@ def _launch_m_tiles(a: _Operand, b: _Operand, offsets, total_rows, n_out, k, gro
         return out
     plain_fp32 = scaling is Scaling.NONE and a.data.dtype == torch.float32
     if cfg is None:
-        cfg = tile_configs(scaling, small_m=total_rows <= 96 * groups)[0]
+        cfg = tile_configs(scaling, small_m=total_rows <= 96 * groups, rows_per_group=total_rows // max(groups, 1))[0]
         cfg = _fp32_config(cfg) if plain_fp32 else cfg
+    if scaling is Scaling.BLOCK and cfg.bk != 128:
+        raise ValueError(f"FP8 block scaling promotes once per 128-deep step: tile bk must be 128, got {cfg.bk}")
     upper = (ceil_div(total_rows, cfg.bm) + groups + 1) * ceil_div(n_out, cfg.bn)
     programs = max(1, min(_sms(device) * cfg.ctas_per_sm, upper))
     fa = a.factor if a.factor is not None else a.data
@@ -247,7 +261,7 @@ def _launch_m_tiles(a: _Operand, b: _Operand, offsets, total_rows, n_out, k, gro
         HAS_FACTOR=a.factor is not None, PRECISE=out_dtype == torch.float32,
         INPUT_PRECISION="tf32x3" if plain_fp32 else None,
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, GP=triton.next_power_of_2(groups + 1),
-        NUM_PROGRAMS=programs, MASK_K=k % cfg.bk != 0, LAG=cfg.lag and scaling is Scaling.BLOCK,
+        NUM_PROGRAMS=programs, MASK_K=k % cfg.bk != 0, LAG=cfg.lag and scaling is Scaling.BLOCK, SWAP=cfg.swap,
         num_warps=cfg.warps, num_stages=cfg.stages)
     return out
 

@@ -167,13 +167,17 @@ def _m_grouped_gemm_kernel(
         SCALING: tl.constexpr, A_BC: tl.constexpr, B_BR: tl.constexpr, B_BC: tl.constexpr,
         HAS_FACTOR: tl.constexpr, PRECISE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, GP: tl.constexpr,
-        NUM_PROGRAMS: tl.constexpr, MASK_K: tl.constexpr, LAG: tl.constexpr):
+        NUM_PROGRAMS: tl.constexpr, MASK_K: tl.constexpr, LAG: tl.constexpr, SWAP: tl.constexpr):
     """out[T, N] = A_g [M_g, K] @ B_g [N, K]^T per group, persistent over a static grid.
 
     Group g owns rows offs[g]:offs[g+1] of A and out; B_g starts g * b_group_stride into b.
     Rows offs[G]:total_rows belong to no group (a pseudo-group G) and are written as zeros.
     Each program walks tiles pid, pid + NUM_PROGRAMS, ... of all groups' tiles, which it
     locates from the device offsets alone: no host sync, graph-capturable.
+
+    SWAP computes each tile transposed, out^T = B_g @ A_g^T, for few rows per group: the
+    weight tile fills the tensor cores' 64-row side (the token tile BM may be 16) and, when
+    dequantized in registers, feeds them from registers instead of a round trip to shared memory.
     """
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BN)
@@ -199,10 +203,16 @@ def _m_grouped_gemm_kernel(
         b_base = b_ptr + gb * b_group_stride
         sb_base = sb_ptr + gb * sb_group_stride
         k_end = tl.where(g < num_groups, K, 0)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        prev = tl.zeros((BM, BN), dtype=tl.float32)  # LAG: the last step's unscaled BLOCK product
-        psa = tl.zeros((BM,), dtype=tl.float32)
-        psb = tl.zeros((BN,), dtype=tl.float32)
+        if SWAP:  # tiles [BN, BM]: lhs = B, rhs = A
+            acc = tl.zeros((BN, BM), dtype=tl.float32)
+            prev = tl.zeros((BN, BM), dtype=tl.float32)
+            ps_lhs = tl.zeros((BN,), dtype=tl.float32)
+            ps_rhs = tl.zeros((BM,), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            prev = tl.zeros((BM, BN), dtype=tl.float32)  # LAG: the last step's unscaled BLOCK product
+            ps_lhs = tl.zeros((BM,), dtype=tl.float32)
+            ps_rhs = tl.zeros((BN,), dtype=tl.float32)
         for kk in range(0, k_end, BK):
             a = _tile(a_ptr, sa_ptr, rows, rows, row_ok, kk, K, 0, stride_am, stride_ak, s_stride_am, s_stride_ak,
                       SCALING, A_BC, BM, BK, MASK_K, True)
@@ -211,11 +221,18 @@ def _m_grouped_gemm_kernel(
             if SCALING == _BLOCK:
                 sa = _block_scale(sa_ptr, rows, row_ok, kk, s_stride_am, s_stride_ak, A_BC)
                 sb = _block_scale(sb_base, cols // B_BR, col_ok, kk, s_stride_bn, s_stride_bk, B_BC)
-                acc, prev, psa, psb = _promote(acc, prev, psa, psb, a, b, sa, sb, LAG)
+                if SWAP:
+                    acc, prev, ps_lhs, ps_rhs = _promote(acc, prev, ps_lhs, ps_rhs, b, a, sb, sa, LAG)
+                else:
+                    acc, prev, ps_lhs, ps_rhs = _promote(acc, prev, ps_lhs, ps_rhs, a, b, sa, sb, LAG)
+            elif SWAP:
+                acc = _mma(acc, b, a, SCALING, PRECISE, INPUT_PRECISION, BK)
             else:
                 acc = _mma(acc, a, b, SCALING, PRECISE, INPUT_PRECISION, BK)
         if LAG:
-            acc += prev * (psa[:, None] * psb[None, :])
+            acc += prev * (ps_lhs[:, None] * ps_rhs[None, :])
+        if SWAP:
+            acc = tl.trans(acc)
         if HAS_FACTOR:
             acc = acc * (tl.load(fa_ptr + gb) * tl.load(fb_ptr + gb))
         out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_on

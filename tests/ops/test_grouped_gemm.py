@@ -271,6 +271,25 @@ def test_kernels_match_reference(recipe, layout, out_dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["fprop", "dgrad"])
+@pytest.mark.parametrize("recipe", GPU_RECIPES)
+def test_every_small_m_tile_matches_reference(recipe, layout):
+    """Few rows per group: swapped tiles (token tiles of 16-64 rows) and the plain ones."""
+    from qmoe.kernels import grouped_gemm as kernels
+    from qmoe.reference import grouped_gemm as reference
+    from qmoe.reference.grouped_gemm import scaling_of
+
+    splits, (a, b) = _gpu_case(recipe, layout)
+    ref = reference.m_grouped_gemm(a, b, b_columnwise=layout == "dgrad", out_dtype=torch.float32)
+    for rows in (16, 64):
+        for cfg in kernels.tile_configs(scaling_of(a), small_m=True, rows_per_group=rows):
+            out = kernels.m_grouped_gemm_with(a, b, b_columnwise=layout == "dgrad", out_dtype=torch.float32,
+                                              route="fused", config=cfg)
+            assert torch.isfinite(out).all(), cfg
+            assert _rel(out, ref) <= 1e-3, f"{cfg}: {_rel(out, ref)}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_plain_kernels_match(layout):
     for dtype in (torch.bfloat16, torch.float32):
