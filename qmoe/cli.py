@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-BENCH_SUITES = ("quantize", "gemm", "linear", "routing", "moe", "ep", "activation", "fused_activation")
+BENCH_SUITES = ("quantize", "gemm", "linear", "routing", "moe", "ep", "activation", "fused_activation", "bias")
 
 
 def _cmd_info(args) -> int:

@@ -2,19 +2,23 @@
 
 As in test_routing_interpret.py: `TRITON_INTERPRET` must be set before Triton decorates the
 kernel, so the one test that runs in the normal session starts a fresh interpreter with
-TRITON_INTERPRET=1 on this same file; there the comparisons run. The kernel sums a row block
-per group with fp32 atomics, so dbias matches the reference up to fp32 summation order;
-dscales (one row at a time) and the zero rows are exact. The forward does the reference's fp32
-operations in its order (bias * scale, then + y): exact in fp32 and fp16; the interpreter
-truncates fp32 -> bf16 where the GPU rounds to nearest even, so bf16 may be one ulp (2^-7) off
-here and is compared exactly on the GPU (tests/kernels/test_bias_kernels.py).
+TRITON_INTERPRET=1 on this same file; there the comparisons run. The backward sums each
+group's 64-row chunks and then the chunk partials in a fixed order (no atomics), so dbias and
+dscales match the reference up to fp32 summation order (rtol 1e-5 plus 1e-6 of the sum of the
+terms' magnitudes, as on the GPU), are bit-identical from run to run, and a group's dbias does
+not depend on the other groups; empty groups and rows in no group are exact zeros. The forward
+does the reference's fp32 operations in its order (bias * scale, then + y): exact in fp32 and
+fp16; the interpreter truncates fp32 -> bf16 where the GPU rounds to nearest even, so bf16 may
+be one ulp (2^-7) off here and is compared exactly on the GPU (tests/kernels/test_bias_kernels.py).
 """
 import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tests.kernels.interpret import INTERPRETING, inside, launcher, run_under_interpreter  # noqa: F401
+from tests.kernels.interpret import inside, launcher, run_under_interpreter  # noqa: F401
 
 pytest.importorskip("triton")
 
@@ -44,30 +48,99 @@ CASES = [
 ]
 
 
-@inside
-@pytest.mark.parametrize("sizes, tail, n, dtype, scales_dtype", CASES, ids=[str(i) for i in range(len(CASES))])
-def test_backward_kernel_matches_reference(sizes, tail, n, dtype, scales_dtype):
-    from qmoe.kernels import bias as kernel
-    from qmoe.reference import bias as reference
-    gen = torch.Generator().manual_seed(sum(sizes) + n)
+# Backward only: the launch covers cdiv(R, 64) + E chunks of one group's rows x 128-column
+# blocks, and sums a group's chunk partials 32 chunks x 64 columns at a time.
+BACKWARD_CASES = [
+    pytest.param([2100], 0, 200, torch.float32, torch.float32, id="one-group-holds-every-row"),  # 33 chunks
+    pytest.param([0, 0, 0, 1500, 0, 0], 9, 70, torch.bfloat16, None, id="one-of-many-holds-every-row"),
+    pytest.param([0] * 14 + [3] + [0] * 14 + [130], 0, 129, torch.float32, torch.float32, id="mostly-empty"),
+    pytest.param([10, 20], 100, 65, torch.float32, torch.float32, id="many-rows-past-the-last-group"),
+    pytest.param([], 7, 9, torch.float32, torch.float32, id="no-groups"),
+    pytest.param([3, 5], 2, 1, torch.float32, torch.bfloat16, id="one-column"),
+    pytest.param([3, 5], 2, 0, torch.float32, torch.float32, id="no-columns"),
+]
+
+
+def _backward_inputs(sizes, tail, n, dtype, scales_dtype, seed, offsets_dtype=torch.int64):
+    gen = torch.Generator().manual_seed(seed)
     r = sum(sizes) + tail
     dy = torch.randn(r, n, generator=gen).to(dtype)
     bias = torch.randn(len(sizes), n, generator=gen).to(dtype)
     scales = None if scales_dtype is None else torch.rand(r, generator=gen).to(scales_dtype)
-    offsets = _offsets(sizes)
+    return dy, bias, _offsets(sizes).to(offsets_dtype), scales
+
+
+def _check_backward(dy, bias, offsets, scales):
+    """Kernel == reference to fp32 summation order, zeros where nothing is summed, bit-identical reruns."""
+    from qmoe.kernels import bias as kernel
+    from qmoe.reference import bias as reference
+    (r, n), e = dy.shape, bias.shape[0]
+    groups = reference.row_groups(offsets, r)
+    in_group = groups < e
+    w = dy.float() if scales is None else dy.float() * scales.float()[:, None]
+    dbias_mag = torch.zeros(e + 1, n).index_add_(0, groups, w.abs())[:e]  # sum of |terms| per entry
+    padded = torch.cat((bias.float(), torch.zeros(1, n)))
+    dscales_mag = (dy.float() * padded[groups]).abs().sum(1)
     for need_dscales in (True, False):
         got_b, got_s = kernel.grouped_bias_backward(dy, bias, offsets, scales, need_dscales)
         want_b, want_s = reference.grouped_bias_backward(dy, bias, offsets, scales, need_dscales)
-        assert got_b.dtype == torch.float32 and got_b.shape == want_b.shape
-        torch.testing.assert_close(got_b, want_b, rtol=1e-5, atol=1e-5)
-        for g, m in enumerate(sizes):
-            if m == 0:
-                assert torch.equal(got_b[g], torch.zeros(n))
+        assert got_b.dtype == torch.float32 and got_b.shape == want_b.shape == (e, n)
+        assert ((got_b - want_b).abs() <= 1e-5 * want_b.abs() + 1e-6 * dbias_mag).all()
+        for g in range(e):
+            if not (groups == g).any():
+                assert torch.equal(got_b[g], torch.zeros(n)), f"empty group {g}"
+        again_b, again_s = kernel.grouped_bias_backward(dy, bias, offsets, scales, need_dscales)
+        assert torch.equal(again_b, got_b)
         if want_s is None:
-            assert got_s is None
+            assert got_s is None and again_s is None
         else:
-            torch.testing.assert_close(got_s, want_s, rtol=1e-5, atol=1e-5)
-            assert torch.equal(got_s[sum(sizes):], torch.zeros(tail))
+            assert got_s.dtype == torch.float32 and got_s.shape == (r,)
+            assert ((got_s - want_s).abs() <= 1e-5 * want_s.abs() + 1e-6 * dscales_mag).all()
+            assert torch.equal(got_s[~in_group], torch.zeros(int((~in_group).sum())))
+            assert torch.equal(again_s, got_s)
+
+
+@inside
+@pytest.mark.parametrize("sizes, tail, n, dtype, scales_dtype",
+                         [pytest.param(*c, id=str(i)) for i, c in enumerate(CASES)] + BACKWARD_CASES)
+def test_backward_kernel_matches_reference(sizes, tail, n, dtype, scales_dtype):
+    _check_backward(*_backward_inputs(sizes, tail, n, dtype, scales_dtype, seed=sum(sizes) + n))
+
+
+@inside
+def test_backward_kernel_takes_int32_offsets_and_ignores_offsets0():
+    """offsets[0] is not read: group 0 starts at row 0, as reference.row_groups has it."""
+    dy, bias, offsets, scales = _backward_inputs([70, 0, 9], 5, 20, torch.float32, torch.float32, seed=3,
+                                                 offsets_dtype=torch.int32)
+    _check_backward(dy, bias, offsets, scales)
+    offsets[0] = 11
+    _check_backward(dy, bias, offsets, scales)
+
+
+@inside
+@settings(max_examples=15, deadline=None)
+@given(sizes=st.lists(st.one_of(st.just(0), st.integers(1, 300)), min_size=1, max_size=9),
+       tail=st.integers(0, 70), n=st.sampled_from([1, 7, 64, 127, 130]), with_scales=st.booleans())
+def test_backward_kernel_on_any_split(sizes, tail, n, with_scales):
+    """Jagged splits, empty groups, one group holding every row, rows past the last group."""
+    dy, bias, offsets, scales = _backward_inputs(sizes, tail, n, torch.float32,
+                                                 torch.float32 if with_scales else None, seed=len(sizes) + tail)
+    _check_backward(dy, bias, offsets, scales)
+
+
+@inside
+def test_backward_group_sums_do_not_depend_on_other_groups():
+    """A group's chunks start at its first row, so its dbias (and every row's dscales) is the same
+    bits as for that group alone: where the group sits and what surrounds it change nothing."""
+    from qmoe.kernels import bias as kernel
+    sizes = [37, 0, 130, 64, 5]
+    dy, bias, offsets, scales = _backward_inputs(sizes, 3, 150, torch.float32, torch.float32, seed=4)
+    dbias, dscales = kernel.grouped_bias_backward(dy, bias, offsets, scales)
+    for g, m in enumerate(sizes):
+        a = int(offsets[g])
+        alone_b, alone_s = kernel.grouped_bias_backward(dy[a:a + m], bias[g:g + 1], _offsets([m]), scales[a:a + m])
+        assert torch.equal(alone_b[0], dbias[g]), g
+        assert torch.equal(alone_s, dscales[a:a + m]), g
 
 
 @inside
