@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from benchmarks.timing import copy_gbps, median_ms
+from benchmarks.timing import copy_gbps, graph_median_ms, median_ms
 
 MODELS = {
     "deepseek-v3": dict(tokens=8192, experts=256, top_k=8, hidden=7168, align=16,
@@ -70,8 +70,13 @@ def _stage(rows, model, stage, shape, eager_fwd, qmoe_fwd, inputs, nbytes=None):
         with torch.no_grad():
             row[f"{name}_fwd_ms"] = median_ms(fwd)
         row[f"{name}_ms"] = median_ms(_fwd_bwd(fwd, inputs))
+        row[f"{name}_graph_ms"], why = graph_median_ms(_fwd_bwd(fwd, inputs))
+        if why:
+            row[f"{name}_graph_error"] = why
     row["speedup"] = row["eager_ms"] / row["qmoe_ms"]
     row["speedup_fwd"] = row["eager_fwd_ms"] / row["qmoe_fwd_ms"]
+    row["speedup_graph"] = (row["eager_graph_ms"] / row["qmoe_graph_ms"]
+                            if row["eager_graph_ms"] and row["qmoe_graph_ms"] else None)
     # the speed of light: min bytes at copy bandwidth. eager_ms / roofline_ms is the largest
     # speedup any implementation could show over eager; qmoe_frac_roofline how close qmoe gets
     row["min_bytes"] = nbytes
@@ -81,6 +86,7 @@ def _stage(rows, model, stage, shape, eager_fwd, qmoe_fwd, inputs, nbytes=None):
     rows.append(row)
     print(f"{model:>12} {stage:<14} {str(shape):<58} eager {row['eager_ms']:8.3f} ms  "
           f"qmoe {row['qmoe_ms']:8.3f} ms  x{row['speedup']:6.2f}   (fwd x{row['speedup_fwd']:.2f}; "
+          f"graphed x{row['speedup_graph'] or 0:.2f}; "
           f"at most x{row['max_possible_speedup'] or 0:.1f} at copy bandwidth)",
           flush=True)
 
@@ -173,7 +179,9 @@ def main(argv=None) -> int:
         qmoe_backend="triton" if use_kernels(probe) else "reference",
         method="triton.testing.do_bench medians, ms; *_ms = forward + backward, *_fwd_ms = forward "
                "(no_grad); eager = qmoe.reference run op by op in PyTorch (the spec, autograd "
-               "backward), qmoe = qmoe.ops (Triton kernels); speedup = eager / qmoe; min_bytes: the "
+               "backward), qmoe = qmoe.ops (Triton kernels); speedup = eager / qmoe; *_graph_ms = forward + "
+               "backward captured once in a CUDA graph and replayed (device time, no host launch cost; "
+               "speedup_graph = eager_graph_ms / qmoe_graph_ms); min_bytes: the "
                "fewest bytes the stage's forward + backward can move; roofline_ms = min_bytes / copy_gbps "
                "(a 1 GiB copy, same run); max_possible_speedup = eager_ms / roofline_ms (no "
                "implementation can beat eager by more); qmoe_frac_roofline = roofline_ms / qmoe_ms",

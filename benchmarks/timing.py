@@ -1,4 +1,5 @@
-"""The two measurements every benchmark here shares: a kernel-time median and the copy roofline."""
+"""The measurements the benchmarks here share: a kernel-time median (eager, and replaying a CUDA
+graph, which removes the host's launch cost) and the copy roofline."""
 from __future__ import annotations
 
 import torch
@@ -8,6 +9,28 @@ def median_ms(fn, warmup: int = 10, rep: int = 50) -> float:
     """Median ms of `fn` by triton.testing.do_bench (CUDA events; warmup / rep in ms of running)."""
     import triton.testing
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def graph_median_ms(fn, warmup: int = 10, rep: int = 50) -> tuple[float | None, str | None]:
+    """(median ms of replaying `fn` captured in a CUDA graph, None) or (None, why it cannot be captured).
+
+    Graph replay issues the recorded kernels with no Python, dispatcher or autograd work: it
+    measures the device time a CUDA-graphed training step would spend on `fn`.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(side):
+            for _ in range(3):  # warm up (compiles, autotuning, allocator) off the capture
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as err:  # e.g. a host sync inside fn: not capturable
+        torch.cuda.synchronize()
+        return None, f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+    return median_ms(graph.replay, warmup, rep), None
 
 
 _COPY_GBPS: dict[int, float] = {}  # per rep budget, measured once per process
