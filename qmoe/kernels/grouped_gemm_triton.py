@@ -15,6 +15,8 @@ cores want for FP8. One body per GEMM shape, specialised at compile time by SCAL
 Tiles never read across a group boundary: rows past a group's end and contraction steps
 past its length load as zeros, so padding rows produce zero rows and empty groups zeros.
 """
+import os
+
 import triton
 import triton.language as tl
 
@@ -23,6 +25,40 @@ _TENSOR = tl.constexpr(1)
 _BLOCK = tl.constexpr(2)
 _MX = tl.constexpr(3)
 _NVFP4 = tl.constexpr(4)
+# Decode E2M1 code pairs with byte permutes (inline PTX); the interpreter runs no PTX.
+_PTX_E2M1 = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+
+# Four packed bytes ($4) -> bf16 values of their low nibbles ($0, $1) and high nibbles ($2, $3),
+# two per register, element i of the pack from byte i. `prmt` looks up 8-entry byte tables
+# indexed by the codes' magnitude bits: the low and high bytes of the bf16 encodings of
+# 0, 0.5, 1, 1.5, 2, 3, 4, 6 (exact); a second permute pairs them into bf16x2 words, and the
+# sign (bit 3 of a code) comes from prmt's sign-replicate mode (selector bit 3) on the byte
+# whose top bit holds it (x << 4 for low nibbles, x for high ones), masked into bit 15 / 31.
+_E2M1_PAIRS_TO_BF16 = tl.constexpr("""
+{
+.reg .b32 c0, c1, l01, h01, l23, h23, xs, w, s;
+and.b32 c0, $4, 0x7777;
+shr.b32 c1, $4, 16;
+and.b32 c1, c1, 0x7777;
+shl.b32 xs, $4, 4;
+prmt.b32 l01, 0xC0800000, 0xC0804000, c0;
+prmt.b32 h01, 0x3F3F3F00, 0x40404040, c0;
+prmt.b32 l23, 0xC0800000, 0xC0804000, c1;
+prmt.b32 h23, 0x3F3F3F00, 0x40404040, c1;
+prmt.b32 w, l01, h01, 0x6240;
+prmt.b32 s, xs, 0, 0x9080;
+lop3.b32 $0, w, s, 0x80008000, 0xF8;
+prmt.b32 w, l23, h23, 0x6240;
+prmt.b32 s, xs, 0, 0xB0A0;
+lop3.b32 $1, w, s, 0x80008000, 0xF8;
+prmt.b32 w, l01, h01, 0x7351;
+prmt.b32 s, $4, 0, 0x9080;
+lop3.b32 $2, w, s, 0x80008000, 0xF8;
+prmt.b32 w, l23, h23, 0x7351;
+prmt.b32 s, $4, 0, 0xB0A0;
+lop3.b32 $3, w, s, 0x80008000, 0xF8;
+}
+""")
 
 
 # ---------------------------------------------------------------- operand tiles
@@ -56,6 +92,14 @@ def _e2m1_to_float(codes):
     """
     bits = ((codes & 7) << 9) | ((codes & 8) << 12)
     return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _e2m1_pairs_to_bf16(packed):
+    """Bytes [R, C] of two E2M1 codes (element 2j in the low nibble) -> exact bf16 values [R, 2C]."""
+    lo, hi = tl.inline_asm_elementwise(_E2M1_PAIRS_TO_BF16, "=r,=r,=r,=r,r", [packed],
+                                       dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    return tl.interleave(lo, hi)
 
 
 @triton.jit
@@ -99,7 +143,12 @@ def _tile(ptr, s_ptr, rows, srows, row_ok, kk, k_len, elem0, stride_r, stride_k,
             mp = row_ok[:, None]
             if MASK_K:
                 mp = mp & (kb[None, :] * 2 < k_len)
-            packed = tl.load(ptr + r64[:, None] * stride_r + kb[None, :] * stride_k, mask=mp, other=0).to(tl.int32)
+            packed = tl.load(ptr + r64[:, None] * stride_r + kb[None, :] * stride_k, mask=mp, other=0)
+            if _PTX_E2M1:  # exact bf16 values times the E4M3 scale: <= 6 significant bits, exact in bf16
+                sb = _scale_tile(s_ptr, srows, row_ok, kk, k_len, s_stride_r, s_stride_k, BC, BK, MASK_K, 0.0)
+                return _times_blocks(_e2m1_pairs_to_bf16(packed.to(tl.uint8, bitcast=True)), sb.to(tl.bfloat16),
+                                     R, BK, BC)
+            packed = packed.to(tl.int32)
             codes = tl.interleave(packed & 15, packed >> 4)
         else:
             e = elem0 + ks
