@@ -12,14 +12,12 @@ blocks of 128. Writes benchmarks/results/activation.json.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import sys
 
 import torch
 
+from benchmarks.results_file import run_environment, write_results
 from benchmarks.timing import copy_gbps, median_ms
 
 CASES = [("swiglu", None), ("swiglu", 128), ("geglu", None), ("clamped_qgeglu", None), ("relu2", None),
@@ -74,7 +72,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_activation needs a CUDA GPU (the kernels run on sm90+); none found", file=sys.stderr)
         return 2
-    import triton
     from qmoe.backend import use_kernels
     probe = torch.empty(1, device="cuda")
     if not use_kernels(probe):
@@ -88,19 +85,14 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     result = dict(
         suite="activation",
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
-        torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
+        **run_environment(),
         qmoe_backend="triton" if use_kernels(probe) else "reference",
         method="triton.testing.do_bench medians, ms; *_ms = forward + backward (probs and h get "
                "gradients), *_fwd_ms = forward (no_grad); eager = the pure-torch op with autograd, "
                "qmoe = qmoe.ops.expert_activation; roofline_ms = min_bytes / copy_gbps (same run)",
         quick=args.quick, copy_gbps=gbps, rows=rows,
     )
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
+    write_results(args.out, result, indent=1)
     return 0
 
 

@@ -12,14 +12,12 @@ of N 7168. Writes benchmarks/results/bias.json.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import sys
 
 import torch
 
+from benchmarks.results_file import run_environment, write_results
 from benchmarks.timing import copy_gbps, median_ms
 
 CASES = [(65536, 4096, 256, False), (65536, 4096, 256, True), (65536, 7168, 32, False)]
@@ -33,7 +31,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench bias needs a CUDA GPU; none found", file=sys.stderr)
         return 2
-    import triton
     from qmoe.kernels.bias import grouped_bias_backward
     torch.manual_seed(0)
     rows = []
@@ -51,16 +48,11 @@ def main(argv=None) -> int:
             print(f"R {r} N {n} E {e} {rows[-1]['split']:9s} dscales={need_dscales!s:5s} {ms:.3f} ms "
                   f"(dy read at copy bandwidth: {roofline_ms:.3f} ms, {roofline_ms / ms:.2f})", flush=True)
     result = dict(
-        suite="bias", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-        python=platform.python_version(), copy_gbps=copy_gbps(),
+        suite="bias", **run_environment(), copy_gbps=copy_gbps(),
         method="triton.testing.do_bench medians of grouped_bias_backward (bf16 dy, fp32 scales); "
                "read_dy_roofline_ms = dy bytes / copy_gbps (a 1 GiB copy, same run)",
         rows=rows)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
+    write_results(args.out, result)
     return 0
 
 

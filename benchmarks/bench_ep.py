@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
-import platform
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
+
+from benchmarks.results_file import run_environment, write_results
 
 # per-rank shard shapes: tokens routed by each rank, experts held by each rank (E = local * ep)
 SHAPES = {
@@ -219,20 +219,11 @@ def _run(args, device) -> int:
     bench(rows, shape_name, SHAPES[shape_name], recipes, warmup, iters, device, args.capacity_factor)
     if dist.get_rank() != 0:
         return 0
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
     from qmoe.backend import use_kernels
     result = dict(
-        suite="ep",
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        capability=list(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None,
-        world_size=dist.get_world_size(), backend=dist.get_backend(), torch=torch.__version__, triton=triton_version,
-        python=platform.python_version(), qmoe_backend="triton" if use_kernels(torch.empty(1, device=device))
-        else "reference",
+        suite="ep", **run_environment(device),
+        world_size=dist.get_world_size(), backend=dist.get_backend(),
+        qmoe_backend="triton" if use_kernels(torch.empty(1, device=device)) else "reference",
         nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"),
         method=(f"one MoELayer(ep_group=WORLD) per rank, bf16 weights and activations, fp32 router; a step is forward "
                 f"+ backward (input, router and expert gradients); step_ms: the slowest rank's median of {iters} "
@@ -244,10 +235,7 @@ def _run(args, device) -> int:
                 f"step_ms / step_ms; bytes_vs_bf16_dispatch = dispatch_bytes / the bf16 dispatch's"),
         quick=args.quick, rows=rows,
     )
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
+    write_results(args.out, result)
     return 0
 
 

@@ -15,14 +15,12 @@ written. Writes benchmarks/results/fused_activation.json.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import sys
 
 import torch
 
+from benchmarks.results_file import run_environment, write_results
 from benchmarks.timing import copy_gbps, median_ms
 
 RECIPES = ["current", "block", "mxfp8", "nvfp4"]
@@ -78,7 +76,6 @@ def main(argv=None) -> int:
         print("qmoe bench fused_activation needs a CUDA GPU (the fused kernels run on sm90+); none found",
               file=sys.stderr)
         return 2
-    import triton
     r = ROWS // (QUICK_SCALE if args.quick else 1)
     torch.manual_seed(0)
     h = (torch.randn(r, 2 * FFN, device="cuda") * 3).bfloat16()
@@ -88,18 +85,13 @@ def main(argv=None) -> int:
     rows = [bench_recipe(name, h, probs, splits, gbps) for name in RECIPES]
     result = dict(
         suite="fused_activation",
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
-        torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
+        **run_environment(),
         method="triton.testing.do_bench medians, ms, rowwise + columnwise GroupedTensor of act(h) * probs; "
                "separate = expert_activation then GroupedTensor.quantize, fused = GroupedTensor.quantize of "
                "ActivatedRows; fused_frac_copy = min_bytes / copy bandwidth (same run) / fused_ms",
         quick=args.quick, copy_gbps=gbps, rows=rows,
     )
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
+    write_results(args.out, result, indent=1)
     return 0
 
 

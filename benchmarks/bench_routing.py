@@ -12,14 +12,12 @@ kernels with fused backward). Medians of `triton.testing.do_bench`. Shapes: Deep
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import sys
 
 import torch
 
+from benchmarks.results_file import run_environment, write_results
 from benchmarks.timing import copy_gbps, graph_median_ms, median_ms
 
 MODELS = {
@@ -144,7 +142,6 @@ def bench_aux_only(rows, scale):
         _stage(rows, f"aux-E{e}", "aux_loss", dict(T=t, E=e),
                lambda: ref_aux.moe_aux_loss(probs, counts, t, e, 8, 1e-2),
                lambda: ops.moe_aux_loss(probs, counts, t, e, 8, 1e-2), [probs], min_bytes("aux_loss", t, e))
-        del probs
 
 
 def main(argv=None) -> int:
@@ -158,7 +155,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench routing needs a CUDA GPU (the kernels run on sm90+); none found", file=sys.stderr)
         return 2
-    import triton
     from qmoe.backend import use_kernels
     probe = torch.empty(1, device="cuda")
     if not use_kernels(probe):
@@ -173,9 +169,7 @@ def main(argv=None) -> int:
         bench_aux_only(rows, scale)
     result = dict(
         suite="routing",
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
-        torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
+        **run_environment(),
         qmoe_backend="triton" if use_kernels(probe) else "reference",
         method="triton.testing.do_bench medians, ms; *_ms = forward + backward, *_fwd_ms = forward "
                "(no_grad); eager = qmoe.reference run op by op in PyTorch (the spec, autograd "
@@ -188,11 +182,9 @@ def main(argv=None) -> int:
         quick=args.quick, target="qmoe >= 3x eager for each stage", copy_gbps=copy_gbps(),
         rows=rows,
     )
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_results(args.out, result)
     worst = min(r["speedup"] for r in rows)
-    print(f"wrote {args.out}; slowest speedup x{worst:.2f}")
+    print(f"slowest speedup x{worst:.2f}")
     return 0
 
 
