@@ -60,6 +60,16 @@ def tile_rows(splits_ptr, M, G, pid, BM: tl.constexpr, SB: tl.constexpr, G_P2: t
         return 0, pid * BM, M, pid * (BM // SB), 0
 
 
+@triton.jit
+def tile_span(row0, row_end, K, BM: tl.constexpr, BK: tl.constexpr):
+    """The [BM, BK] tile from row0 and column program_id(1) * BK: (rows, first column, columns,
+    row mask (rows before row_end), column mask (columns before K))."""
+    rows = row0 + tl.arange(0, BM)
+    col0 = tl.program_id(1) * BK
+    cols = col0 + tl.arange(0, BK)
+    return rows, col0, cols, rows < row_end, cols < K
+
+
 def group_pow2(num_groups: int) -> int:
     return max(2, triton.next_power_of_2(num_groups))
 

@@ -151,6 +151,21 @@ def input_width(x: torch.Tensor, act: int) -> int:
 
 
 @triton.jit
+def _activated(h_rows, cols, mask, width, ACT: tl.constexpr, GLU_BLOCK: tl.constexpr):
+    """act(h) in fp32 for output columns `cols` of an activated width `width`; h_rows: [BM, 1]
+    row pointers into h (a GLU reads each output's gate and linear columns)."""
+    if ACT < _FIRST_POINTWISE:
+        gate, linear = _glu_columns(cols, width, GLU_BLOCK)
+        g = tl.load(h_rows + gate[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = tl.load(h_rows + linear[None, :], mask=mask, other=0.0).to(tl.float32)
+    else:
+        g = tl.load(h_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = g
+    act, _, _ = _activation(g, y, g, ACT)
+    return act
+
+
+@triton.jit
 def load_rows(x_ptr, probs_ptr, rows, cols, row_ok, col_ok, stride_x, K, ACT: tl.constexpr,
               GLU_BLOCK: tl.constexpr):
     """A [rows, cols] tile of a quantizer's input, in x's dtype, zeros where masked.
@@ -165,14 +180,7 @@ def load_rows(x_ptr, probs_ptr, rows, cols, row_ok, col_ok, stride_x, K, ACT: tl
     if ACT < 0:
         out = tl.load(x_rows + cols[None, :], mask=mask, other=0.0)
     else:
-        if ACT < _FIRST_POINTWISE:
-            gate, linear = _glu_columns(cols, K, GLU_BLOCK)
-            g = tl.load(x_rows + gate[None, :], mask=mask, other=0.0).to(tl.float32)
-            y = tl.load(x_rows + linear[None, :], mask=mask, other=0.0).to(tl.float32)
-        else:
-            g = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            y = g
-        act, _, _ = _activation(g, y, g, ACT)
+        act = _activated(x_rows, cols, mask, K, ACT, GLU_BLOCK)
         act = act * tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
         out = act.to(x_ptr.dtype.element_ty)
     return out
@@ -214,15 +222,7 @@ def _forward_kernel(
     row_ok = rows < R
     mask = row_ok[:, None] & (cols < F)[None, :]
     rows64 = rows.to(tl.int64)
-    h_rows = h_ptr + rows64[:, None] * stride_h
-    if ACT < _FIRST_POINTWISE:
-        gate, linear = _glu_columns(cols, F, GLU_BLOCK)
-        g = tl.load(h_rows + gate[None, :], mask=mask, other=0.0).to(tl.float32)
-        y = tl.load(h_rows + linear[None, :], mask=mask, other=0.0).to(tl.float32)
-    else:
-        g = tl.load(h_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        y = g
-    act, _, _ = _activation(g, y, g, ACT)
+    act = _activated(h_ptr + rows64[:, None] * stride_h, cols, mask, F, ACT, GLU_BLOCK)
     if HAS_PROBS:
         act = act * tl.load(probs_ptr + rows64 * stride_p, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     tl.store(a_ptr + rows64[:, None] * stride_a + cols[None, :], act.to(a_ptr.dtype.element_ty), mask=mask)

@@ -28,7 +28,7 @@ from qmoe.formats import ElementFormat, ScaleMode, ceil_div
 from qmoe.kernels._triton_utils import (as_rows, atomic_max_bits, block_amax_2d, block_amax_first, block_amax_last,
                                         cast_bits, exp2_int, fp8_scale_from_amax, group_pow2, kernel_op, launch,
                                         max_abs_bits, mx_exponent, prune_oversized, reciprocal, scale_2d, scale_last,
-                                        store8, tile_configs, tile_rows, wrapped)
+                                        store8, tile_configs, tile_rows, tile_span, wrapped)
 from qmoe.kernels.activation import NO_ACTIVATION, input_width, load_rows
 from qmoe.reference import quantize as _ref
 
@@ -81,9 +81,8 @@ def _amax_kernel(
     g, row0, row_end, _, _ = tile_rows(splits_ptr, M, G, tl.program_id(0), BM, BM, G_P2, GROUPED)
     if g >= G:
         return
-    rows = row0 + tl.arange(0, BM)
-    cols = tl.program_id(1) * BK + tl.arange(0, BK)
-    x = load_rows(x_ptr, probs_ptr, rows, cols, rows < row_end, cols < K, stride_xm, K, ACT, GLU_BLOCK)
+    rows, _, cols, m_ok, k_ok = tile_span(row0, row_end, K, BM, BK)
+    x = load_rows(x_ptr, probs_ptr, rows, cols, m_ok, k_ok, stride_xm, K, ACT, GLU_BLOCK)
     atomic_max_bits(amax_ptr + g, max_abs_bits(x.to(tl.float32), False))
 
 
@@ -170,11 +169,7 @@ def _fp8_tensorwise_kernel(
     g, row0, row_end, _, _ = tile_rows(splits_ptr, M, G, tl.program_id(0), BM, BM, G_P2, GROUPED)
     if g >= G:
         return
-    rows = row0 + tl.arange(0, BM)
-    col0 = tl.program_id(1) * BK
-    cols = col0 + tl.arange(0, BK)
-    m_ok = rows < row_end
-    k_ok = cols < K
+    rows, col0, cols, m_ok, k_ok = tile_span(row0, row_end, K, BM, BK)
     x = load_rows(x_ptr, probs_ptr, rows, cols, m_ok, k_ok, stride_xm, K, ACT, GLU_BLOCK).to(tl.float32)
     atomic_max_bits(amax_ptr + g, max_abs_bits(x, False))
     scale = tl.load(scale_ptr + g)
@@ -237,11 +232,7 @@ def _fp8_block_kernel(
     g, row0, row_end, sblk0, _ = tile_rows(splits_ptr, M, G, tl.program_id(0), BM, B, G_P2, GROUPED)
     if g >= G:
         return
-    rows = row0 + tl.arange(0, BM)
-    col0 = pid_k * BK
-    cols = col0 + tl.arange(0, BK)
-    m_ok = rows < row_end
-    k_ok = cols < K
+    rows, col0, cols, m_ok, k_ok = tile_span(row0, row_end, K, BM, BK)
     x = load_rows(x_ptr, probs_ptr, rows, cols, m_ok, k_ok, stride_xm, K, ACT, GLU_BLOCK).to(tl.float32)
     kb = pid_k * (BK // B) + tl.arange(0, BK // B)
     kb_ok = kb * B < K
@@ -354,11 +345,7 @@ def _mxfp8_kernel(
     g, row0, row_end, sblk0, _ = tile_rows(splits_ptr, M, G, tl.program_id(0), BM, B, G_P2, GROUPED)
     if g >= G:
         return
-    rows = row0 + tl.arange(0, BM)
-    col0 = pid_k * BK
-    cols = col0 + tl.arange(0, BK)
-    m_ok = rows < row_end
-    k_ok = cols < K
+    rows, col0, cols, m_ok, k_ok = tile_span(row0, row_end, K, BM, BK)
     x = load_rows(x_ptr, probs_ptr, rows, cols, m_ok, k_ok, stride_xm, K, ACT, GLU_BLOCK).to(tl.float32)
     if ROWWISE:
         kb = pid_k * (BK // B) + tl.arange(0, BK // B)

@@ -28,7 +28,7 @@ from qmoe.formats import E2M1, E4M3, FLT_MAX, NVFP4_BLOCK, NVFP4_TENSOR_MAX, RHT
 from qmoe.kernels._triton_utils import (RHT_SIGN_MASK, as_rows, atomic_max_bits, block_amax_2d, block_amax_first,
                                         block_amax_last, cast_satfinite, clamp_nan, group_pow2, is_nan, kernel_op, launch,
                                         max_abs_bits, prune_oversized, reciprocal, rht_last, scale_2d, scale_first,
-                                        scale_last, store8, tile_configs, tile_rows, trans8, uniform_tile)
+                                        scale_last, store8, tile_configs, tile_rows, tile_span, trans8, uniform_tile)
 from qmoe.kernels.activation import NO_ACTIVATION, input_width, load_rows
 from qmoe.kernels.quantize import _ORIENTED_KEY, _prune_blocks, _tile_grid, scale_width
 
@@ -162,10 +162,7 @@ def _nvfp4_amax_kernel(
     g, row0, row_end, _, gstart = tile_rows(splits_ptr, M, G, tl.program_id(0), BM, BM, G_P2, GROUPED)
     if g >= G:
         return
-    rows = row0 + tl.arange(0, BM)
-    cols = tl.program_id(1) * BK + tl.arange(0, BK)
-    m_ok = rows < row_end
-    k_ok = cols < K
+    rows, _, cols, m_ok, k_ok = tile_span(row0, row_end, K, BM, BK)
     x = load_rows(x_ptr, probs_ptr, rows, cols, m_ok, k_ok, stride_xm, K, ACT, GLU_BLOCK)
     atomic_max_bits(amax_ptr + g, max_abs_bits(x.to(tl.float32), True))
     if RHT:
@@ -196,11 +193,7 @@ def _nvfp4_kernel(
     g, row0, row_end, sblk0, gstart = tile_rows(splits_ptr, M, G, tl.program_id(0), BM, B, G_P2, GROUPED)
     if g >= G:
         return
-    rows = row0 + tl.arange(0, BM)
-    col0 = pid_k * BK
-    cols = col0 + tl.arange(0, BK)
-    m_ok = rows < row_end
-    k_ok = cols < K
+    rows, col0, cols, m_ok, k_ok = tile_span(row0, row_end, K, BM, BK)
     x_raw = load_rows(x_ptr, probs_ptr, rows, cols, m_ok, k_ok, stride_xm, K, ACT, GLU_BLOCK)
     x = x_raw.to(tl.float32)
     s_enc = tensor_scale(tl.load(amax_ptr + g))
