@@ -25,8 +25,10 @@ _TENSOR = tl.constexpr(1)
 _BLOCK = tl.constexpr(2)
 _MX = tl.constexpr(3)
 _NVFP4 = tl.constexpr(4)
-# Decode E2M1 code pairs with byte permutes (inline PTX); the interpreter runs no PTX.
-_PTX_E2M1 = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+# Triton's CPU interpreter runs no inline PTX and multiplies bf16 tiles in tl.dot as raw bits;
+# under it the E2M1 decode takes the arithmetic path and bf16 tiles go to tl.dot as fp32 (the
+# same values). Compiled kernels never see these branches.
+_INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 # Four packed bytes ($4) -> bf16 values of their low nibbles ($0, $1) and high nibbles ($2, $3),
 # two per register, element i of the pack from byte i. `prmt` looks up 8-entry byte tables
@@ -144,7 +146,7 @@ def _tile(ptr, s_ptr, rows, srows, row_ok, kk, k_len, elem0, stride_r, stride_k,
             if MASK_K:
                 mp = mp & (kb[None, :] * 2 < k_len)
             packed = tl.load(ptr + r64[:, None] * stride_r + kb[None, :] * stride_k, mask=mp, other=0)
-            if _PTX_E2M1:  # exact bf16 values times the E4M3 scale: <= 6 significant bits, exact in bf16
+            if not _INTERPRETING:  # exact bf16 values times the E4M3 scale: <= 6 significant bits, exact in bf16
                 sb = _scale_tile(s_ptr, srows, row_ok, kk, k_len, s_stride_r, s_stride_k, BC, BK, MASK_K, 0.0)
                 return _times_blocks(_e2m1_pairs_to_bf16(packed.to(tl.uint8, bitcast=True)), sb.to(tl.bfloat16),
                                      R, BK, BC)
@@ -179,6 +181,8 @@ def _mma(acc, a, b, SCALING: tl.constexpr, PRECISE: tl.constexpr, INPUT_PRECISIO
             acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BK)
         else:
             acc = tl.dot(a, tl.trans(b), acc)
+    elif _INTERPRETING:
+        acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
     else:
         acc = tl.dot(a, tl.trans(b), acc, input_precision=INPUT_PRECISION)
     return acc
