@@ -4,29 +4,13 @@ import pytest
 import torch
 
 import qmoe
-from qmoe.recipes import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling,
-                          NVFP4BlockScaling)
+from qmoe.recipes import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling
+from tests.nn.recipe_cases import DETERMINISTIC, QUANTIZED
 from tests.tolerances import assert_within_tolerance, recipe_tolerance
 
 E, K, N = 4, 64, 48
 
-RECIPES = [
-    pytest.param(None, id="fp32"),
-    pytest.param(DelayedScaling(), id="delayed"),
-    pytest.param(Float8CurrentScaling(), id="current"),
-    pytest.param(Float8BlockScaling(), id="block"),
-    pytest.param(MXFP8BlockScaling(), id="mxfp8"),
-    pytest.param(NVFP4BlockScaling(), id="nvfp4"),
-]
-# recipes whose quantization draws no random numbers: grouped and split paths must agree bit for bit
-DETERMINISTIC = [
-    pytest.param(None, id="fp32"),
-    pytest.param(DelayedScaling(), id="delayed"),
-    pytest.param(Float8CurrentScaling(), id="current"),
-    pytest.param(Float8BlockScaling(), id="block"),
-    pytest.param(MXFP8BlockScaling(), id="mxfp8"),
-    pytest.param(NVFP4BlockScaling(disable_stochastic_rounding=True), id="nvfp4-rne"),
-]
+RECIPES = [pytest.param(None, id="fp32")] + QUANTIZED
 
 
 def _splits(recipe, sizes):

@@ -15,6 +15,7 @@ from qmoe.recipes import (DelayedScaling, Float8BlockScaling, Float8CurrentScali
                           NVFP4BlockScaling)
 from qmoe.reference.activation import deinterleave_glu
 from tests.nn.plain_moe import balance_scores, params_of, plain_moe, plain_route
+from tests.nn.recipe_cases import DETERMINISTIC, QUANTIZED
 from tests.tolerances import assert_within_tolerance, recipe_tolerance
 
 H, F, E = 32, 16, 8
@@ -326,21 +327,7 @@ def test_capacity_factor_drops_the_lowest_probabilities(factor):
 
 # ------------------------------------------------------------------ recipes
 
-RECIPES = [
-    pytest.param(DelayedScaling(), id="delayed"),
-    pytest.param(Float8CurrentScaling(), id="current"),
-    pytest.param(Float8BlockScaling(), id="block"),
-    pytest.param(MXFP8BlockScaling(), id="mxfp8"),
-    pytest.param(NVFP4BlockScaling(), id="nvfp4"),
-]
-DETERMINISTIC = [
-    pytest.param(None, id="fp32"),
-    pytest.param(DelayedScaling(), id="delayed"),
-    pytest.param(Float8CurrentScaling(), id="current"),
-    pytest.param(Float8BlockScaling(), id="block"),
-    pytest.param(MXFP8BlockScaling(), id="mxfp8"),
-    pytest.param(NVFP4BlockScaling(disable_stochastic_rounding=True), id="nvfp4-rne"),
-]
+RECIPES = QUANTIZED
 # How many quantized GEMMs each quantity depends on. NUMERICS.md's tolerance is met by one
 # quantized GEMM (tests/nn/test_grouped_linear.py checks each); the layer chains them, and
 # independent errors add in quadrature, so a quantity n GEMMs deep gets rtol, atol * sqrt(n).
