@@ -3,7 +3,7 @@
 The GPU tests (tests/ops/test_grouped_gemm.py, marked gpu) are the real check; this one keeps
 the kernel bodies honest on a CPU-only CI: tile scheduling over jagged groups from device
 offsets, swapped small-M tiles, masked K tails, the per-group scale layouts of every recipe,
-both MXFP8 / NVFP4 routes and the k-grouped wgrad. As in test_routing_interpret.py the one
+both MXFP8 / NVFP4 routes, the k-grouped wgrad, and hypothesis-drawn splits. As in test_routing_interpret.py the one
 test of the normal session re-runs this file in a fresh interpreter (TRITON_INTERPRET=1 must
 be set before Triton decorates the kernels). Under the interpreter tl.dot multiplies fp32
 tiles (the kernels hand it bf16 tiles as the same fp32 values, see grouped_gemm_triton.py)
@@ -14,11 +14,13 @@ import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from qmoe.recipes import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling,
                           NVFP4BlockScaling)
 from tests.kernels.interpret import inside, launcher, run_under_interpreter
-from tests.ops.test_grouped_gemm import _data, _quantize, _rel
+from tests.ops.test_grouped_gemm import LAYOUTS, _data, _quantize, _recipe_for, _rel
 
 pytest.importorskip("triton")
 
@@ -94,3 +96,36 @@ def test_k_grouped_kernel_matches_reference_and_zeros_empty_experts(recipe):
         before = main_grad.clone()
         kernels.k_grouped_gemm_with(a, b, out=main_grad, accumulate=True, route=route)
         assert _rel(main_grad - before, ref) <= 1e-5, route
+
+
+@inside
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), recipe_i=st.integers(0, 4), layout=st.sampled_from(LAYOUTS),
+       n=st.integers(1, 40).map(lambda v: 2 * v), k=st.integers(1, 40).map(lambda v: 2 * v))
+def test_kernels_match_reference_on_jagged_splits(data, recipe_i, layout, n, k):
+    """Hypothesis-drawn splits (zeros, one group holding everything), any even N/K, either route."""
+    from qmoe.kernels import grouped_gemm as kernels
+    from qmoe.reference import grouped_gemm as reference
+
+    recipe = _recipe_for(recipe_i)
+    unit = 16 if recipe_i == 4 else 1  # NVFP4's columnwise Hadamard copies come in runs of 16 tokens
+    groups = data.draw(st.integers(1, 5))
+    splits = data.draw(st.lists(st.integers(0, 4).map(lambda v: v * (16 if unit > 1 else 7)),
+                                min_size=groups, max_size=groups))
+    if data.draw(st.booleans()):  # one group holds every token
+        splits = [0] * groups
+        splits[data.draw(st.integers(0, groups - 1))] = 48 if unit > 1 else 37
+    if sum(splits) == 0:
+        splits[0] = unit * 2
+    x, w, dy = _data(splits, n, k, seed=data.draw(st.integers(0, 2 ** 16)))
+    a, b = _quantize(recipe, layout, splits, x, w, dy)
+    route = data.draw(st.sampled_from(_routes(recipe)))
+    if layout == "wgrad":
+        ref = reference.k_grouped_gemm(a, b, out_dtype=torch.float32)
+        out = kernels.k_grouped_gemm_with(a, b, out_dtype=torch.float32, route=route)
+    else:
+        ref = reference.m_grouped_gemm(a, b, b_columnwise=layout == "dgrad", out_dtype=torch.float32)
+        out = kernels.m_grouped_gemm_with(a, b, b_columnwise=layout == "dgrad", out_dtype=torch.float32,
+                                          route=route)
+    assert out.shape == ref.shape
+    assert _rel(out, ref) <= 1e-5, (splits, route, _rel(out, ref))
