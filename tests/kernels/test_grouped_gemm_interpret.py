@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from qmoe.recipes import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling,
                           NVFP4BlockScaling)
 from tests.kernels.interpret import inside, launcher, run_under_interpreter
-from tests.ops.test_grouped_gemm import LAYOUTS, _data, _quantize, _recipe_for, _rel
+from tests.ops.test_grouped_gemm import LAYOUTS, _data, _quantize, _recipe_for, _rel, draw_jagged_splits
 
 pytest.importorskip("triton")
 
@@ -108,15 +108,7 @@ def test_kernels_match_reference_on_jagged_splits(data, recipe_i, layout, n, k):
     from qmoe.reference import grouped_gemm as reference
 
     recipe = _recipe_for(recipe_i)
-    unit = 16 if recipe_i == 4 else 1  # NVFP4's columnwise Hadamard copies come in runs of 16 tokens
-    groups = data.draw(st.integers(1, 5))
-    splits = data.draw(st.lists(st.integers(0, 4).map(lambda v: v * (16 if unit > 1 else 7)),
-                                min_size=groups, max_size=groups))
-    if data.draw(st.booleans()):  # one group holds every token
-        splits = [0] * groups
-        splits[data.draw(st.integers(0, groups - 1))] = 48 if unit > 1 else 37
-    if sum(splits) == 0:
-        splits[0] = unit * 2
+    splits = draw_jagged_splits(data, runs_of_16=recipe_i == 4)
     x, w, dy = _data(splits, n, k, seed=data.draw(st.integers(0, 2 ** 16)))
     a, b = _quantize(recipe, layout, splits, x, w, dy)
     route = data.draw(st.sampled_from(_routes(recipe)))

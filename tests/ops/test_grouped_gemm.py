@@ -141,20 +141,26 @@ def _recipe_for(i):
             NVFP4BlockScaling(disable_stochastic_rounding=True)][i]
 
 
+def draw_jagged_splits(data, runs_of_16: bool) -> list[int]:
+    """1-5 groups of 0-28 tokens (empty groups, odd starts), sometimes one group holding every
+    token, never all empty; runs_of_16: multiples of 16 (NVFP4's columnwise Hadamard copies)."""
+    groups = data.draw(st.integers(1, 5))
+    splits = data.draw(st.lists(st.integers(0, 4).map(lambda v: v * (16 if runs_of_16 else 7)),
+                                min_size=groups, max_size=groups))
+    if data.draw(st.booleans()):  # one group holds every token
+        splits = [0] * groups
+        splits[data.draw(st.integers(0, groups - 1))] = 48 if runs_of_16 else 37
+    if sum(splits) == 0:
+        splits[0] = 32 if runs_of_16 else 2
+    return splits
+
+
 @given(data=st.data(), recipe_i=st.integers(0, 4), layout=st.sampled_from(LAYOUTS),
        n=st.integers(1, 40).map(lambda v: 2 * v), k=st.integers(1, 40).map(lambda v: 2 * v))
 def test_jagged_splits(data, recipe_i, layout, n, k):
     """Any splits (zeros, one group holding everything), any even K/N: reference == fp64 oracle."""
     recipe = _recipe_for(recipe_i)
-    unit = 16 if recipe_i == 4 else 1  # NVFP4's columnwise Hadamard copies come in runs of 16 tokens
-    groups = data.draw(st.integers(1, 5))
-    splits = data.draw(st.lists(st.integers(0, 4).map(lambda v: v * (16 if unit > 1 else 7)),
-                                min_size=groups, max_size=groups))
-    if data.draw(st.booleans()):  # one group holds every token
-        splits = [0] * groups
-        splits[data.draw(st.integers(0, groups - 1))] = 48 if unit > 1 else 37
-    if sum(splits) == 0:
-        splits[0] = unit * 2
+    splits = draw_jagged_splits(data, runs_of_16=recipe_i == 4)
     x, w, dy = _data(splits, n, k, seed=data.draw(st.integers(0, 2 ** 16)))
     a, b = _quantize(recipe, layout, splits, x, w, dy)
     out = _run(layout, a, b, out_dtype=torch.float32)
