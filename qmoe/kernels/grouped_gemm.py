@@ -77,8 +77,9 @@ def tile_configs(scaling: Scaling, small_m: bool, rows_per_group: int = 64) -> l
     are in flight. At <= 16 rows per group the emulated formats take swapped tiles first (weights
     on the MMA's 64-row side, a 16-row token tile): on an H200 at 8 x 16 rows, 4096 -> 14336,
     MXFP8 ran at 70-71 TFLOP/s against 51 unswapped in three runs; NVFP4 at 28-45 against 26-37
-    (it varies that much from run to run either way). From 32 rows on the unswapped tiles were
-    as fast or faster (benchmarks/results/gemm_small_m_sweep.json).
+    (it varies that much from run to run either way; measured before the E2M1 permute decode,
+    which took the swapped NVFP4 tile to 50). From 32 rows on the unswapped tiles were as fast
+    or faster (benchmarks/results/gemm_small_m_sweep.json, gemm_nvfp4.json).
     """
     if small_m:
         tok = min(64, max(16, triton.next_power_of_2(max(rows_per_group, 1))))
