@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import pstats
 import time
 
 import torch
 
 from benchmarks.bench_quantize import RECIPES, make_recipe, region
+from benchmarks.results_file import write_results
 
 SHAPES = {"128x2048": (128, 2048), "16384x2048": (16384, 2048)}
 
@@ -118,8 +118,7 @@ def main(argv=None) -> int:
                     print(f"{recipe_name} {shape} both={both}: {row['error']}", flush=True)
                 result["rows"].append(row)
                 if args.out:
-                    with open(args.out, "w") as f:
-                        json.dump(result, f, indent=1)
+                    write_results(args.out, result, indent=1, quiet=True)
     return 0
 
 

@@ -18,12 +18,12 @@ device_us is the floor).
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
 from benchmarks.bench_routing import MODELS, _fwd_bwd
 from benchmarks.profile_quantize import device_profile, issue_and_wall_s
+from benchmarks.results_file import write_results
 
 
 def stages(cfg):
@@ -77,8 +77,7 @@ def main(argv=None) -> int:
             result["rows"].append(row)
             print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
             if args.out:
-                with open(args.out, "w") as f:
-                    json.dump(result, f, indent=1)
+                write_results(args.out, result, indent=1, quiet=True)
     return 0
 
 

@@ -28,9 +28,11 @@ def run_environment(device: torch.device | str | None = None) -> dict:
     )
 
 
-def write_results(path: str, result: dict, indent: int = 2) -> None:
-    """`result` as JSON at `path` (its folder created), and a line saying where."""
+def write_results(path: str, result: dict, indent: int = 2, quiet: bool = False) -> None:
+    """`result` as JSON at `path` (its folder created), and a line saying where unless `quiet`
+    (scripts that rewrite the file after every row, so a partial run keeps its rows)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=indent)
-    print(f"wrote {path}")
+    if not quiet:
+        print(f"wrote {path}")

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from qmoe.recipes import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling,
                           NVFP4BlockScaling)
 from tests.kernels.interpret import inside, launcher, run_under_interpreter
-from tests.ops.test_grouped_gemm import LAYOUTS, _data, _quantize, _recipe_for, _rel, draw_jagged_splits
+from tests.ops.test_grouped_gemm import JAGGED_CASES, _data, _quantize, _rel, draw_jagged_case
 
 pytest.importorskip("triton")
 
@@ -100,17 +100,13 @@ def test_k_grouped_kernel_matches_reference_and_zeros_empty_experts(recipe):
 
 @inside
 @settings(max_examples=25, deadline=None)
-@given(data=st.data(), recipe_i=st.integers(0, 4), layout=st.sampled_from(LAYOUTS),
-       n=st.integers(1, 40).map(lambda v: 2 * v), k=st.integers(1, 40).map(lambda v: 2 * v))
+@given(**JAGGED_CASES)
 def test_kernels_match_reference_on_jagged_splits(data, recipe_i, layout, n, k):
     """Hypothesis-drawn splits (zeros, one group holding everything), any even N/K, either route."""
     from qmoe.kernels import grouped_gemm as kernels
     from qmoe.reference import grouped_gemm as reference
 
-    recipe = _recipe_for(recipe_i)
-    splits = draw_jagged_splits(data, runs_of_16=recipe_i == 4)
-    x, w, dy = _data(splits, n, k, seed=data.draw(st.integers(0, 2 ** 16)))
-    a, b = _quantize(recipe, layout, splits, x, w, dy)
+    recipe, splits, a, b = draw_jagged_case(data, recipe_i, layout, n, k)
     route = data.draw(st.sampled_from(_routes(recipe)))
     if layout == "wgrad":
         ref = reference.k_grouped_gemm(a, b, out_dtype=torch.float32)

@@ -155,14 +155,23 @@ def draw_jagged_splits(data, runs_of_16: bool) -> list[int]:
     return splits
 
 
-@given(data=st.data(), recipe_i=st.integers(0, 4), layout=st.sampled_from(LAYOUTS),
-       n=st.integers(1, 40).map(lambda v: 2 * v), k=st.integers(1, 40).map(lambda v: 2 * v))
-def test_jagged_splits(data, recipe_i, layout, n, k):
-    """Any splits (zeros, one group holding everything), any even K/N: reference == fp64 oracle."""
+# a recipe (index into _recipe_for), a layout and even N / K; with draw_jagged_case, the operands
+JAGGED_CASES = dict(data=st.data(), recipe_i=st.integers(0, 4), layout=st.sampled_from(LAYOUTS),
+                    n=st.integers(1, 40).map(lambda v: 2 * v), k=st.integers(1, 40).map(lambda v: 2 * v))
+
+
+def draw_jagged_case(data, recipe_i, layout, n, k):
+    """(recipe, splits, a, b): the layout's quantized operands on jagged splits from `data`."""
     recipe = _recipe_for(recipe_i)
     splits = draw_jagged_splits(data, runs_of_16=recipe_i == 4)
     x, w, dy = _data(splits, n, k, seed=data.draw(st.integers(0, 2 ** 16)))
-    a, b = _quantize(recipe, layout, splits, x, w, dy)
+    return (recipe, splits, *_quantize(recipe, layout, splits, x, w, dy))
+
+
+@given(**JAGGED_CASES)
+def test_jagged_splits(data, recipe_i, layout, n, k):
+    """Any splits (zeros, one group holding everything), any even K/N: reference == fp64 oracle."""
+    _, splits, a, b = draw_jagged_case(data, recipe_i, layout, n, k)
     out = _run(layout, a, b, out_dtype=torch.float32)
     assert _rel(out, _fp64_oracle(layout, a, b, splits)) < 1e-5
 
