@@ -191,11 +191,15 @@ def _sweep_candidates(name, layout, memory_bound, rows_per_group):
     """(route, TileConfig) pairs worth timing for one case (--sweep)."""
     from dataclasses import replace
 
-    from qmoe.kernels.grouped_gemm import TileConfig, tile_configs
+    from qmoe.kernels.grouped_gemm import TileConfig, k_tile_config, tile_configs
     from qmoe.reference.grouped_gemm import Scaling
 
-    if name == "block":
-        return [("fused", c) for c in tile_configs(Scaling.BLOCK, small_m=memory_bound)]
+    if name == "block" and layout == "wgrad":  # two token-scaled operands: the outer-product promotion
+        return [("fused", c) for c in (k_tile_config(Scaling.BLOCK), TileConfig(64, 128, 128, 4, 4),
+                                       TileConfig(64, 256, 128, 8, 3), TileConfig(128, 128, 128, 8, 4))]
+    if name == "block":  # the per-tile weight scale against the per-column outer product
+        tiles = tile_configs(Scaling.BLOCK, small_m=memory_bound)
+        return [("fused", c) for c in tiles + [replace(tiles[0], tile_scale=False)]]
     if name in ("mxfp8", "nvfp4"):
         if memory_bound:
             tiles = tile_configs(Scaling.MX, small_m=True, rows_per_group=rows_per_group)
@@ -248,8 +252,8 @@ def run_shape(shape, dims, recipes, layouts, sweep, rows, details):
                 detail["other_route"] = {other: _tflops(flops, _ms(_qmoe_fn(layout, ops, splits, other)))}
             if sweep:
                 tried = {f"{route} {c.bm}x{c.bn}x{c.bk} w{c.warps} s{c.stages} x{c.ctas_per_sm}"
-                         f"{' lag' if c.lag else ''}{' swap' if c.swap else ''}"
-                         f"{' dq%dx%dw%d' % c.dq if c.dq else ''}":
+                         f"{' swap' if c.swap else ''}"
+                         f"{' dq%dx%dw%d' % c.dq if c.dq else ''}{'' if c.tile_scale else ' outer'}":
                          _tflops(flops, _ms(_qmoe_fn(layout, ops, splits, route, c)))
                          for route, c in _sweep_candidates(name, layout, memory_bound, m)}
                 if tried:

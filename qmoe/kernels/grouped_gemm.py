@@ -57,9 +57,9 @@ class TileConfig:
     stages: int
     group_m: int = 8
     ctas_per_sm: int = 1  # persistent programs per SM (m-grouped): more hide memory latency
-    lag: bool = False  # BLOCK: scale and add each step's product one iteration later
     swap: bool = False  # m-grouped: compute tiles transposed (weights on the 64-row MMA side)
     dq: tuple[int, int, int] | None = None  # "dequant" route: rows, columns, warps per program
+    tile_scale: bool = True  # BLOCK: one weight scale per tile and step where a weight block spans the tile
 
 
 # Dequantize-pass tiles (rows, columns, warps), measured on an H200 (benchmarks/results/gemm.json's
@@ -96,18 +96,19 @@ def tile_configs(scaling: Scaling, small_m: bool, rows_per_group: int = 64) -> l
         return [TileConfig(128, 256, 64, 8, 3), TileConfig(128, 128, 64, 8, 4), TileConfig(128, 256, 64, 8, 4)]
     if scaling is Scaling.TENSOR:
         return [TileConfig(128, 256, 128, 8, 3), TileConfig(128, 128, 128, 8, 4)]
-    if scaling is Scaling.BLOCK:  # two fp32 accumulators (three with lag): 128 x 128 per 8 warps
-        return [TileConfig(128, 128, 128, 8, 3), TileConfig(128, 128, 128, 8, 3, lag=True),
-                TileConfig(128, 128, 128, 8, 4, lag=True), TileConfig(64, 128, 128, 4, 4, ctas_per_sm=2, lag=True)]
+    if scaling is Scaling.BLOCK:  # two fp32 accumulators (the sum, each step's product): 128 x 128 per 8 warps
+        return [TileConfig(128, 128, 128, 8, 4), TileConfig(128, 128, 128, 8, 3),
+                TileConfig(64, 128, 128, 4, 4, ctas_per_sm=2)]
     return [TileConfig(128, 128, 64, 8, 3), TileConfig(128, 256, 64, 8, 3)]
 
 
 def k_tile_config(scaling: Scaling) -> TileConfig:
     """wgrad tiles (one program per output tile, no persistence). Measured on an H200 at the
-    DeepSeek-V3 FC1 shape: FP8 block wgrad runs 1.2x faster in 64-row tiles of 4 warps with the
-    lagged promotion than in the forward's 128 x 128 tiles."""
+    DeepSeek-V3 shapes (benchmarks/results/gemm_block_sweep.json): FP8 block wgrad, whose two
+    token-scaled operands need the outer-product promotion, runs at 520 TFLOP/s in 64-row tiles
+    of 4 warps against 390 in the forward's 128 x 128 tiles."""
     if scaling is Scaling.BLOCK:
-        return TileConfig(64, 128, 128, 4, 4, lag=True)
+        return TileConfig(64, 128, 128, 4, 3)
     return tile_configs(scaling, small_m=False)[0]
 
 
@@ -262,7 +263,8 @@ def _launch_m_tiles(a: _Operand, b: _Operand, offsets, total_rows, n_out, k, gro
         HAS_FACTOR=a.factor is not None, PRECISE=out_dtype == torch.float32,
         INPUT_PRECISION="tf32x3" if plain_fp32 else None,
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, GP=triton.next_power_of_2(groups + 1),
-        NUM_PROGRAMS=programs, MASK_K=k % cfg.bk != 0, LAG=cfg.lag and scaling is Scaling.BLOCK, SWAP=cfg.swap,
+        NUM_PROGRAMS=programs, MASK_K=k % cfg.bk != 0, SWAP=cfg.swap,
+        TILE_SCALE_B=scaling is Scaling.BLOCK and cfg.tile_scale and b.block[0] % cfg.bn == 0,
         num_warps=cfg.warps, num_stages=cfg.stages)
     return out
 
@@ -424,7 +426,7 @@ def _launch_k_into(a: _Operand, b: _Operand, offsets, n, k, groups, scaling, out
         SCALING=_CODE[scaling], A_BC=a.block[1], B_BC=b.block[1], HAS_SOFFS=a.soffs is not None,
         HAS_FACTOR=a.factor is not None, ACCUMULATE=accumulate, PRECISE=out.dtype == torch.float32,
         INPUT_PRECISION="tf32x3" if plain_fp32 else None,
-        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, ALIGN=align, LAG=cfg.lag and scaling is Scaling.BLOCK,
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, ALIGN=align,
         num_warps=cfg.warps, num_stages=cfg.stages)
     return out
 

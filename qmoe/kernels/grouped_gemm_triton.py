@@ -189,20 +189,23 @@ def _mma(acc, a, b, SCALING: tl.constexpr, PRECISE: tl.constexpr, INPUT_PRECISIO
 
 
 @triton.jit
-def _promote(acc, prev, psa, psb, a, b, sa, sb, LAG: tl.constexpr):
-    """BLOCK: one fresh dot per 128-K step, promoted into fp32 times the two block scales.
+def _promote(acc, a, b, s_rows, s_cols, VECTOR_AXIS: tl.constexpr):
+    """BLOCK: one fresh dot per 128-K step, added to the fp32 accumulator times its block scales.
 
-    With LAG, a step's product is scaled and added one iteration later, so its tensor-core
-    work overlaps the next step's loads (same products, summed in the same order).
+    s_rows scales the product's rows, s_cols its columns. VECTOR_AXIS -1: both are vectors (an
+    outer product, two operations per element). 0 or 1: the other one is a single number (a
+    128 x 128 weight block spans the tile), so the factor is one vector along that axis and the
+    promotion one FMA per element. The CUDA cores do this while the tensor cores idle: it is
+    what BLOCK pays over plain FP8 (benchmarks/results/block_gemm_variants.json).
     """
-    if LAG:
-        acc += prev * (psa[:, None] * psb[None, :])
-        prev = tl.dot(a, tl.trans(b))
-        psa = sa
-        psb = sb
+    p = tl.dot(a, tl.trans(b))
+    if VECTOR_AXIS == 0:
+        acc += p * (s_rows * s_cols)[:, None]
+    elif VECTOR_AXIS == 1:
+        acc += p * (s_rows * s_cols)[None, :]
     else:
-        acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
-    return acc, prev, psa, psb
+        acc += p * (s_rows[:, None] * s_cols[None, :])
+    return acc
 
 
 # ---------------------------------------------------------------- m-grouped: fprop and dgrad
@@ -220,7 +223,7 @@ def _m_grouped_gemm_kernel(
         SCALING: tl.constexpr, A_BC: tl.constexpr, B_BR: tl.constexpr, B_BC: tl.constexpr,
         HAS_FACTOR: tl.constexpr, PRECISE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, GP: tl.constexpr,
-        NUM_PROGRAMS: tl.constexpr, MASK_K: tl.constexpr, LAG: tl.constexpr, SWAP: tl.constexpr):
+        NUM_PROGRAMS: tl.constexpr, MASK_K: tl.constexpr, SWAP: tl.constexpr, TILE_SCALE_B: tl.constexpr):
     """out[T, N] = A_g [M_g, K] @ B_g [N, K]^T per group, persistent over a static grid.
 
     Group g owns rows offs[g]:offs[g+1] of A and out; B_g starts g * b_group_stride into b.
@@ -231,6 +234,9 @@ def _m_grouped_gemm_kernel(
     SWAP computes each tile transposed, out^T = B_g @ A_g^T, for few rows per group: the
     weight tile fills the tensor cores' 64-row side (the token tile BM may be 16) and, when
     dequantized in registers, feeds them from registers instead of a round trip to shared memory.
+
+    TILE_SCALE_B (BLOCK, BN divides B_BR): a tile's columns share one weight block row, so each
+    step's promotion factor is a vector over the tile's token rows, not a [BM, BN] outer product.
     """
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BN)
@@ -258,14 +264,8 @@ def _m_grouped_gemm_kernel(
         k_end = tl.where(g < num_groups, K, 0)
         if SWAP:  # tiles [BN, BM]: lhs = B, rhs = A
             acc = tl.zeros((BN, BM), dtype=tl.float32)
-            prev = tl.zeros((BN, BM), dtype=tl.float32)
-            ps_lhs = tl.zeros((BN,), dtype=tl.float32)
-            ps_rhs = tl.zeros((BM,), dtype=tl.float32)
         else:
             acc = tl.zeros((BM, BN), dtype=tl.float32)
-            prev = tl.zeros((BM, BN), dtype=tl.float32)  # LAG: the last step's unscaled BLOCK product
-            ps_lhs = tl.zeros((BM,), dtype=tl.float32)
-            ps_rhs = tl.zeros((BN,), dtype=tl.float32)
         for kk in range(0, k_end, BK):
             a = _tile(a_ptr, sa_ptr, rows, rows, row_ok, kk, K, 0, stride_am, stride_ak, s_stride_am, s_stride_ak,
                       SCALING, A_BC, BM, BK, MASK_K, True)
@@ -273,17 +273,18 @@ def _m_grouped_gemm_kernel(
                       s_stride_bn, s_stride_bk, SCALING, B_BC, BN, BK, MASK_K, True)
             if SCALING == _BLOCK:
                 sa = _block_scale(sa_ptr, rows, row_ok, kk, s_stride_am, s_stride_ak, A_BC)
-                sb = _block_scale(sb_base, cols // B_BR, col_ok, kk, s_stride_bn, s_stride_bk, B_BC)
-                if SWAP:
-                    acc, prev, ps_lhs, ps_rhs = _promote(acc, prev, ps_lhs, ps_rhs, b, a, sb, sa, LAG)
+                if TILE_SCALE_B:  # one weight block spans the tile's columns: one scale per step
+                    sb = tl.load(sb_base + (pn * BN // B_BR) * s_stride_bn + (kk // B_BC) * s_stride_bk)
                 else:
-                    acc, prev, ps_lhs, ps_rhs = _promote(acc, prev, ps_lhs, ps_rhs, a, b, sa, sb, LAG)
+                    sb = _block_scale(sb_base, cols // B_BR, col_ok, kk, s_stride_bn, s_stride_bk, B_BC)
+                if SWAP:
+                    acc = _promote(acc, b, a, sb, sa, 1 if TILE_SCALE_B else -1)
+                else:
+                    acc = _promote(acc, a, b, sa, sb, 0 if TILE_SCALE_B else -1)
             elif SWAP:
                 acc = _mma(acc, b, a, SCALING, PRECISE, INPUT_PRECISION, BK)
             else:
                 acc = _mma(acc, a, b, SCALING, PRECISE, INPUT_PRECISION, BK)
-        if LAG:
-            acc += prev * (ps_lhs[:, None] * ps_rhs[None, :])
         if SWAP:
             acc = tl.trans(acc)
         if HAS_FACTOR:
@@ -299,7 +300,7 @@ def _k_loop(a_ptr, b_ptr, sa_ptr, sb_ptr, rows, row_ok, cols, col_ok, start, end
             stride_an, stride_at, stride_bk, stride_bt, s_stride_an, s_stride_at, s_stride_bk, s_stride_bt,
             SCALING: tl.constexpr, A_BC: tl.constexpr, B_BC: tl.constexpr, PRECISE: tl.constexpr,
             INPUT_PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-            ALIGNED: tl.constexpr, LAG: tl.constexpr):
+            ALIGNED: tl.constexpr):
     """Sum over the group's tokens start..end of A[rows, t] * B[cols, t] (fp32 [BM, BN])."""
     length = end - start
     a_base = a_ptr
@@ -314,9 +315,6 @@ def _k_loop(a_ptr, b_ptr, sa_ptr, sb_ptr, rows, row_ok, cols, col_ok, start, end
         a_base = a_ptr + start.to(tl.int64) * stride_at
         b_base = b_ptr + start.to(tl.int64) * stride_bt
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    prev = tl.zeros((BM, BN), dtype=tl.float32)
-    psa = tl.zeros((BM,), dtype=tl.float32)
-    psb = tl.zeros((BN,), dtype=tl.float32)
     for kk in range(0, length, BK):
         a = _tile(a_base, sa_ptr, rows, rows, row_ok, kk, length, elem0, stride_an, stride_at, s_stride_an,
                   s_stride_at, SCALING, A_BC, BM, BK, True, ALIGNED)
@@ -325,11 +323,9 @@ def _k_loop(a_ptr, b_ptr, sa_ptr, sb_ptr, rows, row_ok, cols, col_ok, start, end
         if SCALING == _BLOCK:
             sa = _block_scale(sa_ptr, rows, row_ok, kk, s_stride_an, s_stride_at, A_BC)
             sb = _block_scale(sb_ptr, cols, col_ok, kk, s_stride_bk, s_stride_bt, B_BC)
-            acc, prev, psa, psb = _promote(acc, prev, psa, psb, a, b, sa, sb, LAG)
+            acc = _promote(acc, a, b, sa, sb, -1)
         else:
             acc = _mma(acc, a, b, SCALING, PRECISE, INPUT_PRECISION, BK)
-    if LAG:
-        acc += prev * (psa[:, None] * psb[None, :])
     return acc
 
 
@@ -346,7 +342,7 @@ def _k_grouped_gemm_kernel(
         SCALING: tl.constexpr, A_BC: tl.constexpr, B_BC: tl.constexpr, HAS_SOFFS: tl.constexpr,
         HAS_FACTOR: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISE: tl.constexpr,
         INPUT_PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-        GROUP_M: tl.constexpr, ALIGN: tl.constexpr, LAG: tl.constexpr):
+        GROUP_M: tl.constexpr, ALIGN: tl.constexpr):
     """out[g] [N, K] = A[:, tokens of g] @ B[:, tokens of g]^T; one program per output tile.
 
     A is [N, T] and B [K, T] (columnwise copies: tokens contiguous). Groups whose start and
@@ -375,15 +371,15 @@ def _k_grouped_gemm_kernel(
             acc = _k_loop(a_ptr, b_ptr, sa_base, sb_base, rows, row_ok, cols, col_ok,
                           start // ALIGN * ALIGN, end // ALIGN * ALIGN, stride_an, stride_at, stride_bk, stride_bt,
                           s_stride_an, s_stride_at, s_stride_bk, s_stride_bt,
-                          SCALING, A_BC, B_BC, PRECISE, INPUT_PRECISION, BM, BN, BK, True, LAG)
+                          SCALING, A_BC, B_BC, PRECISE, INPUT_PRECISION, BM, BN, BK, True)
         else:
             acc = _k_loop(a_ptr, b_ptr, sa_base, sb_base, rows, row_ok, cols, col_ok, start, end,
                           stride_an, stride_at, stride_bk, stride_bt, s_stride_an, s_stride_at, s_stride_bk, s_stride_bt,
-                          SCALING, A_BC, B_BC, PRECISE, INPUT_PRECISION, BM, BN, BK, False, LAG)
+                          SCALING, A_BC, B_BC, PRECISE, INPUT_PRECISION, BM, BN, BK, False)
     else:
         acc = _k_loop(a_ptr, b_ptr, sa_base, sb_base, rows, row_ok, cols, col_ok, start, end,
                       stride_an, stride_at, stride_bk, stride_bt, s_stride_an, s_stride_at, s_stride_bk, s_stride_bt,
-                      SCALING, A_BC, B_BC, PRECISE, INPUT_PRECISION, BM, BN, BK, False, LAG)
+                      SCALING, A_BC, B_BC, PRECISE, INPUT_PRECISION, BM, BN, BK, False)
     if HAS_FACTOR:
         acc = acc * (tl.load(fa_ptr + g) * tl.load(fb_ptr + g))
     out = out_ptr + g.to(tl.int64) * stride_og + rows.to(tl.int64)[:, None] * stride_on + cols[None, :] * stride_ok

@@ -305,6 +305,26 @@ def test_every_small_m_tile_matches_reference(recipe, layout):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["fprop", "dgrad"])
+def test_every_block_tile_matches_reference(layout):
+    """FP8 block: per-tile weight scales (BN within one 128-row block), the per-column outer
+    product, at every candidate tile."""
+    from dataclasses import replace
+
+    from qmoe.kernels import grouped_gemm as kernels
+    from qmoe.reference import grouped_gemm as reference
+    from qmoe.reference.grouped_gemm import Scaling
+
+    splits, (a, b) = _gpu_case(Float8BlockScaling(), layout)
+    ref = reference.m_grouped_gemm(a, b, b_columnwise=layout == "dgrad", out_dtype=torch.float32)
+    tiles = kernels.tile_configs(Scaling.BLOCK, small_m=False)
+    for cfg in tiles + [replace(c, tile_scale=False) for c in tiles]:
+        out = kernels.m_grouped_gemm_with(a, b, b_columnwise=layout == "dgrad", out_dtype=torch.float32, config=cfg)
+        assert torch.isfinite(out).all(), cfg
+        assert _rel(out, ref) <= 1e-3, f"{cfg}: {_rel(out, ref)}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_plain_kernels_match(layout):
     for dtype in (torch.bfloat16, torch.float32):
