@@ -292,23 +292,22 @@ def _torch_grouped_mm_op(a16: torch.Tensor, mat_b: torch.Tensor, offsets: torch.
 
 
 def _dequantized(op: _Operand, scaling: Scaling, rows: int, cols: int, row_group: int, col_group: int,
-                 out_shape: tuple, out_strides: tuple[int, int], cidx: torch.Tensor | None = None,
+                 out_shape: tuple, out_strides: tuple[int, int],
                  tile: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Exact bf16 values (MX: q*2^k; NVFP4: q*s_b) of an [rows, cols] operand: a new contiguous
     bf16 tensor of `out_shape`, element (r, c) at storage offset r * out_strides[0] + c * out_strides[1].
 
     Rows come in groups of `row_group` rows, columns in groups of `col_group` (weights: one
-    expert each); cidx [cols] int32 gives each column's scale column for token groups.
+    expert each). Token-grouped operands take `_dequantized_tokens`.
     """
     return _dequantize_op(*_flat(op), scaling.value, [rows, cols, row_group, col_group], list(out_shape),
-                          list(out_strides), cidx, list(tile or DEQUANT_TILES[scaling]))
+                          list(out_strides), list(tile or DEQUANT_TILES[scaling]))
 
 
 @kernel_op("qmoe::grouped_gemm_dequantize")
 def _dequantize_op(data: torch.Tensor, scale: Optional[torch.Tensor], factor: Optional[torch.Tensor],
                    soffs: Optional[torch.Tensor], meta: list[int], scaling: str, sizes: list[int],
-                   out_shape: list[int], out_strides: list[int], cidx: Optional[torch.Tensor],
-                   tile: list[int]) -> torch.Tensor:
+                   out_shape: list[int], out_strides: list[int], tile: list[int]) -> torch.Tensor:
     op = _unflat(data, scale, factor, soffs, meta)
     rows, cols, row_group, col_group = sizes
     out = torch.empty(out_shape, dtype=torch.bfloat16, device=data.device)
@@ -316,8 +315,9 @@ def _dequantize_op(data: torch.Tensor, scale: Optional[torch.Tensor], factor: Op
     block_r, block_c, warps = tile
     if rows == 0 or cols == 0:
         return out
-    gather = cidx is not None or col_group % block_c != 0 or cols % block_c != 0
-    if gather and cidx is None:
+    gather = col_group % block_c != 0 or cols % block_c != 0  # a tile would straddle two experts
+    cidx = None
+    if gather:
         c = torch.arange(cols, device=op.data.device, dtype=torch.int32)
         cidx = (c // col_group) * ceil_div(col_group, bc) + (c % col_group) // bc
     wrapped(jit._dequantize_kernel)[(ceil_div(rows, block_r), ceil_div(cols, block_c))](
@@ -431,12 +431,29 @@ def _launch_k_into(a: _Operand, b: _Operand, offsets, n, k, groups, scaling, out
     return out
 
 
-def _token_cidx(x, op: _Operand, total: int) -> torch.Tensor:
-    """Scale column of every token of a columnwise copy (groups start anywhere): [T] int32."""
-    t = torch.arange(total, device=op.data.device)
-    off = x.offsets
-    g = torch.searchsorted(off[1:], t, right=True).clamp(max=x.num_groups - 1)
-    return (op.soffs[g] + (t - off[g]) // op.block[1]).to(torch.int32)
+def _dequantized_tokens(x, op: _Operand, scaling: Scaling, features: int, total: int,
+                        tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """Exact bf16 values of a token-grouped columnwise copy (wgrad's operands): [features, total]."""
+    return _dequantize_tokens_op(*_flat(op), x.offsets, scaling.value, [features, total, x.num_groups],
+                                 list(tile or DEQUANT_TILES[scaling]))
+
+
+@kernel_op("qmoe::grouped_gemm_dequantize_tokens")
+def _dequantize_tokens_op(data: torch.Tensor, scale: Optional[torch.Tensor], factor: Optional[torch.Tensor],
+                          soffs: Optional[torch.Tensor], meta: list[int], offsets: torch.Tensor, scaling: str,
+                          sizes: list[int], tile: list[int]) -> torch.Tensor:
+    op = _unflat(data, scale, factor, soffs, meta)
+    features, total, groups = sizes
+    out = torch.empty((features, total), dtype=torch.bfloat16, device=data.device)
+    block_r, block_t, warps = tile
+    if features == 0 or total == 0 or groups == 0:
+        return out
+    wrapped(jit._dequantize_tokens_kernel)[(ceil_div(features, block_r), ceil_div(total, block_t) + groups)](
+        op.data, op.scale, op.soffs, offsets, out, features, groups,
+        op.stride_r, op.stride_k, op.s_stride_r, op.s_stride_k, out.stride(0), out.stride(1),
+        SCALING=_CODE[Scaling(scaling)], BC=op.block[1], GP=triton.next_power_of_2(groups + 1),
+        BLOCK_R=block_r, BLOCK_T=block_t, num_warps=warps)
+    return out
 
 
 def k_grouped_gemm(a, b, split_sizes=None, *, out_dtype=torch.bfloat16, out=None, accumulate: bool = False):
@@ -464,8 +481,7 @@ def k_grouped_gemm_with(a, b, split_sizes=None, *, out_dtype=torch.bfloat16, out
     if route == "dequant" and scaling in (Scaling.MX, Scaling.NVFP4) and total > 0:
         ops16 = []
         for x, op, f in ((a, a_op, n), (b, b_op, k)):
-            x16 = _dequantized(op, scaling, f, total, f, total, (f, total), (total, 1), _token_cidx(x, op, total),
-                               tile=config.dq if config is not None else None)
+            x16 = _dequantized_tokens(x, op, scaling, f, total, tile=config.dq if config is not None else None)
             ops16.append(_Operand(x16, total, 1, factor=op.factor))
         gemm_cfg = config if config is not None and config.bm >= 128 else None
         return _launch_k(ops16[0], ops16[1], a.offsets, n, k, groups, Scaling.NONE, out, accumulate, gemm_cfg,

@@ -405,8 +405,9 @@ def _dequantize_kernel(
     """out = codes * block scale in bf16, exactly (MX: q * 2^k; NVFP4: q * s_b, no tensor factor).
 
     Scale row of data row r: (r // GR) * GSR + (r % GR) // BR. Columns: with GATHER, element c's
-    scale column is cidx[c] (groups of any width, e.g. token groups); otherwise a tile lies in
-    one column group of width GC (a multiple of BLOCK_C) with GSC scale columns.
+    scale column is cidx[c] (column groups whose width is not a multiple of BLOCK_C); otherwise
+    a tile lies in one column group of width GC with GSC scale columns. Token-grouped operands
+    take `_dequantize_tokens_kernel`.
     """
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -445,6 +446,57 @@ def _dequantize_kernel(
         m = m & col_ok[None, :]
     out = out_ptr + rows.to(tl.int64)[:, None] * stride_or + cols.to(tl.int64)[None, :] * stride_oc
     tl.store(out, x.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _dequantize_tokens_kernel(
+        # pointers
+        x_ptr, s_ptr, soffs_ptr, offs_ptr, out_ptr,
+        # sizes
+        R, num_groups,
+        # strides (storage elements: bytes for NVFP4 data)
+        stride_xr, stride_xt, s_stride_r, s_stride_t, stride_or, stride_ot,
+        # meta
+        SCALING: tl.constexpr, BC: tl.constexpr, GP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Exact bf16 values (MX: q * 2^k; NVFP4: q * s_b) of a token-grouped columnwise copy [R, T].
+
+    wgrad's operands: tokens along columns in groups offs[g]:offs[g+1], each group's scale
+    columns from soffs[g] on. Column program t is the t-th BLOCK_T-token tile of all groups
+    (each group starts its tiles afresh, located from the device offsets), so a tile never
+    crosses a group: its scales are a contiguous block, not a per-element gather, and NVFP4
+    groups that start on an even token decode code pairs. Tiles past the last are idle;
+    columns past offs[G] are left unwritten (no group reads them).
+    """
+    pid_r = tl.program_id(0)
+    t = tl.program_id(1)
+    gi = tl.arange(0, GP)
+    starts = tl.load(offs_ptr + gi, mask=gi < num_groups, other=0).to(tl.int32)
+    ends = tl.load(offs_ptr + gi + 1, mask=gi < num_groups, other=0).to(tl.int32)
+    tiles = tl.cdiv(ends - starts, BLOCK_T)
+    tile_end = tl.cumsum(tiles, 0)
+    if t < tl.sum(tiles, 0):
+        g = tl.sum((tile_end <= t).to(tl.int32), 0)
+        sel = gi == g
+        start = tl.sum(tl.where(sel, starts, 0), 0)
+        length = tl.sum(tl.where(sel, ends, 0), 0) - start
+        kk = (t - tl.sum(tl.where(sel, tile_end - tiles, 0), 0)) * BLOCK_T
+        rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < R
+        s_base = s_ptr + tl.load(soffs_ptr + g) * s_stride_t
+        if SCALING == _NVFP4:
+            if start % 2 == 0:  # the group starts on a byte: code pairs
+                x = _tile(x_ptr + (start // 2).to(tl.int64) * stride_xt, s_base, rows, rows, row_ok, kk, length, 0,
+                          stride_xr, stride_xt, s_stride_r, s_stride_t, SCALING, BC, BLOCK_R, BLOCK_T, True, True)
+            else:
+                x = _tile(x_ptr, s_base, rows, rows, row_ok, kk, length, start,
+                          stride_xr, stride_xt, s_stride_r, s_stride_t, SCALING, BC, BLOCK_R, BLOCK_T, True, False)
+        else:
+            x = _tile(x_ptr + start.to(tl.int64) * stride_xt, s_base, rows, rows, row_ok, kk, length, 0,
+                      stride_xr, stride_xt, s_stride_r, s_stride_t, SCALING, BC, BLOCK_R, BLOCK_T, True, True)
+        local = kk + tl.arange(0, BLOCK_T)
+        cols = (start + local).to(tl.int64)
+        out = out_ptr + rows.to(tl.int64)[:, None] * stride_or + cols[None, :] * stride_ot
+        tl.store(out, x.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (local < length)[None, :])
 
 
 @triton.jit

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from qmoe.recipes import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling,
                           NVFP4BlockScaling)
 from tests.kernels.interpret import inside, launcher, run_under_interpreter
-from tests.ops.test_grouped_gemm import JAGGED_CASES, _data, _quantize, _rel, draw_jagged_case
+from tests.ops.test_grouped_gemm import (JAGGED_CASES, _data, _quantize, _rel, check_token_grouped_dequantize,
+                                        draw_jagged_case)
 
 pytest.importorskip("triton")
 
@@ -98,6 +99,13 @@ def test_k_grouped_kernel_matches_reference_and_zeros_empty_experts(recipe):
         before = main_grad.clone()
         kernels.k_grouped_gemm_with(a, b, out=main_grad, accumulate=True, route=route)
         assert _rel(main_grad - before, ref) <= 1e-5, route
+
+
+@inside
+@pytest.mark.parametrize("recipe", [r for r in RECIPES if r.id in ("mxfp8", "nvfp4", "nvfp4-odd-groups")])
+def test_token_grouped_dequantize_is_exact(recipe):
+    _, (a, _) = _case(recipe, "wgrad")
+    check_token_grouped_dequantize(a)
 
 
 @inside

@@ -304,6 +304,32 @@ def test_every_small_m_tile_matches_reference(recipe, layout):
             assert _rel(out, ref) <= 1e-3, f"{cfg}: {_rel(out, ref)}"
 
 
+def check_token_grouped_dequantize(a):
+    """wgrad's exact dequantize pass over a token-grouped columnwise copy (MXFP8 / NVFP4): its
+    group-aligned tiles (code pairs where a group starts on an even token, single codes
+    elsewhere) give each group's columnwise values bit for bit, at the default tile and at one
+    narrower than most groups."""
+    from qmoe.kernels import grouped_gemm as kernels
+    from qmoe.reference.grouped_gemm import _columnwise_parts, scaling_of
+
+    scaling = scaling_of(a)
+    op = kernels.tokens_operand(a, scaling)
+    want = torch.cat(_columnwise_parts(a), 1)
+    for tile in (None, (16, 32, 4)):
+        out = kernels._dequantized_tokens(a, op, scaling, a.shape[1], a.shape[0], tile=tile).float()
+        if op.factor is not None:  # NVFP4: the GEMM applies each group's tensor factor in its epilogue
+            bounds = a.offsets.tolist()
+            out = torch.cat([out[:, s:e] * f for s, e, f in zip(bounds[:-1], bounds[1:], op.factor)], 1)
+        assert torch.equal(out[:, :want.shape[1]], want), tile
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", [r for r in GPU_RECIPES if r.id in ("mxfp8", "nvfp4", "nvfp4-odd-groups")])
+def test_token_grouped_dequantize_is_exact(recipe):
+    _, (a, _) = _gpu_case(recipe, "wgrad")
+    check_token_grouped_dequantize(a)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["fprop", "dgrad"])
 def test_every_block_tile_matches_reference(layout):
