@@ -15,18 +15,11 @@ from benchmarks.bench_moe import RECIPES, SHAPES, _step_fn
 from benchmarks.profile_quantize import issue_and_wall_s
 
 
-def profile(shape: dict, recipe_name: str, steps: int = 4, top: int = 25) -> str:
-    import qmoe
-    from qmoe.recipes import recipe_from_config
+def kernel_table(step, label: str, steps: int = 4, top: int = 25) -> str:
+    """The kernels of `steps` calls of `step`, by total CUDA time per call, under a header with
+    the kernel time, the wall time and the time to issue a call (host-bound when near the wall)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    torch.manual_seed(0)
-    layer = qmoe.nn.MoELayer(shape["hidden"], shape["ffn"], shape["experts"], shape["top_k"],
-                             params_dtype=torch.bfloat16, device="cuda")
-    x = torch.randn(shape["tokens"], shape["hidden"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn_like(x)
-    recipe = None if recipe_name == "bf16" else recipe_from_config({"name": recipe_name})
-    step = _step_fn(layer, x, dy, recipe)
     host_s, wall_s = issue_and_wall_s(step, steps, warmup=3)
     host_ms, wall_ms = host_s * 1e3, wall_s * 1e3
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -36,7 +29,7 @@ def profile(shape: dict, recipe_name: str, steps: int = 4, top: int = 25) -> str
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     events.sort(key=lambda e: e.device_time_total, reverse=True)
     total = sum(e.self_device_time_total for e in events) / steps / 1e3
-    lines = [f"== {recipe_name}: {total:.2f} ms of kernels per step, {wall_ms:.2f} ms wall "
+    lines = [f"== {label}: {total:.2f} ms of kernels per step, {wall_ms:.2f} ms wall "
              f"({host_ms:.2f} ms to issue it: near the wall time means the host bounds the step)"]
     for e in events[:top]:
         ms = e.self_device_time_total / steps / 1e3
@@ -44,6 +37,19 @@ def profile(shape: dict, recipe_name: str, steps: int = 4, top: int = 25) -> str
             continue
         lines.append(f"{ms:8.3f} ms {e.count // steps:5d}x  {e.key[:110]}")
     return "\n".join(lines)
+
+
+def profile(shape: dict, recipe_name: str, steps: int = 4, top: int = 25) -> str:
+    import qmoe
+    from qmoe.recipes import recipe_from_config
+
+    torch.manual_seed(0)
+    layer = qmoe.nn.MoELayer(shape["hidden"], shape["ffn"], shape["experts"], shape["top_k"],
+                             params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(shape["tokens"], shape["hidden"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    recipe = None if recipe_name == "bf16" else recipe_from_config({"name": recipe_name})
+    return kernel_table(_step_fn(layer, x, dy, recipe), recipe_name, steps, top)
 
 
 def main(argv=None) -> int:
