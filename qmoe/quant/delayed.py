@@ -11,7 +11,7 @@ import contextvars
 
 import torch
 
-from qmoe.formats import FLT_MAX
+from qmoe.backend import implementation
 
 # Slots that recorded an amax inside the current outermost autocast region (None outside one).
 _PENDING_FORWARD: contextvars.ContextVar[list | None] = contextvars.ContextVar("qmoe_pending_forward",
@@ -76,18 +76,8 @@ class DelayedScalingState:
     def update(self) -> None:
         """Roll the window and recompute the scale; slots whose newest amax is 0 stay as they are."""
         _observe(self)
-        hist = self.amax_history
-        newest = hist[0]
-        active = newest != 0
-        amax = hist.amax(dim=0) if self.algo == "max" else newest.clone()
-        rolled = torch.roll(hist, -1, 0) if hist.shape[0] > 1 else hist.clone()
-        rolled[0] = 0
-        hist.copy_(torch.where(active, rolled, hist))
-        new_scale = torch.full_like(amax, self.fmt_max) / amax  # true fp32 division, not reciprocal * max
-        new_scale = torch.where(new_scale == float("inf"), torch.full_like(new_scale, FLT_MAX), new_scale)
-        new_scale = new_scale / (2.0 ** self.margin)
-        ok = active & torch.isfinite(amax) & (amax > 0)
-        self.scale.copy_(torch.where(ok, new_scale, self.scale))
+        implementation("delayed_scaling", "update_amax_history", self.amax_history)(
+            self.amax_history, self.scale, self.fmt_max, self.margin, self.algo)
 
 
 def _world_size(group) -> int:

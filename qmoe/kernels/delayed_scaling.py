@@ -1,0 +1,77 @@
+"""Delayed scaling's per-step update as one launch. Reference twin: `qmoe.reference.delayed_scaling`.
+
+The update is a few microseconds of GPU work, but written as torch ops it is some twenty
+launches, about 0.5 ms of host time per slot on an H200; an MoE layer updates six slots a step
+(input, weight and grad_output of two grouped linears), which bounds small layers by the host
+(benchmarks/results/profile_linear_qwen3.txt). Here one program per block of slots reads each
+slot's window once, writes the rolled window into a new buffer and the scale in place; the
+caller copies the window back (the history is updated in place: group slots are views of it).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from qmoe.formats import FLT_MAX
+from qmoe.kernels._triton_utils import abs_bits, wrapped
+
+_FLT_MAX = tl.constexpr(FLT_MAX)
+_BLOCK_L = 128  # window rows per step of the loop
+_BLOCK_G = 32  # slots per program
+
+
+@triton.jit
+def _update_amax_history_kernel(
+        # pointers
+        hist_ptr, new_ptr, scale_ptr,
+        # sizes
+        L, G,
+        # strides (the window's rows and slots; the new buffer is contiguous)
+        stride_l, stride_g,
+        # meta
+        FMT_MAX: tl.constexpr, MARGIN_DIV: tl.constexpr, MOST_RECENT: tl.constexpr,
+        BL: tl.constexpr, BG: tl.constexpr):
+    """new = the rolled window of active slots (others copied), scale updated (see the reference)."""
+    cols = tl.program_id(0) * BG + tl.arange(0, BG)
+    c_ok = cols < G
+    newest = tl.load(hist_ptr + cols * stride_g, mask=c_ok, other=0.0)
+    active = newest != 0
+    amax_bits = abs_bits(newest)  # amaxes are >= 0, and NaN's bits exceed every number's: max of bits == amax
+    for r0 in range(0, L, BL):
+        rows = r0 + tl.arange(0, BL)
+        m = (rows < L)[:, None] & c_ok[None, :]
+        h = tl.load(hist_ptr + rows[:, None] * stride_l + cols[None, :] * stride_g, mask=m, other=0.0)
+        if not MOST_RECENT:
+            amax_bits = tl.maximum(amax_bits, tl.max(abs_bits(h), 0))
+        src = tl.where(rows == L - 1, 0, rows + 1)  # rolled up by one: the newest moves to the last row
+        shifted = tl.load(hist_ptr + src[:, None] * stride_l + cols[None, :] * stride_g, mask=m, other=0.0)
+        shifted = tl.where(rows[:, None] == 0, 0.0, shifted)  # row 0 cleared for the next step
+        tl.store(new_ptr + rows[:, None] * G + cols[None, :], tl.where(active[None, :], shifted, h), mask=m)
+    amax = amax_bits.to(tl.float32, bitcast=True)
+    new_scale = tl.math.div_rn(tl.full(amax.shape, FMT_MAX, tl.float32), amax)
+    new_scale = tl.where(new_scale == float("inf"), _FLT_MAX, new_scale)
+    new_scale = tl.math.div_rn(new_scale, tl.full(amax.shape, MARGIN_DIV, tl.float32))
+    ok = active & (amax_bits < 0x7F800000) & (amax > 0)
+    old = tl.load(scale_ptr + cols, mask=c_ok, other=1.0)
+    tl.store(scale_ptr + cols, tl.where(ok, new_scale, old), mask=c_ok)
+
+
+def update_amax_history(amax_history: torch.Tensor, scale: torch.Tensor, fmt_max: float, margin: int,
+                        algo: str) -> None:
+    """Kernel twin of qmoe.reference.delayed_scaling.update_amax_history (in place, same bits)."""
+    length = amax_history.shape[0]
+    slots = amax_history[0].numel()
+    if length == 0 or slots == 0:
+        return
+    new = torch.empty(amax_history.shape, dtype=amax_history.dtype, device=amax_history.device)
+    s_l = amax_history.stride(0)
+    s_g = amax_history.stride(1) if amax_history.dim() == 2 else 1
+    dense_scale = scale if scale.is_contiguous() else scale.contiguous()
+    wrapped(_update_amax_history_kernel)[(triton.cdiv(slots, _BLOCK_G),)](
+        amax_history, new, dense_scale, length, slots, s_l, s_g,
+        FMT_MAX=float(fmt_max), MARGIN_DIV=float(2.0 ** margin), MOST_RECENT=algo == "most_recent",
+        BL=_BLOCK_L, BG=_BLOCK_G)
+    amax_history.copy_(new)
+    if dense_scale is not scale:
+        scale.copy_(dense_scale)
