@@ -30,19 +30,14 @@ import triton
 import triton.language as tl
 
 from benchmarks.results_file import run_environment, write_results
+from qmoe.kernels.grouped_gemm_triton import _swizzle
 
 
 @triton.jit
 def _block_gemm_ptr(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K,
                     SCALAR_B: tl.constexpr, PROMOTE: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
-    num_m, num_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
-    width = GROUP_M * num_n
-    first_m = (pid // width) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pm = first_m + (pid % width) % size_m
-    pn = (pid % width) // size_m
+    pm, pn = _swizzle(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     rm = pm * BM + tl.arange(0, BM)
     rn = pn * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -68,13 +63,7 @@ def _block_gemm_ptr(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K,
 def _block_gemm_desc(a_desc, b_desc, c_ptr, sa_ptr, sb_ptr, M, N, K,
                      WS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      GROUP_M: tl.constexpr, STAGES: tl.constexpr):
-    pid = tl.program_id(0)
-    num_m, num_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
-    width = GROUP_M * num_n
-    first_m = (pid // width) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pm = first_m + (pid % width) % size_m
-    pn = (pid % width) // size_m
+    pm, pn = _swizzle(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     rm = pm * BM + tl.arange(0, BM)
     rn = pn * BN + tl.arange(0, BN)
     ks = K // 128
@@ -93,13 +82,7 @@ def _block_gemm_split(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     """Two independent half-width products per step: if the second's tensor-core work overlaps
     the first's promotion, the CUDA cores stop stalling the tensor cores."""
-    pid = tl.program_id(0)
-    num_m, num_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
-    width = GROUP_M * num_n
-    first_m = (pid // width) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pm = first_m + (pid % width) % size_m
-    pn = (pid % width) // size_m
+    pm, pn = _swizzle(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     HALF: tl.constexpr = BN // 2
     rm = pm * BM + tl.arange(0, BM)
     rn1 = pn * BN + tl.arange(0, HALF)

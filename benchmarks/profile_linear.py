@@ -13,7 +13,7 @@ import argparse
 import torch
 
 from benchmarks.bench_linear import SHAPES, _recipes
-from benchmarks.profile_moe import kernel_table
+from benchmarks.profile_moe import kernel_table, print_tables
 from benchmarks.profile_quantize import top_functions
 
 
@@ -43,18 +43,14 @@ def main(argv=None) -> int:
     parser.add_argument("--recipes", nargs="+", choices=list(recipes), default=["bf16", "delayed", "current"])
     parser.add_argument("--out", default=None, help="also write the tables to this file")
     args = parser.parse_args(argv)
-    tables = []
-    for name in args.recipes:
-        step = step_fn(args.shape, recipes[name])
-        table = kernel_table(step, f"{args.shape} {name}", steps=6, top=20)
-        table += "\n-- host: Python functions by own time over 20 steps\n" + "\n".join(top_functions(step, 20, 12))
-        print(table, flush=True)
-        tables.append(table)
-        torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n\n".join(tables) + "\n")
+    print_tables((lambda name=name: table(args.shape, recipes[name], name) for name in args.recipes), args.out)
     return 0
+
+
+def table(shape: str, recipe, name: str) -> str:
+    step = step_fn(shape, recipe)
+    out = kernel_table(step, f"{shape} {name}", steps=6, top=20)
+    return out + "\n-- host: Python functions by own time over 20 steps\n" + "\n".join(top_functions(step, 20, 12))
 
 
 if __name__ == "__main__":

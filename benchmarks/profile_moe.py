@@ -58,16 +58,20 @@ def main(argv=None) -> int:
     parser.add_argument("--recipes", nargs="+", choices=list(RECIPES), default=list(RECIPES))
     parser.add_argument("--out", default=None, help="also write the tables to this file")
     args = parser.parse_args(argv)
-    tables = []
-    for name in args.recipes:
-        table = profile(SHAPES[args.shape], name)
-        print(table, flush=True)
-        tables.append(table)
-        torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n\n".join(tables) + "\n")
+    print_tables((lambda name=name: profile(SHAPES[args.shape], name) for name in args.recipes), args.out)
     return 0
+
+
+def print_tables(tables, out: str | None) -> None:
+    """Make each table (`tables` yields functions returning one), print it, then write them all to `out`."""
+    made = []
+    for table in tables:
+        made.append(table())
+        print(made[-1], flush=True)
+        torch.cuda.empty_cache()
+    if out:
+        with open(out, "w") as f:
+            f.write("\n\n".join(made) + "\n")
 
 
 if __name__ == "__main__":
