@@ -211,7 +211,11 @@ def _sweep_candidates(name, layout, memory_bound, rows_per_group):
         return ([("dequant", c) for c in base] + [("dequant", replace(base[0], dq=d)) for d in dqs]
                 + [("fused", c) for c in fused])
     if name == "bf16" and layout == "wgrad":
-        return [("fused", c) for c in tile_configs(Scaling.NONE, small_m=False)]
+        return [("fused", c) for c in tile_configs(Scaling.NONE, small_m=False) + [TileConfig(128, 128, 64, 4, 4)]]
+    if name == "current" and layout == "wgrad":  # short token groups: tiles that overlap their dW stores
+        return [("fused", c) for c in (k_tile_config(Scaling.TENSOR), TileConfig(128, 128, 128, 8, 3),
+                                       TileConfig(128, 128, 128, 4, 3), TileConfig(64, 256, 128, 8, 3),
+                                       TileConfig(64, 128, 128, 4, 4))]
     return []
 
 
