@@ -20,8 +20,10 @@ which may differ from its scale by an ulp, so `exact` false flags only a few cod
 
 On an H200 (fp8_transpose_variants.json) the three transposes run alike (0.80-0.81 of copy at
 64x64 and 32x64 tiles): moving bytes or words instead of fp32 does not matter. qmoe's kernel
-reaches 0.67-0.69; its per-tile amax costs about 0.05 of that, the rest is in its general
-prologue (grouped tiles, the fused-activation load), not located yet.
+reaches 0.67-0.69. The bisect variants (qmoe's body with its pieces switchable) put 0.04 on its
+per-tile amax and 0.02 on the runtime row stride, and gain 0.07 by casting both orientations
+before storing either; that reorder, applied to qmoe's kernel itself, did not move it (see the
+results file's note), so the remaining gap is in code generation, not in the kernel's logic.
 
     python -m benchmarks.explore_fp8_transpose [--out PATH]
 """
@@ -36,7 +38,8 @@ import triton
 import triton.language as tl
 
 from benchmarks.results_file import run_environment, write_results
-from qmoe.kernels._triton_utils import atomic_max_bits, cast_bits, max_abs_bits, pack4, store8, tile_span
+from qmoe.kernels._triton_utils import atomic_max_bits, cast_bits, max_abs_bits, pack4, store8, tile_rows, tile_span
+from qmoe.kernels.activation import load_rows
 
 _MAX = tl.constexpr(448.0)
 
@@ -98,6 +101,62 @@ def _cast_both_like_qmoe_kernel(x_ptr, row_ptr, col_ptr, scale_ptr, M, K,
         col_words = row0 // 4 + tl.arange(0, BM // 4)
         tl.store(col_ptr.to(tl.pointer_type(tl.int32)) + cols.to(tl.int64)[:, None] * ((M // 16) * 4)
                  + col_words[None, :], pack4(qt, BK, BM))
+
+
+@triton.jit
+def _bisect_kernel(x_ptr, probs_ptr, scale_ptr, row_ptr, col_ptr, splits_ptr, M, K, G, stride_xm,
+                   STRIDE: tl.constexpr, TILE_ROWS: tl.constexpr, LOAD_ROWS: tl.constexpr, CAST_FIRST: tl.constexpr,
+                   BM: tl.constexpr, BK: tl.constexpr):
+    """qmoe's _fp8_tensorwise_kernel (amax off) with each of its general pieces switchable: the
+    runtime row stride, tile_rows' group lookup (and its early return), load_rows."""
+    if TILE_ROWS:
+        g, row0, row_end, _, _ = tile_rows(splits_ptr, M, G, tl.program_id(0), BM, BM, 2, False)
+        if g >= G:
+            return
+    else:
+        g = 0
+        row0 = tl.program_id(0) * BM
+        row_end = M
+    rows, col0, cols, m_ok, k_ok = tile_span(row0, row_end, K, BM, BK)
+    stride = stride_xm if STRIDE else K
+    if LOAD_ROWS:
+        x = load_rows(x_ptr, probs_ptr, rows, cols, m_ok, k_ok, stride, K, -1, 0).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride + cols[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr + g)
+    if CAST_FIRST:  # both orientations cast before either store
+        q = cast_bits(x * scale, _MAX, tl.float8e4nv)
+        qt = cast_bits(tl.trans(x) * scale, _MAX, tl.float8e4nv)
+        store8(row_ptr, q, row0, col0, K, row_end, K, BM, BK)
+        store8(col_ptr, qt, col0, row0, M, K, row_end, BK, BM)
+    else:
+        store8(row_ptr, cast_bits(x * scale, _MAX, tl.float8e4nv), row0, col0, K, row_end, K, BM, BK)
+        store8(col_ptr, cast_bits(tl.trans(x) * scale, _MAX, tl.float8e4nv), col0, row0, M, K, row_end, BK, BM)
+
+
+def _bisect(x, scale, m, k, copy_gbps):
+    row = torch.empty(m, k, dtype=torch.uint8, device="cuda")
+    col = torch.empty(k, m, dtype=torch.uint8, device="cuda")
+    out = []
+    cases = [(a, b, c, False, 1) for a in (False, True) for b in (False, True) for c in (False, True)]
+    cases += [(True, True, True, cast_first, stages) for cast_first in (False, True) for stages in (1, 3)]
+    cases += [(False, True, True, cast_first, stages) for cast_first in (False, True) for stages in (1, 3)]
+    for stride, tile_rows_on, load_rows_on, cast_first, stages in cases:
+        for bm, bk, warps in ((32, 128, 4), (32, 64, 4)):
+            def run(bm=bm, bk=bk, warps=warps, a=stride, b=tile_rows_on, c=load_rows_on, d=cast_first, e=stages):
+                _bisect_kernel[(m // bm, k // bk)](x, x, scale, row, col, x, m, k, 1, x.stride(0), STRIDE=a,
+                                                   TILE_ROWS=b, LOAD_ROWS=c, CAST_FIRST=d, BM=bm, BK=bk,
+                                                   num_warps=warps, num_stages=e)
+            ms = triton.testing.do_bench(run, warmup=10, rep=50, return_mode="median")
+            gbps = m * k * 4 / ms / 1e6
+            name = "bisect" + "".join(f" +{n}" for n, on in (("stride", stride), ("tile_rows", tile_rows_on),
+                                                             ("load_rows", load_rows_on), ("cast_first", cast_first),
+                                                             (f"stages{stages}", stages != 1)) if on)
+            out.append({"variant": name, "tile": f"{bm}x{bk} w{warps}", "gbps": round(gbps, 1),
+                        "frac_copy": round(gbps / copy_gbps, 3)})
+            print(out[-1], flush=True)
+    return out
 
 
 def _like_qmoe(x, scale, m, k, copy_gbps):
@@ -192,6 +251,7 @@ def main(argv=None) -> int:
             rows.append(r)
             print(r, flush=True)
     rows += _like_qmoe(x, scale, m, k, copy_gbps)
+    rows += _bisect(x, scale, m, k, copy_gbps)
     rows += _qmoe_kernel_tiles(x, scale, m, k, copy_gbps)
     write_results(args.out, {**run_environment(), "shape": {"M": m, "K": k}, "rows": rows})
     return 0
