@@ -431,10 +431,9 @@ def _launch_k_into(a: _Operand, b: _Operand, offsets, n, k, groups, scaling, out
     return out
 
 
-def _dequantized_tokens(x, op: _Operand, scaling: Scaling, features: int, total: int,
-                        tile: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """Exact bf16 values of a token-grouped columnwise copy (wgrad's operands): [features, total]."""
-    return _dequantize_tokens_op(*_flat(op), x.offsets, scaling.value, [features, total, x.num_groups],
+def _dequantized_tokens(x, op: _Operand, scaling: Scaling, tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """Exact bf16 values of x's token-grouped columnwise copy (wgrad's operands): [features, tokens]."""
+    return _dequantize_tokens_op(*_flat(op), x.offsets, scaling.value, [x.shape[1], x.shape[0], x.num_groups],
                                  list(tile or DEQUANT_TILES[scaling]))
 
 
@@ -480,8 +479,8 @@ def k_grouped_gemm_with(a, b, split_sizes=None, *, out_dtype=torch.bfloat16, out
         route = "dequant" if emulated and total >= DEQUANT_MIN_ROWS * groups else "fused"
     if route == "dequant" and scaling in (Scaling.MX, Scaling.NVFP4) and total > 0:
         ops16 = []
-        for x, op, f in ((a, a_op, n), (b, b_op, k)):
-            x16 = _dequantized_tokens(x, op, scaling, f, total, tile=config.dq if config is not None else None)
+        for x, op in ((a, a_op), (b, b_op)):
+            x16 = _dequantized_tokens(x, op, scaling, tile=config.dq if config is not None else None)
             ops16.append(_Operand(x16, total, 1, factor=op.factor))
         gemm_cfg = config if config is not None and config.bm >= 128 else None
         return _launch_k(ops16[0], ops16[1], a.offsets, n, k, groups, Scaling.NONE, out, accumulate, gemm_cfg,

@@ -316,7 +316,7 @@ def check_token_grouped_dequantize(a):
     op = kernels.tokens_operand(a, scaling)
     want = torch.cat(_columnwise_parts(a), 1)
     for tile in (None, (16, 32, 4)):
-        out = kernels._dequantized_tokens(a, op, scaling, a.shape[1], a.shape[0], tile=tile).float()
+        out = kernels._dequantized_tokens(a, op, scaling, tile=tile).float()
         if op.factor is not None:  # NVFP4: the GEMM applies each group's tensor factor in its epilogue
             bounds = a.offsets.tolist()
             out = torch.cat([out[:, s:e] * f for s, e, f in zip(bounds[:-1], bounds[1:], op.factor)], 1)
