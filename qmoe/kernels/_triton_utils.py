@@ -407,6 +407,49 @@ def launch(kernel, grid, args: tuple, small: triton.Config, numel: int, **meta) 
                                  num_stages=small.num_stages)
 
 
+# ---------------------------------------------------------------- arrival counters
+
+# Counters handed to graph captures: allocated (zeroed) outside any capture, each captured launch
+# keeps its own slice for the graph's lifetime. Per device index: [buffer, next free slot].
+_CAPTURE_TICKETS: dict[int, list] = {}
+_CAPTURE_TICKET_SLOTS = 1 << 14
+# Counters for eager launches, one buffer per (device index, CUDA stream).
+_STREAM_TICKETS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def tickets(n: int, device: torch.device) -> torch.Tensor:
+    """At least `n` zeroed int32 arrival counters for a last-program-finishes kernel that sets
+    each counter back to zero when its last program has drawn from it.
+
+    Because the kernel leaves them zeroed, a launch needs no memset of its own (a launch, and
+    8 us of host time, fewer per loss). Sharing is safe where launches cannot overlap: eager
+    launches share one buffer per CUDA stream (a stream runs its kernels one after another),
+    and a launch captured into a CUDA graph gets counters of its own, which it keeps zeroed
+    for every replay, on any stream. A capture before any eager launch on that device, or one
+    that has used up the capture slots, falls back to a captured memset of fresh counters.
+    """
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        # Triton's interpreter runs one launch at a time; a traced graph gets fresh counters
+        # (what it does with a module-level buffer the kernel mutates is not ours to decide)
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if torch.cuda.is_current_stream_capturing():
+        pool = _CAPTURE_TICKETS.get(index)
+        if pool is None or pool[1] + n > pool[0].numel():
+            return torch.zeros(n, dtype=torch.int32, device=device)
+        start, pool[1] = pool[1], pool[1] + n
+        return pool[0][start:start + n]
+    key = (index, torch._C._cuda_getCurrentRawStream(index))
+    buf = _STREAM_TICKETS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
+        _STREAM_TICKETS[key] = buf
+        if index not in _CAPTURE_TICKETS:
+            _CAPTURE_TICKETS[index] = [torch.zeros(_CAPTURE_TICKET_SLOTS, dtype=torch.int32,
+                                                   device=device), 0]
+    return buf
+
+
 def device_splits(split_sizes: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """Split sizes as an int tensor on x's device (a no-op for device splits)."""
     if split_sizes.dim() != 1:

@@ -6,7 +6,8 @@ At training sizes a loss reads a few MB (microseconds of bandwidth), so what it 
 launches and host work. Each loss is therefore one forward and one backward launch:
 
 - Forward: every program reduces its tiles to one fp32 partial and stores it, then takes a
-  ticket from a zero-initialised counter; the program that takes the last ticket adds the
+  ticket from a zeroed counter; the program that takes the last ticket resets the counter
+  (so the next launch on the stream needs no memset: `_triton_utils.tickets`), adds the
   partials in slot order and writes the loss. One launch for any T and E (no cooperative
   launch, no host read), and deterministic: no float atomics, the same bits on every run and
   in graph replay. On the way it writes what the backward needs, so the backward never
@@ -30,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qmoe.kernels._triton_utils import rows_contiguous
+from qmoe.kernels._triton_utils import rows_contiguous, tickets
 from qmoe.reference.aux_loss import (check_moe_aux_loss_args, check_seq_aux_loss_args,
                                      check_update_expert_bias_args, _check_coeff, _check_scores)
 
@@ -58,14 +59,19 @@ _SEQ_BLOCK_E = 32
 
 @triton.jit
 def _is_last_to_arrive(ticket_ptr, n):
-    """True in the last of `n` programs to call this on a zeroed counter.
+    """True in the last of `n` programs to call this on a zeroed counter, which that program
+    sets back to zero (`_triton_utils.tickets` hands the counter to the next launch).
 
     The CUDA threadfence-reduction handshake: the barrier orders every thread's earlier
     stores before the ticket, the ticket's acq_rel makes them visible to the program that
-    draws the last one (which then reads them with volatile loads, past the L1).
+    draws the last one (which then reads them with volatile loads, past the L1). All `n`
+    have drawn by then, so nothing of this launch touches the counter after the reset.
     """
     tl.debug_barrier()
-    return tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == n - 1
+    last = tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == n - 1
+    if last:
+        tl.atomic_xchg(ticket_ptr, 0, sem="relaxed")
+    return last
 
 
 @triton.jit
@@ -451,7 +457,7 @@ def aux_loss_forward(probs, weights, scale, num_tokens=None, grad_rows=False):
     programs, block_t, block_e = _reduce_geometry(t, e, probs.device)
     out = torch.empty((), dtype=torch.float32, device=probs.device)
     work = torch.empty(programs + (e if grad_rows else 0), dtype=torch.float32, device=probs.device)
-    ticket = torch.zeros(1, dtype=torch.int32, device=probs.device)
+    ticket = tickets(1, probs.device)
     _moe_aux_loss_kernel[(programs,)](
         probs, weights, out if num_tokens is None else num_tokens, work, ticket, out,
         t, e, probs.stride(0), scale,
@@ -473,7 +479,7 @@ def seq_aux_loss_forward(probs, routing_map, seq_length, scale):
     chunks, chunk, block_t, block_e, pairs, scratch_size = _seq_geometry(b, seq_length, e, probs.device)
     out = torch.empty((), dtype=torch.float32, device=probs.device)
     scratch = torch.empty(scratch_size, dtype=torch.float32, device=probs.device)
-    ticket = torch.zeros(1 + (pairs if chunks > 1 else 0), dtype=torch.int32, device=probs.device)
+    ticket = tickets(1 + (pairs if chunks > 1 else 0), probs.device)
     _seq_aux_loss_kernel[(chunks * pairs,)](
         probs, m, scratch, ticket, out,
         b, seq_length, e, chunk, probs.stride(0), m.stride(0), scale,
@@ -536,7 +542,7 @@ def z_loss_forward(logits, coeff, grad=False):
     programs, _, block_t, block_e = _z_geometry(t, e, logits.device)
     out = torch.empty((), dtype=torch.float32, device=logits.device)
     lse = torch.empty(t + programs, dtype=torch.float32, device=logits.device)  # lse | partials
-    ticket = torch.zeros(1, dtype=torch.int32, device=logits.device)
+    ticket = tickets(1, logits.device)
     unit = torch.empty(t, e, dtype=torch.float32, device=logits.device) \
         if grad and t * e < _HOST_BOUND_NUMEL else None
     _z_loss_kernel[(programs,)](

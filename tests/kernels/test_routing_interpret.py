@@ -103,6 +103,30 @@ def test_aux_losses(t, e, seq):
     assert torch.equal(bias, ref_bias)
 
 
+@inside
+@pytest.mark.parametrize("t,e,seq", [(70, 300, 35), (512, 32, 512), (1024, 32, 256)])
+def test_loss_kernels_leave_their_counters_zeroed(monkeypatch, t, e, seq):
+    # Launches share arrival counters (`_triton_utils.tickets`), so each kernel must reset every
+    # counter it draws from, the seq loss's per-pair ones too ((512, 32, 512) and (1024, 32, 256)
+    # split each sequence into row chunks finished by the last to arrive).
+    from qmoe.kernels import aux_loss as kernels
+    from qmoe.reference import aux_loss as reference
+    shared = torch.zeros(4096, dtype=torch.int32)
+    monkeypatch.setattr(kernels, "tickets", lambda n, device: shared)
+    torch.manual_seed(t + e)
+    probs = torch.softmax(torch.randn(t, e), -1)
+    routing_map = torch.rand(t, e) < 0.3
+    counts = routing_map.sum(0)
+    assert kernels._seq_geometry(t // seq, seq, e, probs.device)[0] > 1 or t == 70
+    cases = [(kernels.moe_aux_loss, reference.moe_aux_loss, (probs, counts, t, e, 2, 0.1)),
+             (kernels.seq_aux_loss, reference.seq_aux_loss, (probs, routing_map, seq, 2, 0.1)),
+             (kernels.z_loss, reference.z_loss, (probs * 5, 1e-2))]
+    for kernel, ref, args in cases:
+        for _ in range(2):  # the second launch finds the counters the first left
+            torch.testing.assert_close(kernel(*args), ref(*args), rtol=1e-5, atol=0)
+            assert not shared.any(), f"{kernel.__name__} left counters at {shared.nonzero().flatten().tolist()}"
+
+
 PERMUTE_CASES = [(5, 4, 2, 1, 8), (9, 8, 2, 4, 33), (12, 6, 3, 8, 5), (0, 4, 1, 2, 3), (4, 130, 2, 2, 4)]
 
 

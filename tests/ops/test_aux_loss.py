@@ -199,6 +199,56 @@ def test_ops_are_graph_safe_with_a_device_token_count():
     assert bias.abs().max() == 1e-3
 
 
+@pytest.mark.gpu
+def test_losses_share_counters_safely_across_streams_and_graphs():
+    # Eager launches share one arrival counter per stream and a captured launch keeps its own
+    # (qmoe.kernels._triton_utils.tickets); the last program of each launch resets it. Here two
+    # streams run losses at once, and a graph replays on a third while eager launches run.
+    from qmoe.kernels._triton_utils import tickets
+    torch.manual_seed(3)
+    t, e = 8192, 256
+    probs = torch.softmax(torch.randn(t, e, device="cuda"), -1)
+    routing_map = torch.rand(t, e, device="cuda") < 8 / e
+    counts, logits = routing_map.sum(0), torch.randn(t, e, device="cuda") * 3
+    losses = [lambda: moe_aux_loss(probs, counts, t, e, 8, 1e-2),
+              lambda: seq_aux_loss(probs, routing_map, 256, 8, 1e-2),  # row-chunked: per-pair counters
+              lambda: z_loss(logits, 1e-3)]
+    want = [loss() for loss in losses]
+    streams = [torch.cuda.Stream() for _ in range(3)]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    assert tickets(1, probs.device).data_ptr() != _on(streams[0], lambda: tickets(1, probs.device)).data_ptr()
+    got = {0: [], 1: []}
+    for _ in range(20):
+        for i in (0, 1):
+            with torch.cuda.stream(streams[i]):
+                got[i].append([loss() for loss in losses])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=streams[2]):
+        captured = [loss() for loss in losses]
+        inside = tickets(1, probs.device)
+    assert inside.data_ptr() not in {tickets(1, probs.device).data_ptr(),
+                                     _on(streams[0], lambda: tickets(1, probs.device)).data_ptr()}
+    for _ in range(5):
+        with torch.cuda.stream(streams[2]):
+            graph.replay()
+        with torch.cuda.stream(streams[0]):
+            got[0].append([loss() for loss in losses])
+    torch.cuda.synchronize()
+    for runs in got.values():
+        for run in runs:
+            for a, b in zip(run, want):
+                assert torch.equal(a, b)
+    for a, b in zip(captured, want):
+        assert torch.equal(a, b)
+    assert not tickets(64, probs.device).any() and not inside.any()
+
+
+def _on(stream, fn):
+    with torch.cuda.stream(stream):
+        return fn()
+
+
 # Shapes for the kernels' reduction layouts: few (sequence, column block) pairs force the
 # row-chunked seq_aux_loss path (chunks finished by the last to arrive); many pairs, or a
 # sequence shorter than a tile, the single-chunk one.
