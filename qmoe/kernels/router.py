@@ -226,54 +226,59 @@ def route_forward(logits, top_k, fn, pre_softmax, num_groups, group_topk, scalin
     Unchecked: `qmoe.ops.topk_route` validates once per call, `topk_route` below for callers
     of the twin.
     """
-    probs, map_bytes = _route_forward_op(
+    return _route_forward_op(
         rows_contiguous(logits), expert_bias.contiguous() if expert_bias is not None else None, top_k, fn.value,
         bool(pre_softmax), num_groups, group_topk, 1.0 if scaling_factor is None else float(scaling_factor))
-    # the kernel writes 0/1 bytes; compared to a bool map afterwards (one tiny pass) rather than
-    # viewing a bool tensor as uint8, which Inductor cannot lower (torch.compile)
-    return probs, map_bytes != 0
 
 
 @kernel_op("qmoe::route_forward")
 def _route_forward_op(logits: torch.Tensor, expert_bias: Optional[torch.Tensor], top_k: int, score_function: str,
                       pre_softmax: bool, num_groups: Optional[int], group_topk: Optional[int],
                       scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One opaque op (kernels/_triton_utils.KernelOp): (probs, routing map as 0/1 bytes)."""
+    """One opaque op (kernels/_triton_utils.KernelOp): (probs, routing map).
+
+    The kernel stores the map's 0/1 bytes through a uint8 view of the bool tensor. The view
+    stays inside the op, where torch.compile does not look (Inductor cannot lower a bool ->
+    uint8 view), so the map costs no conversion pass.
+    """
     t, e = logits.shape
     probs = torch.empty(t, e, dtype=torch.float32, device=logits.device)
-    map_bytes = torch.empty(t, e, dtype=torch.uint8, device=logits.device)
+    routing_map = torch.empty(t, e, dtype=torch.bool, device=logits.device)
     if t:
         grid, meta, _ = _route_launch(t, e, top_k, ScoreFunction(score_function), pre_softmax, num_groups,
                                       group_topk, expert_bias is not None)
         wrapped(_topk_route_kernel)[grid](
-            logits, expert_bias if expert_bias is not None else probs, probs, map_bytes,  # probs: never read as bias
+            logits, expert_bias if expert_bias is not None else probs, probs,  # probs: never read as bias
+            routing_map.view(torch.uint8),
             t, e,
-            logits.stride(0), probs.stride(0), map_bytes.stride(0),
+            logits.stride(0), probs.stride(0), routing_map.stride(0),
             scaling_factor,
             **meta,
         )
-    return probs, map_bytes
+    return probs, routing_map
 
 
 def route_backward(grad_probs, logits, routing_map, top_k, fn, pre_softmax, scaling_factor):
     """d probs / d logits [T, E] in the logits' dtype, for validated arguments. Unchecked."""
-    map_bytes = routing_map.to(torch.uint8).contiguous()  # a copy, not a view: Inductor cannot lower bool->uint8 views
-    return _route_backward_op(rows_contiguous(grad_probs), rows_contiguous(logits), map_bytes, top_k, fn.value,
-                              bool(pre_softmax), 1.0 if scaling_factor is None else float(scaling_factor))
+    return _route_backward_op(rows_contiguous(grad_probs), rows_contiguous(logits), rows_contiguous(routing_map),
+                              top_k, fn.value, bool(pre_softmax),
+                              1.0 if scaling_factor is None else float(scaling_factor))
 
 
 @kernel_op("qmoe::route_backward")
-def _route_backward_op(grad_probs: torch.Tensor, logits: torch.Tensor, map_bytes: torch.Tensor, top_k: int,
+def _route_backward_op(grad_probs: torch.Tensor, logits: torch.Tensor, routing_map: torch.Tensor, top_k: int,
                        score_function: str, pre_softmax: bool, scaling_factor: float) -> torch.Tensor:
+    # routing_map (bool) is read through a uint8 view, made here inside the opaque op (see
+    # `_route_forward_op`): no copy.
     t, e = logits.shape
     dlogits = torch.empty(t, e, dtype=logits.dtype, device=logits.device)
     if t == 0:
         return dlogits
     grid, _, meta = _route_launch(t, e, top_k, ScoreFunction(score_function), pre_softmax, None, None, False)
     wrapped(_topk_route_bwd_kernel)[grid](
-        grad_probs, logits, map_bytes, dlogits,
+        grad_probs, logits, routing_map.view(torch.uint8), dlogits,
         t, e,
-        grad_probs.stride(0), logits.stride(0), map_bytes.stride(0), dlogits.stride(0),
+        grad_probs.stride(0), logits.stride(0), routing_map.stride(0), dlogits.stride(0),
         scaling_factor,
         **meta,
     )

@@ -37,10 +37,14 @@ class _TopKRoute(torch.autograd.Function):
         ctx.save_for_backward(logits, routing_map)
         ctx.args = (top_k, fn, pre_softmax, scaling_factor)
         ctx.mark_non_differentiable(routing_map)
+        # no zero-filled stand-in for the bool map's (never used) gradient: a memset launch
+        ctx.set_materialize_grads(False)
         return probs, routing_map
 
     @staticmethod
     def backward(ctx, grad_probs, _grad_routing_map):
+        if grad_probs is None:
+            return (None,) * 8
         logits, routing_map = ctx.saved_tensors
         grad_logits = _kernels().route_backward(grad_probs, logits, routing_map, *ctx.args)
         return grad_logits, None, None, None, None, None, None, None
