@@ -2,7 +2,7 @@
 
 Run: `qmoe bench routing` or `PYTHONPATH=. python -m benchmarks.bench_routing [--quick]`.
 
-Each stage is timed twice in the same run: the eager PyTorch reference (`qmoe.reference.*`,
+Each stage is timed in the same run, alternately (ROUNDS times, medians kept): the eager PyTorch reference (`qmoe.reference.*`,
 the executable spec, run op by op on the GPU with autograd) and qmoe's op (`qmoe.ops.*`, Triton
 kernels with fused backward). Medians of `triton.testing.do_bench`. Shapes: DeepSeek-V3
 (8192 tokens, 256 experts, top-8, sigmoid, group-limited 8 groups / top-4, H 7168) and Qwen3
@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 
 import torch
 
 from benchmarks.results_file import run_environment, write_results
-from benchmarks.timing import copy_gbps, graph_median_ms, median_ms
+from benchmarks.timing import capture_graph, copy_gbps, median_ms
 
 MODELS = {
     "deepseek-v3": dict(tokens=8192, experts=256, top_k=8, hidden=7168, align=16,
@@ -62,15 +63,31 @@ def min_bytes(stage: str, t: int, e: int, k: int = 0, h: int = 0, rows: int = 0)
     }[stage]
 
 
+# Eager and qmoe are timed in alternation, ROUNDS times, and each keeps its median: issue times
+# of these host-bound stages drift by tens of percent within a process (and ~2x between
+# processes), and alternating keeps a drift from landing on one side of the ratio.
+ROUNDS = 3
+
+
 def _stage(rows, model, stage, shape, eager_fwd, qmoe_fwd, inputs, nbytes=None):
     row = dict(model=model, stage=stage, shape=shape)
-    for name, fwd in (("eager", eager_fwd), ("qmoe", qmoe_fwd)):
-        with torch.no_grad():
-            row[f"{name}_fwd_ms"] = median_ms(fwd)
-        row[f"{name}_ms"] = median_ms(_fwd_bwd(fwd, inputs))
-        row[f"{name}_graph_ms"], why = graph_median_ms(_fwd_bwd(fwd, inputs))
+    impls = (("eager", eager_fwd), ("qmoe", qmoe_fwd))
+    steps = {name: _fwd_bwd(fwd, inputs) for name, fwd in impls}
+    graphs = {}
+    for name, fwd in impls:
+        graphs[name], why = capture_graph(_fwd_bwd(fwd, inputs))
         if why:
             row[f"{name}_graph_error"] = why
+    times = {f"{name}_{kind}": [] for name, _ in impls for kind in ("fwd_ms", "ms", "graph_ms")}
+    for _ in range(ROUNDS):
+        for name, fwd in impls:
+            with torch.no_grad():
+                times[f"{name}_fwd_ms"].append(median_ms(fwd))
+            times[f"{name}_ms"].append(median_ms(steps[name]))
+            if graphs[name] is not None:
+                times[f"{name}_graph_ms"].append(median_ms(graphs[name].replay))
+    for key, values in times.items():
+        row[key] = statistics.median(values) if values else None
     row["speedup"] = row["eager_ms"] / row["qmoe_ms"]
     row["speedup_fwd"] = row["eager_fwd_ms"] / row["qmoe_fwd_ms"]
     row["speedup_graph"] = (row["eager_graph_ms"] / row["qmoe_graph_ms"]

@@ -11,11 +11,13 @@ def median_ms(fn, warmup: int = 10, rep: int = 50) -> float:
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
-def graph_median_ms(fn, warmup: int = 10, rep: int = 50) -> tuple[float | None, str | None]:
-    """(median ms of replaying `fn` captured in a CUDA graph, None) or (None, why it cannot be captured).
+def capture_graph(fn) -> tuple[torch.cuda.CUDAGraph | None, str | None]:
+    """(`fn` captured in a CUDA graph after a warm-up, None) or (None, why it cannot be captured).
 
-    Graph replay issues the recorded kernels with no Python, dispatcher or autograd work: it
-    measures the device time a CUDA-graphed training step would spend on `fn`.
+    Replaying it issues the recorded kernels with no Python, dispatcher or autograd work: its
+    time is the device time a CUDA-graphed training step would spend on `fn`. The graph holds
+    `fn`, and with it the tensors `fn` closes over that the replay reads (freed, their memory
+    would be reused under the graph).
     """
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -30,7 +32,8 @@ def graph_median_ms(fn, warmup: int = 10, rep: int = 50) -> tuple[float | None, 
     except Exception as err:  # e.g. a host sync inside fn: not capturable
         torch.cuda.synchronize()
         return None, f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
-    return median_ms(graph.replay, warmup, rep), None
+    graph.keepalive = fn
+    return graph, None
 
 
 _COPY_GBPS: dict[int, float] = {}  # per rep budget, measured once per process
