@@ -10,16 +10,17 @@ launches and host work. Each loss is therefore one forward and one backward laun
   (so the next launch on the stream needs no memset: `_triton_utils.tickets`), adds the
   partials in slot order and writes the loss. One launch for any T and E (no cooperative
   launch, no host read), and deterministic: no float atomics, the same bits on every run and
-  in graph replay. On the way it writes what the backward needs, so the backward never
-  re-reads the forward's inputs: the gradient for a unit grad_loss (the balance losses'
-  [B, E] rows; z_loss's [T, E] at host-bound sizes, else its per-row logsumexp).
-- Backward: one elementwise launch writing the contiguous [T, E] gradient, which autograd
-  keeps as `.grad` without the copy a stride-0 broadcast would cost. Scaling a unit gradient
-  is a plain broadcasting multiply: at host-bound sizes ATen's (its host cost is a fraction
-  of a Triton launch's), at bandwidth-bound sizes a Triton kernel's full-width stores.
+  in graph replay. On the way it writes what the backward needs besides grad_loss: the
+  balance losses' gradient rows for a unit grad_loss ([B, E]), z_loss's per-row logsumexp.
+- Backward: one Triton launch writing the contiguous [T, E] gradient, which autograd keeps as
+  `.grad` without the copy a stride-0 broadcast would cost. It is Triton's even where a launch
+  costs more host time than ATen's: ATen's multiply over a stride-0 view (or by a 0-dim
+  device tensor) runs its unvectorized loop, 10.8 against 7.1 us replayed in a CUDA graph at
+  8192 x 256 and 25 against 13 at 131072 x 64 (benchmarks/results/aux_loss_variants.json),
+  and in a training step the host runs ahead of the GPU.
 
 The launchers without a `check_` call (`aux_loss_forward`, `seq_aux_loss_forward`,
-`z_loss_forward`, `grad_from_rows`, `scaled_grad`, `broadcast_grad`, `z_loss_grad`) trust
+`z_loss_forward`, `grad_from_rows`, `broadcast_grad`, `z_loss_grad`) trust
 their caller: `qmoe.ops` validates once per call and then calls them. The twins named like
 the reference validate and call them.
 """
@@ -44,11 +45,6 @@ _MAX_BLOCK_E = 1024
 _PROGRAMS_PER_SM = 4
 # The last program adds the partials in chunks of this many.
 _FINISH_BLOCK = 512
-# Gradients of at most this many elements are written by one ATen broadcasting multiply, larger
-# ones by a Triton kernel (`grad_from_rows`): below it a backward costs host time (an ATen
-# launch is several times cheaper on the host than a Triton launch), above it bandwidth
-# (64 MB of fp32: ~15 us at H200 bandwidth, where full-width Triton stores win).
-_HOST_BOUND_NUMEL = 1 << 24
 # seq_aux_loss column block: 32 fp32 = 128 bytes a row, whole cache lines; narrow so that
 # B * E / 32 (b, column) pairs times a few row chunks fill the GPU.
 _SEQ_BLOCK_E = 32
@@ -268,7 +264,7 @@ def _row_logsumexp(x_ptr, rows64, row_ok, E, stride_x, BLOCK_T: tl.constexpr, BL
 @triton.jit
 def _z_loss_kernel(
     # pointers
-    x_ptr, lse_ptr, partial_ptr, ticket_ptr, out_ptr, dx_ptr,
+    x_ptr, lse_ptr, partial_ptr, ticket_ptr, out_ptr,
     # sizes
     T, E,
     # strides (rows)
@@ -276,31 +272,18 @@ def _z_loss_kernel(
     # scalars
     scale,
     # meta
-    WRITE_GRAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-    FINISH_BLOCK: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, FINISH_BLOCK: tl.constexpr,
 ):
-    """out = scale * sum_t lse[t]^2 (scale = coeff / T); lse[t] is stored for the backward,
-    and with WRITE_GRAD the gradient for a unit grad_loss, dx = 2 * scale * lse * softmax(x)
-    (fp32, contiguous [T, E]), while the rows are hot in L2."""
+    """out = scale * sum_t lse[t]^2 (scale = coeff / T); lse[t] is stored for the backward."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     acc = tl.zeros([BLOCK_T], tl.float32)
     for blk in range(pid, tl.cdiv(T, BLOCK_T), nprog):
         rows = blk * BLOCK_T + tl.arange(0, BLOCK_T)
         row_ok = rows < T
-        rows64 = rows.to(tl.int64)
-        lse = _row_logsumexp(x_ptr, rows64, row_ok, E, stride_x, BLOCK_T, BLOCK_E)
+        lse = _row_logsumexp(x_ptr, rows.to(tl.int64), row_ok, E, stride_x, BLOCK_T, BLOCK_E)
         tl.store(lse_ptr + rows, lse, mask=row_ok)
         acc += tl.where(row_ok, lse * lse, 0.0)
-        if WRITE_GRAD:
-            g = scale * 2.0 * lse
-            for start in range(0, E, BLOCK_E):
-                cols = start + tl.arange(0, BLOCK_E)
-                mask = row_ok[:, None] & (cols < E)[None, :]
-                x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask,
-                            other=float("-inf")).to(tl.float32)
-                tl.store(dx_ptr + rows64[:, None] * E + cols[None, :],
-                         g[:, None] * tl.exp(x - lse[:, None]), mask=mask)
     tl.store(partial_ptr + pid, tl.sum(acc, axis=0))
     if _is_last_to_arrive(ticket_ptr, nprog):
         tl.store(out_ptr, _sum_partials(partial_ptr, nprog, FINISH_BLOCK) * scale)
@@ -503,59 +486,37 @@ def broadcast_grad(grad_loss, weights, t, e, dtype, scale, seq_length, num_token
     return out
 
 
-def scaled_grad(grad_loss, unit, dtype):
-    """grad_loss * unit (fp32, any strides) as a new contiguous tensor in `dtype`: one ATen
-    elementwise launch, rounding the fp32 product once."""
-    if dtype == torch.float32:
-        return torch.mul(unit, grad_loss)
-    out = torch.empty(unit.shape, dtype=dtype, device=unit.device)
-    return torch.mul(unit, grad_loss, out=out)
-
-
 def grad_from_rows(grad_loss, rows, t, e, seq_length, dtype):
     """Contiguous [t, e] gradient grad_loss * rows[row // seq_length, :], in `dtype`.
 
     rows: fp32 gradient rows for a unit grad_loss, [t // seq_length, e] at the start of a
-    contiguous buffer (as the forwards above return them). Up to _HOST_BOUND_NUMEL elements
-    the backward costs host time, not bandwidth, and one broadcasting ATen multiply over a
-    stride-0 view of the rows is the cheapest launch there is (a Triton launch costs several
-    times its host time); beyond, the Triton kernel writes at full bandwidth. Unchecked.
+    contiguous buffer (as the forwards above return them). Unchecked.
     """
     if t == 0 or e == 0:
         return torch.zeros(t, e, dtype=dtype, device=rows.device)
-    if t * e >= _HOST_BOUND_NUMEL:
-        return broadcast_grad(grad_loss, rows, t, e, dtype, 1.0, seq_length)
-    if seq_length >= t:
-        return scaled_grad(grad_loss, rows.as_strided((t, e), (0, 1)), dtype)
-    b = t // seq_length
-    return scaled_grad(grad_loss, rows.as_strided((b, seq_length, e), (e, 0, 1)), dtype).view(t, e)
+    return broadcast_grad(grad_loss, rows, t, e, dtype, 1.0, seq_length)
 
 
-def z_loss_forward(logits, coeff, grad=False):
-    """(loss, lse, unit_grad): coeff * mean_t(lse^2), 0-dim fp32; lse [T] fp32; with `grad` and
-    at most _HOST_BOUND_NUMEL elements, the gradient for a unit grad_loss, fp32 [T, E] (else
-    None; the backward then reads lse). Unchecked."""
+def z_loss_forward(logits, coeff):
+    """(loss, lse): coeff * mean_t(lse^2), 0-dim fp32, and lse [T] fp32 (for `z_loss_grad`).
+    Unchecked."""
     t, e = logits.shape
     if t == 0 or e == 0:  # the mean of nothing, as the reference says
-        return torch.full((), float("nan"), dtype=torch.float32, device=logits.device), None, None
+        return torch.full((), float("nan"), dtype=torch.float32, device=logits.device), None
     logits = rows_contiguous(logits)
     programs, _, block_t, block_e = _z_geometry(t, e, logits.device)
     out = torch.empty((), dtype=torch.float32, device=logits.device)
     lse = torch.empty(t + programs, dtype=torch.float32, device=logits.device)  # lse | partials
-    ticket = tickets(1, logits.device)
-    unit = torch.empty(t, e, dtype=torch.float32, device=logits.device) \
-        if grad and t * e < _HOST_BOUND_NUMEL else None
     _z_loss_kernel[(programs,)](
-        logits, lse, lse[t:], ticket, out, out if unit is None else unit,
+        logits, lse, lse[t:], tickets(1, logits.device), out,
         t, e, logits.stride(0), coeff / t,
-        WRITE_GRAD=unit is not None, BLOCK_T=block_t, BLOCK_E=block_e, FINISH_BLOCK=_FINISH_BLOCK)
-    return out, lse, unit
+        BLOCK_T=block_t, BLOCK_E=block_e, FINISH_BLOCK=_FINISH_BLOCK)
+    return out, lse
 
 
 def z_loss_grad(grad_loss, logits, coeff, lse=None):
     """d z_loss / d logits [T, E] in the logits' dtype, by the Triton kernel; lse [T] fp32 from
-    `z_loss_forward`, or None to recompute it. (When the forward wrote the unit gradient, the
-    backward is `scaled_grad`.) Unchecked."""
+    `z_loss_forward`, or None to recompute it. Unchecked."""
     t, e = logits.shape
     logits = rows_contiguous(logits)
     dx = torch.empty(t, e, dtype=logits.dtype, device=logits.device)

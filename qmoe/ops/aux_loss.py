@@ -5,7 +5,8 @@ Dimensions: T tokens, E experts, K top-k, B sequences of L tokens (T = B * L, ba
 Each loss returns a 0-dim fp32 tensor with autograd to its probs/logits, computed by fused
 Triton kernels on sm90+ GPUs and by `qmoe.reference.aux_loss` elsewhere. On the GPU a loss is
 one forward launch (a deterministic multi-block fp32 reduction, no host read, graph-capturable)
-and one backward launch; arguments are validated once per call, here, before either.
+and one backward launch (`qmoe.kernels.aux_loss` says why both are Triton's); arguments are
+validated once per call, here, before either.
 """
 from __future__ import annotations
 
@@ -70,22 +71,16 @@ class _SeqAuxLoss(torch.autograd.Function):
 
 class _ZLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, coeff, needs_grad):
-        loss, lse, unit_grad = _kernels().z_loss_forward(logits, coeff, grad=needs_grad)
-        if unit_grad is None:  # large: the backward kernel reads the logits and lse
-            ctx.save_for_backward(logits, lse, None)
-        else:  # small: the forward wrote the gradient for a unit grad_loss
-            ctx.save_for_backward(None, None, unit_grad)
-            ctx.dtype = logits.dtype
+    def forward(ctx, logits, coeff):
+        loss, lse = _kernels().z_loss_forward(logits, coeff)
+        ctx.save_for_backward(logits, lse)  # the backward kernel reads them: no [T, E] saved
         ctx.coeff = coeff
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        logits, lse, unit_grad = ctx.saved_tensors
-        if unit_grad is not None:
-            return _kernels().scaled_grad(grad_loss, unit_grad, ctx.dtype), None, None
-        return _kernels().z_loss_grad(grad_loss, logits, ctx.coeff, lse), None, None
+        logits, lse = ctx.saved_tensors
+        return _kernels().z_loss_grad(grad_loss, logits, ctx.coeff, lse), None
 
 
 def moe_aux_loss(probs, tokens_per_expert, num_tokens, num_experts, top_k, coeff):
@@ -141,7 +136,7 @@ def z_loss(logits, coeff):
     _check_scores("logits", logits)
     _check_coeff(coeff)
     if use_kernels(logits):
-        return _ZLoss.apply(logits, coeff, torch.is_grad_enabled() and logits.requires_grad)
+        return _ZLoss.apply(logits, coeff)
     return reference.z_loss(logits, coeff)
 
 

@@ -289,8 +289,8 @@ def test_losses_are_deterministic():
             assert torch.equal(loss(), first)
 
 
-# Up to 2^24 elements the op scales the forward's unit gradient with one ATen multiply; at
-# 2^24 and beyond with the Triton kernels (z_loss's reading the logits and logsumexp).
+# Small and large: the backward kernels broadcast the balance losses' gradient rows (one
+# sequence, or many) and read z_loss's logits and logsumexp at every size.
 OP_GRAD_CASES = [(8192, 256, 4096), (16384, 128, 4096), (333, 60, 111), (1, 8, 1), (16384, 1024, 4096)]
 
 
