@@ -46,7 +46,9 @@ def host_us(fn, calls: int = 300) -> float:
     return issue_and_wall_s(fn, calls, warmup=20)[0] * 1e6
 
 
-def device_profile(fn, calls: int = 20) -> tuple[float, float, list[str]]:
+def device_profile(fn, calls: int = 20) -> tuple[float, float, dict[str, float]]:
+    """(kernel microseconds per call, launches per call, {kernel name: microseconds per call}) of
+    `fn`, by torch.profiler; it sees the kernels inside a replayed CUDA graph too."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -55,9 +57,11 @@ def device_profile(fn, calls: int = 20) -> tuple[float, float, list[str]]:
             fn()
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    names = sorted({e.name[:60] for e in kernels})
-    total_us = sum(e.device_time for e in kernels) / calls
-    return total_us, len(kernels) / calls, names
+    per_kernel: dict[str, float] = {}
+    for e in kernels:
+        per_kernel[e.name[:60]] = per_kernel.get(e.name[:60], 0.0) + e.device_time / calls
+    total_us = sum(per_kernel.values())
+    return total_us, len(kernels) / calls, dict(sorted(per_kernel.items(), key=lambda kv: -kv[1]))
 
 
 def top_functions(fn, calls: int = 200, n: int = 14) -> list[str]:

@@ -7,7 +7,8 @@ although they move 8-36 MB (a few microseconds at copy bandwidth). For each such
 - issue_us: wall time to issue one forward + backward, over many steps without synchronizing
   (the host's cost: Python, autograd, allocations, launches);
 - wall_us: the same steps until the GPU is done (what do_bench sees);
-- device_us and launches: the summed time of the step's kernels (torch.profiler) and their count.
+- device_us and launches: the summed time of the step's kernels (torch.profiler) and their count;
+  qmoe_kernels_us: qmoe's per kernel.
 
 wall_us close to issue_us and far above device_us means the stage is bound by the host: a
 faster kernel cannot help, fewer launches and less Python can (or a CUDA graph, where
@@ -21,7 +22,7 @@ import argparse
 
 import torch
 
-from benchmarks.bench_routing import MODELS, _fwd_bwd
+from benchmarks.bench_routing import AUX_ONLY, MODELS, _fwd_bwd
 from benchmarks.profile_quantize import device_profile, issue_and_wall_s
 from benchmarks.results_file import write_results
 
@@ -52,6 +53,21 @@ def stages(cfg):
     ]
 
 
+def aux_only_stages():
+    """(model label, T, E, [(stage, eager, qmoe, inputs)]) of the bench's balance-loss-alone sweep."""
+    return [(f"aux-E{e}", t, e, [_aux_only_stage(t, e)]) for t, e in AUX_ONLY]
+
+
+def _aux_only_stage(t, e):
+    from qmoe import ops
+    from qmoe.reference import aux_loss as ref_aux
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(t, e, device="cuda"), -1).requires_grad_(True)
+    counts = (torch.rand(t, e, device="cuda") < 8 / e).sum(0)
+    return ("aux_loss", lambda: ref_aux.moe_aux_loss(probs, counts, t, e, 8, 1e-2),
+            lambda: ops.moe_aux_loss(probs, counts, t, e, 8, 1e-2), [probs])
+
+
 def main(argv=None) -> int:
     import triton
 
@@ -62,20 +78,25 @@ def main(argv=None) -> int:
                   method="issue_us / wall_us: perf_counter per forward + backward over 200 unsynchronized steps "
                          "(after 20), until issued / until the GPU is done; device_us, launches: torch.profiler "
                          "CUDA kernel time and count per step (20 steps)", rows=[])
-    for model, cfg in MODELS.items():
-        for stage, eager, qmoe_fwd, inputs in stages(cfg):
-            row = dict(model=model, stage=stage, T=cfg["tokens"], E=cfg["experts"])
+    cases = [(model, cfg["tokens"], cfg["experts"], stages(cfg)) for model, cfg in MODELS.items()]
+    for model, t, e, model_stages in cases + aux_only_stages():
+        for stage, eager, qmoe_fwd, inputs in model_stages:
+            row = dict(model=model, stage=stage, T=t, E=e)
             for name, fwd in (("eager", eager), ("qmoe", qmoe_fwd)):
                 try:
                     step = _fwd_bwd(fwd, inputs)
                     issue, wall = issue_and_wall_s(step, 200, 20)
-                    dev, launches, _ = device_profile(step)
+                    dev, launches, kernels = device_profile(step)
                     row.update({f"{name}_issue_us": issue * 1e6, f"{name}_wall_us": wall * 1e6,
                                 f"{name}_device_us": dev, f"{name}_launches": launches})
+                    if name == "qmoe":
+                        row["qmoe_kernels_us"] = kernels
                 except Exception as e:  # keep profiling the rest; the row says what failed
                     row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
             result["rows"].append(row)
-            print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+            print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else
+                           f"{k}={ {n[:40]: round(u, 1) for n, u in v.items()} }" if isinstance(v, dict) else
+                           f"{k}={v}" for k, v in row.items()), flush=True)
             if args.out:
                 write_results(args.out, result, indent=1, quiet=True)
     return 0
