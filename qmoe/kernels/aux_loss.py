@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qmoe.kernels._triton_utils import rows_contiguous, tickets
+from qmoe.kernels._triton_utils import rows_contiguous, tickets, wrapped
 from qmoe.reference.aux_loss import (check_moe_aux_loss_args, check_seq_aux_loss_args,
                                      check_update_expert_bias_args, _check_coeff, _check_scores)
 
@@ -48,6 +48,12 @@ _FINISH_BLOCK = 512
 # seq_aux_loss column block: 32 fp32 = 128 bytes a row, whole cache lines; narrow so that
 # B * E / 32 (b, column) pairs times a few row chunks fill the GPU.
 _SEQ_BLOCK_E = 32
+
+
+def _launcher(kernel):
+    # The losses' Functions are traced by torch.compile (they are not KernelOps): there the
+    # kernel itself, which Dynamo knows how to trace, and not `wrapped`, which it cannot.
+    return kernel if torch.compiler.is_compiling() else wrapped(kernel)
 
 
 # ---------------------------------------------------------------- shared device helpers
@@ -441,7 +447,7 @@ def aux_loss_forward(probs, weights, scale, num_tokens=None, grad_rows=False):
     out = torch.empty((), dtype=torch.float32, device=probs.device)
     work = torch.empty(programs + (e if grad_rows else 0), dtype=torch.float32, device=probs.device)
     ticket = tickets(1, probs.device)
-    _moe_aux_loss_kernel[(programs,)](
+    _launcher(_moe_aux_loss_kernel)[(programs,)](
         probs, weights, out if num_tokens is None else num_tokens, work, ticket, out,
         t, e, probs.stride(0), scale,
         NUM_TOKENS_ON_DEVICE=num_tokens is not None, WRITE_GRAD_ROW=bool(grad_rows),
@@ -463,7 +469,7 @@ def seq_aux_loss_forward(probs, routing_map, seq_length, scale):
     out = torch.empty((), dtype=torch.float32, device=probs.device)
     scratch = torch.empty(scratch_size, dtype=torch.float32, device=probs.device)
     ticket = tickets(1 + (pairs if chunks > 1 else 0), probs.device)
-    _seq_aux_loss_kernel[(chunks * pairs,)](
+    _launcher(_seq_aux_loss_kernel)[(chunks * pairs,)](
         probs, m, scratch, ticket, out,
         b, seq_length, e, chunk, probs.stride(0), m.stride(0), scale,
         NUM_CHUNKS=chunks, BLOCK_T=block_t, BLOCK_E=block_e, FINISH_BLOCK=_FINISH_BLOCK)
@@ -478,7 +484,7 @@ def broadcast_grad(grad_loss, weights, t, e, dtype, scale, seq_length, num_token
     if t == 0 or e == 0:
         return out
     grid, block_t, block_e = _grad_geometry(t, e)
-    _broadcast_grad_kernel[grid](
+    _launcher(_broadcast_grad_kernel)[grid](
         grad_loss, weights, grad_loss if num_tokens is None else num_tokens, out,
         t, seq_length, e, e, scale,
         NUM_TOKENS_ON_DEVICE=num_tokens is not None, ONE_SEQUENCE=seq_length >= t,
@@ -507,7 +513,7 @@ def z_loss_forward(logits, coeff):
     programs, _, block_t, block_e = _z_geometry(t, e, logits.device)
     out = torch.empty((), dtype=torch.float32, device=logits.device)
     lse = torch.empty(t + programs, dtype=torch.float32, device=logits.device)  # lse | partials
-    _z_loss_kernel[(programs,)](
+    _launcher(_z_loss_kernel)[(programs,)](
         logits, lse, lse[t:], tickets(1, logits.device), out,
         t, e, logits.stride(0), coeff / t,
         BLOCK_T=block_t, BLOCK_E=block_e, FINISH_BLOCK=_FINISH_BLOCK)
@@ -523,7 +529,7 @@ def z_loss_grad(grad_loss, logits, coeff, lse=None):
     if dx.numel() == 0:
         return dx
     _, blocks, block_t, block_e = _z_geometry(t, e, logits.device)
-    _z_loss_bwd_kernel[(blocks,)](
+    _launcher(_z_loss_bwd_kernel)[(blocks,)](
         grad_loss, logits, logits if lse is None else lse, dx, t, e, logits.stride(0), dx.stride(0),
         coeff / t, HAS_LSE=lse is not None, BLOCK_T=block_t, BLOCK_E=block_e)
     return dx
@@ -593,6 +599,6 @@ def update_expert_bias(bias, tokens_per_expert, rate=1e-3):
     check_update_expert_bias_args(bias, tokens_per_expert, rate)
     e = bias.shape[0]
     if e:
-        _update_expert_bias_kernel[(1,)](bias, tokens_per_expert.contiguous(), e, float(rate),
+        _launcher(_update_expert_bias_kernel)[(1,)](bias, tokens_per_expert.contiguous(), e, float(rate),
                                          BLOCK_E=min(_next_pow2(e), 4096))
     return bias
