@@ -6,6 +6,7 @@ is two launches there (the forward reduction, the backward's broadcast multiply)
 at the bench's shapes, with:
 
 - forward: the persistent reduction at several programs per SM and tile sizes;
+- the sequence-level loss's forward by column block width (at L = 4096);
 - backward: ATen's broadcasting multiply over a stride-0 view (what the op used below 2^24
   elements until this measurement, for its lower host cost) against the Triton broadcast kernel.
 
@@ -40,6 +41,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     rows = []
     base = (k._PROGRAMS_PER_SM, k._TILE)
+    seq_base = k._SEQ_BLOCK_E
     for t, e in SHAPES:
         torch.manual_seed(0)
         probs = torch.softmax(torch.randn(t, e, device="cuda"), -1)
@@ -63,6 +65,17 @@ def main(argv=None) -> int:
             lambda: k.broadcast_grad(grad_loss, rows_buf, t, e, torch.float32, 1.0, t))
         row["backward_us"]["one_tiny_aten_kernel"] = graphed_us(lambda: grad_loss.mul(1.0))
         row["copy_us_at_4.2TBps"] = t * e * 4 / 4.2e12 * 1e6
+        if e <= 256:  # the sequence-level loss at the bench's L = 4096, by column block width
+            routing_map = torch.rand(t, e, device="cuda") < 8 / e
+            row["seq_forward_us"] = {}
+            for block in (32, 64, 128, 256):
+                k._SEQ_BLOCK_E = block
+                k._seq_geometry.cache_clear()
+                row["seq_forward_us"][f"block_e{block}"] = graphed_us(
+                    lambda: k.seq_aux_loss_forward(probs, routing_map, 4096, 1e-3))
+            k._SEQ_BLOCK_E = seq_base
+            k._seq_geometry.cache_clear()
+            print(f"T={t} E={e}: seq forward {row['seq_forward_us']}", flush=True)
         rows.append(row)
         best = min(row["forward_us"], key=row["forward_us"].get)
         print(f"T={t} E={e}: forward default {row['forward_us'][f'pps{base[0]}-tile{base[1]}']:.1f} us, "
