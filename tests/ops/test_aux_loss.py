@@ -205,11 +205,8 @@ def test_losses_share_counters_safely_across_streams_and_graphs():
     # (qmoe.kernels._triton_utils.tickets); the last program of each launch resets it. Here two
     # streams run losses at once, and a graph replays on a third while eager launches run.
     from qmoe.kernels._triton_utils import tickets
-    torch.manual_seed(3)
     t, e = 8192, 256
-    probs = torch.softmax(torch.randn(t, e, device="cuda"), -1)
-    routing_map = torch.rand(t, e, device="cuda") < 8 / e
-    counts, logits = routing_map.sum(0), torch.randn(t, e, device="cuda") * 3
+    probs, routing_map, counts, logits = _gpu_loss_inputs(t, e, seed=3)
     losses = [lambda: moe_aux_loss(probs, counts, t, e, 8, 1e-2),
               lambda: seq_aux_loss(probs, routing_map, 256, 8, 1e-2),  # row-chunked: per-pair counters
               lambda: z_loss(logits, 1e-3)]
@@ -244,6 +241,14 @@ def test_losses_share_counters_safely_across_streams_and_graphs():
     assert not tickets(64, probs.device).any() and not inside.any()
 
 
+def _gpu_loss_inputs(t, e, seed):
+    """(probs, routing_map, counts, logits) on the GPU: softmax probs, ~8 experts a token."""
+    torch.manual_seed(seed)
+    probs = torch.softmax(torch.randn(t, e, device="cuda"), -1)
+    routing_map = torch.rand(t, e, device="cuda") < 8 / e
+    return probs, routing_map, routing_map.sum(0), torch.randn(t, e, device="cuda") * 3
+
+
 def _on(stream, fn):
     with torch.cuda.stream(stream):
         return fn()
@@ -274,11 +279,8 @@ def test_seq_aux_loss_kernel_layouts(t, e, seq):
 @pytest.mark.gpu
 def test_losses_are_deterministic():
     # Partials are added in a fixed order by the last program, never by float atomics.
-    torch.manual_seed(1)
     t, e = 65536, 256
-    probs = torch.softmax(torch.randn(t, e, device="cuda"), -1)
-    routing_map = torch.rand(t, e, device="cuda") < 8 / e
-    counts, logits = routing_map.sum(0), torch.randn(t, e, device="cuda") * 3
+    probs, routing_map, counts, logits = _gpu_loss_inputs(t, e, seed=1)
     for loss in (lambda: moe_aux_loss(probs, counts, t, e, 8, 1e-2),
                  lambda: moe_aux_loss(probs, counts, torch.tensor(t, device="cuda"), e, 8, 1e-2),
                  lambda: seq_aux_loss(probs, routing_map, 4096, 8, 1e-2),
