@@ -8,7 +8,10 @@
   maxima of |x|'s bit patterns (exact, and NaN, whose bits exceed inf's, wins).
 - Casts: clamp with NaN propagation, then an RNE conversion (`cvt.rn.satfinite` on sm90).
 - Launch helpers: autotune config generators, and the choice between the autotuned kernel
-  (large problems) and one fixed config (small problems: no tuning runs, no host syncs).
+  (large problems) and one fixed config (small problems: no tuning runs, no host syncs);
+  `KernelOp` (a launcher as an opaque torch op) and `FastLauncher` (repeat launches straight
+  to Triton's compiled launcher).
+- Arrival counters (`tickets`) for last-program-finishes reductions, shared without memsets.
 """
 from __future__ import annotations
 
@@ -18,17 +21,17 @@ import threading
 import torch
 import triton
 import triton.language as tl
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 from triton.runtime.driver import driver as _driver
 from triton.runtime.jit import JITFunction
+
+from qmoe.formats import FLT_MAX, RHT_SIGNS
 
 try:
     from triton import knobs
     from triton.knobs import HookChain
 except ImportError:  # Triton < 3.4: no fast launches (see _fast_launch_supported)
     knobs = HookChain = None
-from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-from qmoe.formats import FLT_MAX, RHT_SIGNS
 
 _FLT_MAX = tl.constexpr(FLT_MAX)
 _INF_BITS = tl.constexpr(0x7F800000)
@@ -459,14 +462,15 @@ def _specialization(args, constexprs: frozenset) -> tuple | None:
 
 
 class FastLauncher:
-    """`kernel[grid](*args, **meta)` at a third of JITFunction.run's host cost.
+    """`kernel[grid](*args, **meta)` with less host time than JITFunction.run.
 
-    JITFunction.run binds and specializes every argument in Python on every launch, ~15-27 us
-    against ~5 us for the compiled launcher it ends in (benchmarks/results/host_overhead.json,
-    an H200 host). The first launch of each specialization (`_specialization`, the device, the
-    keyword arguments) goes through JITFunction.run, which compiles it and returns the compiled
-    kernel; later ones call that kernel's launcher directly. Launch hooks (profilers such as
-    proton) and pre-run hooks send every launch through JITFunction.run.
+    JITFunction.run binds and specializes every argument in Python on every launch: 19-21 us
+    a launch on an H200 host, against 7-9 us for the compiled launcher it ends in and 12-18 us
+    through this class (benchmarks/results/host_overhead.json). The first launch of each
+    specialization (`_specialization`, the device, the keyword arguments) goes through
+    JITFunction.run, which compiles it and returns the compiled kernel; later ones call that
+    kernel's launcher directly. Launch hooks (profilers such as proton) and pre-run hooks send
+    every launch through JITFunction.run.
     """
 
     __slots__ = ("kernel", "params", "constexprs", "compiled")
@@ -482,7 +486,7 @@ class FastLauncher:
 
     def launch(self, grid, args: tuple, kwargs: dict):
         global _FAST_LAUNCH
-        if not _no_launch_hooks() or self.kernel.pre_run_hooks or callable(grid):
+        if not _FAST_LAUNCH or not _no_launch_hooks() or self.kernel.pre_run_hooks or callable(grid):
             return self.kernel[grid](*args, **kwargs)
         spec = _specialization(args, self.constexprs)
         if spec is None:

@@ -73,7 +73,9 @@ class _ZLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, coeff):
         loss, lse = _kernels().z_loss_forward(logits, coeff)
-        ctx.save_for_backward(logits, lse)  # the backward kernel reads them: no [T, E] saved
+        # the backward kernel reads both: the logits are the op's input (the router's backward
+        # keeps them alive anyway) and lse is [T], so the loss allocates no [T, E] of its own
+        ctx.save_for_backward(logits, lse)
         ctx.coeff = coeff
         return loss
 
