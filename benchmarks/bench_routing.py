@@ -76,28 +76,34 @@ def _empty_kernel(x_ptr):
 
 
 class _Floor(torch.autograd.Function):
-    """The cheapest differentiable op: forward and backward each allocate their result and, with
-    `launch`, launch one empty Triton kernel (what a fused op launches at the least). Timed
-    under the same harness, it is what Python, autograd, the engine's hand-off to the device
-    thread (and Triton's launcher) cost any op before its kernels do any work."""
+    """The cheapest differentiable op: forward and backward each allocate their result and call
+    `launch` on it (None: nothing; `_launch_empty`: one empty Triton kernel, what a fused op
+    launches at the least). Timed under the same harness, it is what Python, autograd, the
+    engine's hand-off to the device thread (and the launch) cost any op before its kernels do
+    any work."""
 
     @staticmethod
     def forward(ctx, x, launch):
-        ctx.launch = launch
-        if launch:
-            _empty_kernel[(1,)](x)
+        ctx.launch, ctx.shape = launch, x.shape
+        if launch is not None:
+            launch(x)
         return torch.empty((), device=x.device)
 
     @staticmethod
     def backward(ctx, _):
-        grad = torch.empty(16, device="cuda")  # a fresh tensor: AccumulateGrad keeps it, no copy
-        if ctx.launch:
-            _empty_kernel[(1,)](grad)
+        grad = torch.empty(ctx.shape, device="cuda")  # a fresh tensor: AccumulateGrad keeps it, no copy
+        if ctx.launch is not None:
+            ctx.launch(grad)
         return grad, None
 
 
-def _floor_step(launch: bool):
-    x = torch.zeros(16, device="cuda", requires_grad=True)
+def _launch_empty(t):
+    _empty_kernel[(1,)](t)
+
+
+def floor_step(launch=None, numel: int = 16):
+    """A forward + backward of `_Floor` under the bench's harness (`_fwd_bwd`)."""
+    x = torch.zeros(numel, device="cuda", requires_grad=True)
     return _fwd_bwd(lambda: _Floor.apply(x, launch), [x])
 
 
@@ -111,11 +117,11 @@ def _stage(rows, model, stage, shape, eager_fwd, qmoe_fwd, inputs, nbytes=None):
         if why:
             row[f"{name}_graph_error"] = why
     times = {f"{name}_{kind}": [] for name, _ in impls for kind in ("fwd_ms", "ms", "graph_ms")}
-    floors = {"autograd_floor_ms": _floor_step(False), "triton_floor_ms": _floor_step(True)}
+    floors = {"autograd_floor_ms": floor_step(), "triton_floor_ms": floor_step(_launch_empty)}
     times.update({key: [] for key in floors})
     for _ in range(ROUNDS):
-        for key, floor_step in floors.items():
-            times[key].append(median_ms(floor_step))
+        for key, step in floors.items():
+            times[key].append(median_ms(step))
         for name, fwd in impls:
             with torch.no_grad():
                 times[f"{name}_fwd_ms"].append(median_ms(fwd))
@@ -188,17 +194,21 @@ def bench_model(rows, name, cfg, scale):
            lambda: ops.moe_unpermute(y, row_id_map, probs), [y, probs], min_bytes("unpermute", t, e, k, h, used))
 
 
-def bench_aux_only(rows, scale):
+def aux_only_case(t, e):
+    """(eager forward, qmoe forward, leaf inputs) of the balance loss alone over [t, e] softmax probs."""
     from qmoe import ops
     from qmoe.reference import aux_loss as ref_aux
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(t, e, device="cuda"), -1).requires_grad_(True)
+    counts = (torch.rand(t, e, device="cuda") < 8 / e).sum(0)
+    return (lambda: ref_aux.moe_aux_loss(probs, counts, t, e, 8, 1e-2),
+            lambda: ops.moe_aux_loss(probs, counts, t, e, 8, 1e-2), [probs])
+
+
+def bench_aux_only(rows, scale):
     for t, e in AUX_ONLY:
         t //= scale
-        torch.manual_seed(0)
-        probs = torch.softmax(torch.randn(t, e, device="cuda"), -1).requires_grad_(True)
-        counts = (torch.rand(t, e, device="cuda") < 8 / e).sum(0)
-        _stage(rows, f"aux-E{e}", "aux_loss", dict(T=t, E=e),
-               lambda: ref_aux.moe_aux_loss(probs, counts, t, e, 8, 1e-2),
-               lambda: ops.moe_aux_loss(probs, counts, t, e, 8, 1e-2), [probs], min_bytes("aux_loss", t, e))
+        _stage(rows, f"aux-E{e}", "aux_loss", dict(T=t, E=e), *aux_only_case(t, e), min_bytes("aux_loss", t, e))
 
 
 def main(argv=None) -> int:

@@ -53,7 +53,7 @@ def issue_us(fn, n: int = 400, warm: int = 30) -> float:
 
 
 def main(argv=None) -> int:
-    from benchmarks.bench_routing import _fwd_bwd
+    from benchmarks.bench_routing import _fwd_bwd, floor_step
     from benchmarks.results_file import run_environment
     from qmoe import ops
     from qmoe.reference import aux_loss as ref_aux, router as ref_router
@@ -150,24 +150,10 @@ def main(argv=None) -> int:
         if kind == "triton_direct":
             return lambda t: k4.run(1, 1, 1, driver.active.get_current_stream(dev_i), k4.function,
                                     k4.packed_metadata, None, None, None, t, t, 1024, 1.0, 128)
-        return lambda t: None
-
-    class Floor(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, a, go):
-            ctx.go = go
-            go(a)
-            return torch.empty((), device=a.device)
-
-        @staticmethod
-        def backward(ctx, _):
-            grad = torch.empty(1024, device="cuda")
-            ctx.go(grad)
-            return grad, None
+        return None
 
     for kind in ("none", "aten", "triton_jit", "qmoe_fast", "triton_direct"):
-        go = launcher(kind)
-        rec(f"floor fwd+bwd, launch per direction: {kind}", issue_us(_fwd_bwd(lambda: Floor.apply(leaf, go), [leaf])))
+        rec(f"floor fwd+bwd, launch per direction: {kind}", issue_us(floor_step(launcher(kind), 1024)))
 
     # the stages
     t, e, k = 8192, 256, 8

@@ -22,7 +22,7 @@ import argparse
 
 import torch
 
-from benchmarks.bench_routing import AUX_ONLY, MODELS, _fwd_bwd
+from benchmarks.bench_routing import AUX_ONLY, MODELS, _fwd_bwd, aux_only_case
 from benchmarks.profile_quantize import device_profile, issue_and_wall_s
 from benchmarks.results_file import write_results
 
@@ -55,17 +55,7 @@ def stages(cfg):
 
 def aux_only_stages():
     """(model label, T, E, [(stage, eager, qmoe, inputs)]) of the bench's balance-loss-alone sweep."""
-    return [(f"aux-E{e}", t, e, [_aux_only_stage(t, e)]) for t, e in AUX_ONLY]
-
-
-def _aux_only_stage(t, e):
-    from qmoe import ops
-    from qmoe.reference import aux_loss as ref_aux
-    torch.manual_seed(0)
-    probs = torch.softmax(torch.randn(t, e, device="cuda"), -1).requires_grad_(True)
-    counts = (torch.rand(t, e, device="cuda") < 8 / e).sum(0)
-    return ("aux_loss", lambda: ref_aux.moe_aux_loss(probs, counts, t, e, 8, 1e-2),
-            lambda: ops.moe_aux_loss(probs, counts, t, e, 8, 1e-2), [probs])
+    return [(f"aux-E{e}", t, e, [("aux_loss", *aux_only_case(t, e))]) for t, e in AUX_ONLY]
 
 
 def main(argv=None) -> int:

@@ -538,8 +538,8 @@ _STREAM_TICKETS: dict[tuple[int, int], torch.Tensor] = {}
 
 
 def tickets(n: int, device: torch.device) -> torch.Tensor:
-    """At least `n` zeroed int32 arrival counters for a last-program-finishes kernel that sets
-    each counter back to zero when its last program has drawn from it.
+    """At least `n` zeroed int32 arrival counters for a last-program-finishes kernel, which
+    draws from them with `is_last_to_arrive` (its last program sets each back to zero).
 
     Because the kernel leaves them zeroed, a launch needs no memset of its own (a launch, and
     8 us of host time, fewer per loss). Sharing is safe where launches cannot overlap: eager
@@ -568,6 +568,33 @@ def tickets(n: int, device: torch.device) -> torch.Tensor:
             _CAPTURE_TICKETS[index] = [torch.zeros(_CAPTURE_TICKET_SLOTS, dtype=torch.int32,
                                                    device=device), 0]
     return buf
+
+
+@triton.jit
+def is_last_to_arrive(ticket_ptr, n):
+    """True in the last of `n` programs to call this on a zeroed counter, which that program
+    sets back to zero (`tickets` hands the counter to the next launch).
+
+    The CUDA threadfence-reduction handshake: the barrier orders every thread's earlier
+    stores before the ticket, the ticket's acq_rel makes them visible to the program that
+    draws the last one (which then reads them with volatile loads, past the L1). All `n`
+    have drawn by then, so nothing of this launch touches the counter after the reset.
+    """
+    tl.debug_barrier()
+    last = tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == n - 1
+    if last:
+        tl.atomic_xchg(ticket_ptr, 0, sem="relaxed")
+    return last
+
+
+@triton.jit
+def sum_partials(partial_ptr, n, BLOCK: tl.constexpr):
+    """Sum of partial[0:n] in a fixed order (the same bits on every run)."""
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, n, BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        acc += tl.load(partial_ptr + idx, mask=idx < n, other=0.0, volatile=True)
+    return tl.sum(acc, axis=0)
 
 
 def device_splits(split_sizes: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qmoe.kernels._triton_utils import rows_contiguous, tickets, wrapped
+from qmoe.kernels._triton_utils import is_last_to_arrive, rows_contiguous, sum_partials, tickets, wrapped
 from qmoe.reference.aux_loss import (check_moe_aux_loss_args, check_seq_aux_loss_args,
                                      check_update_expert_bias_args, _check_coeff, _check_scores)
 
@@ -54,36 +54,6 @@ def _launcher(kernel):
     # The losses' Functions are traced by torch.compile (they are not KernelOps): there the
     # kernel itself, which Dynamo knows how to trace, and not `wrapped`, which it cannot.
     return kernel if torch.compiler.is_compiling() else wrapped(kernel)
-
-
-# ---------------------------------------------------------------- shared device helpers
-
-
-@triton.jit
-def _is_last_to_arrive(ticket_ptr, n):
-    """True in the last of `n` programs to call this on a zeroed counter, which that program
-    sets back to zero (`_triton_utils.tickets` hands the counter to the next launch).
-
-    The CUDA threadfence-reduction handshake: the barrier orders every thread's earlier
-    stores before the ticket, the ticket's acq_rel makes them visible to the program that
-    draws the last one (which then reads them with volatile loads, past the L1). All `n`
-    have drawn by then, so nothing of this launch touches the counter after the reset.
-    """
-    tl.debug_barrier()
-    last = tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == n - 1
-    if last:
-        tl.atomic_xchg(ticket_ptr, 0, sem="relaxed")
-    return last
-
-
-@triton.jit
-def _sum_partials(partial_ptr, n, BLOCK: tl.constexpr):
-    """Sum of partial[0:n] in a fixed order (the same bits on every run)."""
-    acc = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, n, BLOCK):
-        idx = start + tl.arange(0, BLOCK)
-        acc += tl.load(partial_ptr + idx, mask=idx < n, other=0.0, volatile=True)
-    return tl.sum(acc, axis=0)
 
 
 # ---------------------------------------------------------------- kernels
@@ -134,8 +104,8 @@ def _moe_aux_loss_kernel(
     if WRITE_GRAD_ROW:
         partial_ptr = work_ptr + E
     tl.store(partial_ptr + pid, tl.sum(tl.sum(acc, axis=1), axis=0))
-    if _is_last_to_arrive(ticket_ptr, nprog):
-        total = _sum_partials(partial_ptr, nprog, FINISH_BLOCK) * scale
+    if is_last_to_arrive(ticket_ptr, nprog):
+        total = sum_partials(partial_ptr, nprog, FINISH_BLOCK) * scale
         if NUM_TOKENS_ON_DEVICE:
             total = total / (nt * nt)
         tl.store(out_ptr, total)
@@ -198,7 +168,7 @@ def _seq_aux_loss_kernel(
         slot = (chunk * 2 * B + b) * E + cols
         tl.store(chunk_ptr + slot, psum, mask=col_ok)
         tl.store(chunk_ptr + slot + B * E, count, mask=col_ok)
-        finish = _is_last_to_arrive(ticket_ptr + 1 + pair, NUM_CHUNKS)
+        finish = is_last_to_arrive(ticket_ptr + 1 + pair, NUM_CHUNKS)
         if finish:
             psum = tl.zeros([BLOCK_E], tl.float32)
             count = tl.zeros([BLOCK_E], tl.float32)
@@ -210,8 +180,8 @@ def _seq_aux_loss_kernel(
         w = count * scale
         tl.store(w_ptr + b * E + cols, w, mask=col_ok)
         tl.store(pair_partial_ptr + pair, tl.sum(w * psum, axis=0))
-        if _is_last_to_arrive(ticket_ptr, n_pairs):
-            tl.store(out_ptr, _sum_partials(pair_partial_ptr, n_pairs, FINISH_BLOCK))
+        if is_last_to_arrive(ticket_ptr, n_pairs):
+            tl.store(out_ptr, sum_partials(pair_partial_ptr, n_pairs, FINISH_BLOCK))
 
 
 @triton.jit
@@ -291,8 +261,8 @@ def _z_loss_kernel(
         tl.store(lse_ptr + rows, lse, mask=row_ok)
         acc += tl.where(row_ok, lse * lse, 0.0)
     tl.store(partial_ptr + pid, tl.sum(acc, axis=0))
-    if _is_last_to_arrive(ticket_ptr, nprog):
-        tl.store(out_ptr, _sum_partials(partial_ptr, nprog, FINISH_BLOCK) * scale)
+    if is_last_to_arrive(ticket_ptr, nprog):
+        tl.store(out_ptr, sum_partials(partial_ptr, nprog, FINISH_BLOCK) * scale)
 
 
 @triton.jit

@@ -35,7 +35,7 @@ import triton
 from qmoe.errors import UnsupportedError
 from qmoe.formats import ceil_div
 from qmoe.kernels import grouped_gemm_triton as jit
-from qmoe.kernels._triton_utils import kernel_op, wrapped
+from qmoe.kernels._triton_utils import group_pow2, kernel_op, wrapped
 from qmoe.reference.grouped_gemm import Scaling, is_grouped, scaling_of
 from qmoe.reference.quantize_nvfp4 import nvfp4_tensor_scale
 
@@ -450,7 +450,7 @@ def _dequantize_tokens_op(data: torch.Tensor, scale: Optional[torch.Tensor], fac
     wrapped(jit._dequantize_tokens_kernel)[(ceil_div(features, block_r), ceil_div(total, block_t) + groups)](
         op.data, op.scale, op.soffs, offsets, out, features, groups,
         op.stride_r, op.stride_k, op.s_stride_r, op.s_stride_k, out.stride(0), out.stride(1),
-        SCALING=_CODE[Scaling(scaling)], BC=op.block[1], GP=triton.next_power_of_2(groups + 1),
+        SCALING=_CODE[Scaling(scaling)], BC=op.block[1], GP=group_pow2(groups),  # reads offs[g], offs[g + 1] for g < G
         BLOCK_R=block_r, BLOCK_T=block_t, num_warps=warps)
     return out
 
