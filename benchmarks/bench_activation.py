@@ -17,8 +17,7 @@ import sys
 
 import torch
 
-from benchmarks.results_file import run_environment, write_results
-from benchmarks.timing import copy_gbps, median_ms
+from benchmarks.harness import copy_gbps, median_ms, run_header, write_results
 
 CASES = [("swiglu", None), ("swiglu", 128), ("geglu", None), ("clamped_qgeglu", None), ("relu2", None),
          ("gelu", None)]
@@ -77,6 +76,7 @@ def main(argv=None) -> int:
     if not use_kernels(probe):
         print("warning: qmoe ops run the reference on this device (sm < 90 or QMOE_BACKEND=reference)",
               file=sys.stderr)
+    header = run_header("benchmarks.bench_activation", argv)
     gbps = copy_gbps()
     rows = []
     r = ROWS // (QUICK_SCALE if args.quick else 1)
@@ -85,14 +85,13 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     result = dict(
         suite="activation",
-        **run_environment(),
         qmoe_backend="triton" if use_kernels(probe) else "reference",
         method="triton.testing.do_bench medians, ms; *_ms = forward + backward (probs and h get "
                "gradients), *_fwd_ms = forward (no_grad); eager = the pure-torch op with autograd, "
                "qmoe = qmoe.ops.expert_activation; roofline_ms = min_bytes / copy_gbps (same run)",
         quick=args.quick, copy_gbps=gbps, rows=rows,
     )
-    write_results(args.out, result, indent=1)
+    write_results(args.out, header, result, indent=1)
     return 0
 
 

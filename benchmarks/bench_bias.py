@@ -17,8 +17,7 @@ import sys
 
 import torch
 
-from benchmarks.results_file import run_environment, write_results
-from benchmarks.timing import copy_gbps, median_ms
+from benchmarks.harness import copy_gbps, median_ms, run_header, write_results
 
 CASES = [(65536, 4096, 256, False), (65536, 4096, 256, True), (65536, 7168, 32, False)]
 
@@ -32,6 +31,7 @@ def main(argv=None) -> int:
         print("bench bias needs a CUDA GPU; none found", file=sys.stderr)
         return 2
     from qmoe.kernels.bias import grouped_bias_backward
+    header = run_header("benchmarks.bench_bias", argv)
     torch.manual_seed(0)
     rows = []
     for r, n, e, one_group in CASES:
@@ -48,11 +48,11 @@ def main(argv=None) -> int:
             print(f"R {r} N {n} E {e} {rows[-1]['split']:9s} dscales={need_dscales!s:5s} {ms:.3f} ms "
                   f"(dy read at copy bandwidth: {roofline_ms:.3f} ms, {roofline_ms / ms:.2f})", flush=True)
     result = dict(
-        suite="bias", **run_environment(), copy_gbps=copy_gbps(),
+        suite="bias", copy_gbps=copy_gbps(),
         method="triton.testing.do_bench medians of grouped_bias_backward (bf16 dy, fp32 scales); "
                "read_dy_roofline_ms = dy bytes / copy_gbps (a 1 GiB copy, same run)",
         rows=rows)
-    write_results(args.out, result)
+    write_results(args.out, header, result)
     return 0
 
 

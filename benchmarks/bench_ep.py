@@ -30,7 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.results_file import run_environment, write_results
+from benchmarks.harness import run_header, write_results
 
 # per-rank shard shapes: tokens routed by each rank, experts held by each rank (E = local * ep)
 SHAPES = {
@@ -186,6 +186,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                       "ep.json"))
     args = parser.parse_args(argv)
+    args.argv = argv
     if "WORLD_SIZE" not in os.environ and not dist.is_initialized():
         print("bench ep runs one process per GPU: launch it with torchrun, e.g. "
               "torchrun --nproc-per-node 2 --no-python qmoe bench ep", file=sys.stderr)
@@ -221,10 +222,9 @@ def _run(args, device) -> int:
         return 0
     from qmoe.backend import use_kernels
     result = dict(
-        suite="ep", **run_environment(device),
+        suite="ep",
         world_size=dist.get_world_size(), backend=dist.get_backend(),
         qmoe_backend="triton" if use_kernels(torch.empty(1, device=device)) else "reference",
-        nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"),
         method=(f"one MoELayer(ep_group=WORLD) per rank, bf16 weights and activations, fp32 router; a step is forward "
                 f"+ backward (input, router and expert gradients); step_ms: the slowest rank's median of {iters} "
                 f"timed steps after {warmup} warm-up steps (CUDA events, a barrier before each); dispatch_bytes / "
@@ -235,7 +235,7 @@ def _run(args, device) -> int:
                 f"step_ms / step_ms; bytes_vs_bf16_dispatch = dispatch_bytes / the bf16 dispatch's"),
         quick=args.quick, rows=rows,
     )
-    write_results(args.out, result)
+    write_results(args.out, run_header("benchmarks.bench_ep", args.argv, device), result)
     return 0
 
 

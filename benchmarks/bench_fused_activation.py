@@ -20,8 +20,7 @@ import sys
 
 import torch
 
-from benchmarks.results_file import run_environment, write_results
-from benchmarks.timing import copy_gbps, median_ms
+from benchmarks.harness import copy_gbps, median_ms, run_header, write_results
 
 RECIPES = ["current", "block", "mxfp8", "nvfp4"]
 ROWS, FFN, EXPERTS = 65536, 2048, 32
@@ -76,6 +75,7 @@ def main(argv=None) -> int:
         print("qmoe bench fused_activation needs a CUDA GPU (the fused kernels run on sm90+); none found",
               file=sys.stderr)
         return 2
+    header = run_header("benchmarks.bench_fused_activation", argv)
     r = ROWS // (QUICK_SCALE if args.quick else 1)
     torch.manual_seed(0)
     h = (torch.randn(r, 2 * FFN, device="cuda") * 3).bfloat16()
@@ -85,13 +85,12 @@ def main(argv=None) -> int:
     rows = [bench_recipe(name, h, probs, splits, gbps) for name in RECIPES]
     result = dict(
         suite="fused_activation",
-        **run_environment(),
         method="triton.testing.do_bench medians, ms, rowwise + columnwise GroupedTensor of act(h) * probs; "
                "separate = expert_activation then GroupedTensor.quantize, fused = GroupedTensor.quantize of "
                "ActivatedRows; fused_frac_copy = min_bytes / copy bandwidth (same run) / fused_ms",
         quick=args.quick, copy_gbps=gbps, rows=rows,
     )
-    write_results(args.out, result, indent=1)
+    write_results(args.out, header, result, indent=1)
     return 0
 
 

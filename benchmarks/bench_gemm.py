@@ -15,11 +15,12 @@ Targets are BASELINES.md's ratios; ratio_to_target >= 1 means met.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
+
+from benchmarks.harness import run_header, write_results
 
 SHAPES = {  # name: (experts, rows per expert, K, N)
     "dsv3-fc1": (32, 2048, 7168, 4096),
@@ -290,24 +291,20 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         print("qmoe bench gemm needs a CUDA GPU of compute capability >= 9.0", file=sys.stderr)
         return 2
-    import triton
-
+    header = run_header("benchmarks.bench_gemm", argv)
     shapes = {**SHAPES, **MEMORY_BOUND}
     names = list(QUICK) if args.quick else (args.shapes or list(shapes))
     all_recipes = _recipes()
     rows, details = [], []
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     for shape in names:
         memory_bound = shape.startswith("mem")
         wanted = args.recipes or (["bf16", "mxfp8", "nvfp4"] if memory_bound else list(all_recipes))
         layouts = ["fprop"] if memory_bound else args.layouts
         run_shape(shape, shapes[shape], {r: all_recipes[r] for r in wanted}, layouts, args.sweep, rows, details)
-        result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                  "rows": rows, "details": details}
-        out.write_text(json.dumps(result, indent=1) + "\n")  # after every shape: partial runs keep their rows
+        # after every shape: partial runs keep their rows
+        write_results(args.out, header, {"suite": "gemm", "rows": rows, "details": details}, indent=1, quiet=True)
     print_table(rows)
-    print(f"wrote {out}")
+    print(f"wrote {args.out}")
     return 0
 
 

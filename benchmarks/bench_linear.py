@@ -2,18 +2,18 @@
 
 Peers measured in the same run: bf16 `torch._grouped_mm` (autograd) and, when importable,
 torchao's FP8 rowwise `_to_fp8_rowwise_then_scaled_grouped_mm` (carry its wheel to the device).
-Writes benchmarks/results/linear.json:
-{"device","torch","triton","rows":[{"shape","impl","recipe","ms","tflops","speedup_vs_bf16",
-"ratio_vs_torchao"}]}.
+Writes benchmarks/results/linear.json: {"header", "suite", "rows": [{"shape", "impl", "recipe",
+"ms", "tflops", "speedup_vs_bf16", "ratio_vs_torchao"}]}.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
+
+from benchmarks.harness import run_header, write_results
 
 SHAPES = {  # name: (experts, rows per expert, K, N), BASELINES.md
     "dsv3-fc1": (32, 2048, 7168, 4096),
@@ -111,17 +111,13 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("qmoe bench linear needs a CUDA GPU", file=sys.stderr)
         return 2
-    import triton
-
+    header = run_header("benchmarks.bench_linear", argv)
     recipes = _recipes()
     if args.recipes:
         recipes = {k: v for k, v in recipes.items() if k in args.recipes}
     shapes = args.shapes[:1] if args.quick else args.shapes
     def write(rows):
-        out = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                   rows=rows)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+        write_results(args.out, header, {"suite": "linear", "rows": rows}, quiet=True)
 
     rows = run(shapes, recipes, reps=5 if args.quick else 10, on_shape=write)
     print(f"wrote {args.out} ({len(rows)} rows)")

@@ -15,11 +15,8 @@ Writes benchmarks/results/moe.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
 import os
-import platform
 import statistics
 import sys
 
@@ -223,9 +220,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench moe needs a CUDA GPU (qmoe's kernels run on sm90+); none found", file=sys.stderr)
         return 2
-    import triton
-
     from qmoe.backend import use_kernels
+    header = run_header("benchmarks.bench_moe", argv)
     shapes = args.shapes or (list(QUICK_SHAPES) if args.quick else list(SHAPES))
     recipes = args.recipes or list(RECIPES)
     if "bf16" not in recipes:
@@ -241,20 +237,15 @@ def main(argv=None) -> int:
     rows = []
     for name in shapes:  # the file is rewritten after every shape: partial results survive a time limit
         bench_shape(rows, name, SHAPES[name], recipes, warmup, iters, not args.no_graph)
-        _write(args, rows, warmup, iters)
+        _write(args, header, rows, warmup, iters)
     print(f"wrote {args.out}")
     return 0
 
 
-def _write(args, rows, warmup, iters) -> None:
-    import triton
-
+def _write(args, header, rows, warmup, iters) -> None:
     from qmoe.backend import use_kernels
     result = dict(
         suite="moe",
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
-        torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
         qmoe_backend="triton" if use_kernels(torch.empty(1, device="cuda")) else "reference",
         method=(f"forward + backward of one MoE layer (bf16 weights and activations, fp32 router; grads of input, "
                 f"router and experts); medians of {iters} CUDA-event-timed steps after {warmup} warm-up steps. "
@@ -269,9 +260,7 @@ def _write(args, rows, warmup, iters) -> None:
                 f"(> 1 is faster than qmoe bf16)"),
         quick=args.quick, targets=TARGETS, rows=rows,
     )
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_results(args.out, header, result, quiet=True)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ once. Writes benchmarks/results/quantize.json and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.timing import copy_gbps, median_ms
+from benchmarks.harness import copy_gbps, median_ms, run_header, write_results
 
 SHAPES = {"65536x7168": (65536, 7168, None), "16384x2048": (16384, 2048, None), "32x2048x7168": (65536, 7168, 32)}
 RECIPES = ("delayed", "current", "block", "mxfp8", "nvfp4")
@@ -187,13 +186,8 @@ def spawn_warm_jobs(args, argv):
 
 
 def write(args, rows):
-    import triton
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    schema = dict(result, rows=[{k: v for k, v in r.items() if k != "error"} for r in rows])  # errors: printed
-    args.out.write_text(json.dumps(schema, indent=1) + "\n")
-    return result
+    rows = [{k: v for k, v in r.items() if k != "error"} for r in rows]  # errors: printed
+    write_results(args.out, args.header, {"suite": "quantize", "rows": rows}, indent=1, quiet=True)
 
 
 def measure(args) -> list[dict]:
@@ -243,11 +237,11 @@ def format_row(r) -> str:
             f"{f(r['torch_compile_gbps'], '8.0f')} {f(speed, '6.2f')}" + (f"  {r['error']}" if "error" in r else ""))
 
 
-def print_table(result):
-    print(f"\n{result['device']}, torch {result['torch']}, triton {result['triton']}")
+def print_table(header, rows):
+    print(f"\n{header['device']}, torch {header['torch']}, triton {header['triton']}")
     print(f"{'recipe':8} {'role':11} {'shape':13} {'':7} {'copies':7} {'GB/s':>8} {'frac':>6} {'compile':>8} "
           f"{'x':>6}")
-    for r in result["rows"]:
+    for r in rows:
         print(format_row(r))
 
 
@@ -275,8 +269,8 @@ def main(argv=None) -> int:
     if args.warm_jobs:
         spawn_warm_jobs(args, argv)
         print(f"warm-up jobs done in {time.time() - t0:.0f} s", flush=True)
-    result = write(args, measure(args))
-    print_table(result)
+    args.header = run_header("benchmarks.bench_quantize", argv)
+    print_table(args.header, measure(args))
     print_autotune_choices()
     print(f"wrote {args.out} ({time.time() - t0:.0f} s)")
     return 0

@@ -19,8 +19,7 @@ import sys
 import torch
 import triton
 
-from benchmarks.results_file import run_environment, write_results
-from benchmarks.timing import capture_graph, copy_gbps, median_ms
+from benchmarks.harness import capture_graph, copy_gbps, median_ms, run_header, write_results
 
 MODELS = {
     "deepseek-v3": dict(tokens=8192, experts=256, top_k=8, hidden=7168, align=16,
@@ -227,6 +226,7 @@ def main(argv=None) -> int:
     if not use_kernels(probe):
         print("warning: qmoe ops run the reference on this device (sm < 90 or QMOE_BACKEND=reference);"
               " the comparison is reference vs reference", file=sys.stderr)
+    header = run_header("benchmarks.bench_routing", argv)
     scale = QUICK_SCALE if args.quick else 1
     rows = []
     for name in args.models:
@@ -236,7 +236,6 @@ def main(argv=None) -> int:
         bench_aux_only(rows, scale)
     result = dict(
         suite="routing",
-        **run_environment(),
         qmoe_backend="triton" if use_kernels(probe) else "reference",
         method="triton.testing.do_bench medians, ms; *_ms = forward + backward, *_fwd_ms = forward "
                "(no_grad); eager = qmoe.reference run op by op in PyTorch (the spec, autograd "
@@ -254,7 +253,7 @@ def main(argv=None) -> int:
         quick=args.quick, target="qmoe >= 3x eager for each stage", copy_gbps=copy_gbps(),
         rows=rows,
     )
-    write_results(args.out, result)
+    write_results(args.out, header, result)
     worst = min(r["speedup"] for r in rows)
     print(f"slowest speedup x{worst:.2f}")
     return 0

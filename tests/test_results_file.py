@@ -1,22 +1,88 @@
-"""benchmarks/results_file: the run metadata every results file records, and the writer."""
+"""benchmarks/harness: the header every results file starts with, its writer, and the files of
+record under benchmarks/results/ (each one has a complete header)."""
 import json
+import subprocess
+from pathlib import Path
 
+import pytest
 import torch
 
-from benchmarks.results_file import run_environment, write_results
+from benchmarks.harness import (
+    HEADER_KEYS,
+    RESULTS_DIR,
+    check_header,
+    command_line,
+    git_commit,
+    run_header,
+    write_results,
+)
 
 
-def test_run_environment_on_the_cpu_names_versions_and_no_capability():
-    env = run_environment("cpu")
-    assert set(env) == {"date", "device", "capability", "torch", "triton", "python"}
-    assert env["capability"] is None and env["torch"] == torch.__version__
-    assert isinstance(env["device"], str) and env["device"]
-    assert env["date"].endswith("+00:00")  # UTC, ISO 8601
+def test_run_header_on_the_cpu_names_when_how_and_what():
+    header = run_header("benchmarks.bench_moe", ["--quick", "--shapes", "a b"], "cpu")
+    assert set(HEADER_KEYS) <= set(header)
+    assert header["capability"] is None and header["torch"] == torch.__version__
+    assert isinstance(header["device"], str) and header["device"]
+    assert header["date"].endswith("+00:00")  # UTC, ISO 8601
+    assert header["command"].endswith("python -m benchmarks.bench_moe --quick --shapes 'a b'")
+    check_header(header)
 
 
-def test_write_results_creates_the_folder_and_round_trips(tmp_path, capsys):
+def test_git_commit_is_the_checkouts_head_or_unknown(tmp_path):
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                              text=True, check=False).stdout.strip()
+    except OSError:
+        head = ""
+    assert git_commit() == (head or "unknown")
+    assert git_commit(tmp_path) == "unknown"  # not a repository
+
+
+def test_command_line_records_the_environment_and_torchrun():
+    assert command_line("benchmarks.bench_gemm", [], environ={}) == "python -m benchmarks.bench_gemm"
+    env = {"QMOE_BACKEND": "reference", "HOME": "/x", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    assert (command_line("benchmarks.bench_ep", ["--quick"], environ=env)
+            == "QMOE_BACKEND=reference torchrun --nproc-per-node=2 -m benchmarks.bench_ep --quick")
+
+
+def test_write_results_puts_the_header_first_and_round_trips(tmp_path, capsys):
     path = tmp_path / "new" / "suite.json"
-    result = {"suite": "x", **run_environment("cpu"), "rows": [{"ms": 1.5}]}
-    write_results(str(path), result)
-    assert json.loads(path.read_text()) == result
+    header = run_header("benchmarks.bench_x", [], "cpu")
+    write_results(path, header, {"suite": "x", "rows": [{"ms": 1.5}]})
+    written = json.loads(path.read_text())
+    assert list(written) == ["header", "suite", "rows"]
+    assert written == {"header": header, "suite": "x", "rows": [{"ms": 1.5}]}
     assert f"wrote {path}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("key", HEADER_KEYS)
+def test_write_results_refuses_an_incomplete_header(tmp_path, key):
+    header = run_header("benchmarks.bench_x", [], "cpu")
+    header[key] = ""
+    with pytest.raises(ValueError, match=key):
+        write_results(tmp_path / "x.json", header, {"rows": []})
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_write_results_refuses_a_result_that_repeats_the_header(tmp_path):
+    header = run_header("benchmarks.bench_x", [], "cpu")
+    with pytest.raises(ValueError, match="device"):
+        write_results(tmp_path / "x.json", header, {"device": "H200", "rows": []})
+
+
+RESULT_FILES = sorted(RESULTS_DIR.rglob("*"))
+
+
+def test_results_hold_only_json_files():
+    assert RESULT_FILES, RESULTS_DIR
+    assert [p.name for p in RESULT_FILES if p.is_file() and p.suffix != ".json"] == []
+
+
+@pytest.mark.parametrize("path", [p for p in RESULT_FILES if p.suffix == ".json"],
+                         ids=lambda p: str(p.relative_to(RESULTS_DIR)))
+def test_every_results_file_starts_with_one_complete_header(path):
+    data = json.loads(path.read_text())
+    assert next(iter(data)) == "header"
+    check_header(data["header"])
+    assert not set(data) & set(HEADER_KEYS), "run facts belong in the header only"
+    assert len(data["header"]["commit"]) == 40 or data["header"]["commit"] == "unknown"
