@@ -6,8 +6,8 @@ torch glue around them, so it gets fp32 tolerance.
 
 The scaled-bias case caught a real failure (H200, torch 2.11): the grouped bias forward was
 torch glue ending in a no-op `.to(fp32)`, so the autograd.Function's output aliased an
-intermediate and AOTAutograd gave it a zero gradient (benchmarks/diagnose_compile.py found the
-backward graph feeding zeros to the dgrad GEMM). The forward is a kernel op now
+intermediate and AOTAutograd gave it a zero gradient (the backward graph fed zeros to the dgrad
+GEMM). The forward is a kernel op now
 (kernels/bias.py), and the reference no longer returns an alias.
 """
 from __future__ import annotations
