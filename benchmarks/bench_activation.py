@@ -31,13 +31,14 @@ def _min_bytes(rows: int, width: int, f: int, elt: int = 2) -> int:
 
 
 def _eager(h, probs, activation, k):
-    from qmoe.reference.activation import deinterleave_glu, scaled_activation
+    from qmoe.contracts.carriers import deinterleave_glu
+    from qmoe.reference.activation import scaled_activation
     return scaled_activation(deinterleave_glu(h.t(), k).t() if k else h, probs, activation)
 
 
 def bench_case(rows_out, activation, k, r, f, gbps):
     from qmoe.ops import expert_activation
-    from qmoe.reference.activation import is_glu
+    from qmoe.contracts.carriers import is_glu
     torch.manual_seed(0)
     width = 2 * f if is_glu(activation) else f
     h = (torch.randn(r, width, device="cuda") * 3).bfloat16().requires_grad_(True)

@@ -36,7 +36,7 @@ def bench_recipe(name, h, probs, splits, gbps) -> dict:
     from qmoe.ops import expert_activation
     from qmoe.quant import GroupedTensor
     from qmoe.recipes import recipe_from_config
-    from qmoe.reference.activation import ActivatedRows
+    from qmoe.contracts.carriers import ActivatedRows
 
     config = {"name": name}
     if name == "nvfp4":

@@ -193,7 +193,7 @@ def _sweep_candidates(name, layout, memory_bound, rows_per_group):
     from dataclasses import replace
 
     from qmoe.kernels.grouped_gemm import TileConfig, k_tile_config, tile_configs
-    from qmoe.reference.grouped_gemm import Scaling
+    from qmoe.contracts.enums import Scaling
 
     if name == "block" and layout == "wgrad":  # two token-scaled operands: the outer-product promotion
         return [("fused", c) for c in (k_tile_config(Scaling.BLOCK), TileConfig(64, 128, 128, 4, 4),

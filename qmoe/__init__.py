@@ -7,7 +7,7 @@
 """
 from qmoe.autocast import autocast, autocast_state
 from qmoe.capabilities import capabilities
-from qmoe.errors import UnsupportedError
+from qmoe.contracts.errors import UnsupportedError
 from qmoe.quant import GroupedTensor, QuantizedTensor
 from qmoe import graph, nn, ops, parallel, recipes  # noqa: E402  (public subpackages)
 

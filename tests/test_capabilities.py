@@ -4,7 +4,7 @@ import torch
 
 import qmoe
 from qmoe.backend import implementation, use_kernels
-from qmoe.errors import UnsupportedError
+from qmoe.contracts.errors import UnsupportedError
 from qmoe.reference import quantize as ref_quantize
 
 

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from triton.runtime.driver import driver as _driver
 from triton.runtime.jit import JITFunction
 
-from qmoe.formats import FLT_MAX, RHT_SIGNS
+from qmoe.contracts.formats import FLT_MAX, RHT_SIGNS
 
 try:
     from triton import knobs

@@ -39,8 +39,9 @@ import triton
 import triton.language as tl
 
 from qmoe.kernels._triton_utils import kernel_op, launch, wrapped
-from qmoe.reference.activation import (ACTIVATIONS, GELU_BETA, GELU_KAPPA, GLU_ACTIVATIONS, QGEGLU_ALPHA,
-                                       QGEGLU_LIMIT, check_scaled_activation_args, glu_block)
+from qmoe.contracts.carriers import (ACTIVATIONS, GELU_BETA, GELU_KAPPA, GLU_ACTIVATIONS, QGEGLU_ALPHA, QGEGLU_LIMIT,
+                                     glu_block)
+from qmoe.contracts.validate import check_scaled_activation_args
 
 # The one place where an activation name becomes a kernel constant: its index in ACTIVATIONS,
 # which lists the GLUs first (codes below _FIRST_POINTWISE read a gate and a linear half).

@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 from qmoe.kernels._triton_utils import is_last_to_arrive, rows_contiguous, sum_partials, tickets, wrapped
-from qmoe.reference.aux_loss import (check_moe_aux_loss_args, check_seq_aux_loss_args,
-                                     check_update_expert_bias_args, _check_coeff, _check_scores)
+from qmoe.contracts.validate import (check_coeff, check_moe_aux_loss_args, check_scores, check_seq_aux_loss_args,
+                                     check_update_expert_bias_args)
 
 # Elements a program holds per step: 16 KB of fp32, 32 values a thread at 4 warps, so each
 # thread has eight 16-byte loads in flight; enough to stream at bandwidth, few registers.
@@ -554,8 +554,8 @@ def seq_aux_loss_backward(grad_loss, probs, routing_map, seq_length, top_k, coef
 
 def z_loss(logits, coeff):
     """Triton twin of `qmoe.reference.aux_loss.z_loss`."""
-    _check_scores("logits", logits)
-    _check_coeff(coeff)
+    check_scores("logits", logits)
+    check_coeff(coeff)
     return z_loss_forward(logits, coeff)[0]
 
 

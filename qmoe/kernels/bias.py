@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from qmoe.kernels._triton_utils import group_pow2, kernel_op, rows_contiguous, wrapped
-from qmoe.reference.bias import row_groups
+from qmoe.contracts.carriers import row_groups
 
 @triton.jit
 def _grouped_bias_forward_kernel(

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qmoe.formats import FLT_MAX
+from qmoe.contracts.formats import FLT_MAX
 from qmoe.kernels._triton_utils import abs_bits, wrapped
 
 _FLT_MAX = tl.constexpr(FLT_MAX)

@@ -32,12 +32,11 @@ from typing import Optional
 import torch
 import triton
 
-from qmoe.errors import UnsupportedError
-from qmoe.formats import ceil_div
+from qmoe.contracts.errors import UnsupportedError
+from qmoe.contracts.formats import ceil_div, nvfp4_tensor_scale
 from qmoe.kernels import grouped_gemm_triton as jit
 from qmoe.kernels._triton_utils import group_pow2, kernel_op, wrapped
-from qmoe.reference.grouped_gemm import Scaling, is_grouped, scaling_of
-from qmoe.reference.quantize_nvfp4 import nvfp4_tensor_scale
+from qmoe.contracts.enums import Scaling, is_grouped, scaling_of
 
 _CODE = {Scaling.NONE: 0, Scaling.TENSOR: 1, Scaling.BLOCK: 2, Scaling.MX: 3, Scaling.NVFP4: 4}
 # Rows per group from which the exact dequantize-then-bf16-GEMM route beats in-register

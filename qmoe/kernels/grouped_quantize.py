@@ -16,7 +16,7 @@ Per-tensor formats need the group amax before the cast: `grouped_tensor_amax` (o
 atomic max of |x| bits per group) feeds the quantizer's scale, then one cast launch. NVFP4
 runs its amax launch and its quantize launch inside `grouped_quantize_nvfp4`.
 
->>> from qmoe.formats import E4M3, ScaleMode
+>>> from qmoe.contracts.formats import E4M3, ScaleMode
 >>> x = torch.randn(96, 256, device="cuda", dtype=torch.bfloat16)
 >>> splits = torch.tensor([32, 0, 64], device="cuda")
 >>> row, row_s, col, col_s = grouped_quantize_mxfp8(x, splits, E4M3, ScaleMode.ROUND_UP, True, True)
@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import torch
 
-from qmoe.formats import ElementFormat, ScaleMode
+from qmoe.contracts.formats import ElementFormat, ScaleMode
 from qmoe.kernels._triton_utils import as_rows, device_splits
 from qmoe.kernels.activation import activation_code
 from qmoe.kernels.quantize import _fp8_meta, amax_op, fp8_block_op, fp8_block_supported, fp8_tensorwise_op, mxfp8_op
 from qmoe.kernels.quantize_nvfp4 import check_nvfp4_shape, draw_seeds, nvfp4_op
 from qmoe.reference import grouped_quantize as _ref
-from qmoe.reference.activation import ActivatedRows, glu_block
+from qmoe.contracts.carriers import ActivatedRows, glu_block
 
 
 def _prepare(x, split_sizes):

@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from qmoe.kernels._triton_utils import kernel_op, rows_contiguous, wrapped
-from qmoe.reference.permute import (RowIdMap, check_merging_probs, check_permute_index_args,
-                                    check_rows, num_permuted_rows)
+from qmoe.contracts.carriers import RowIdMap, num_permuted_rows
+from qmoe.contracts.validate import check_merging_probs, check_permute_index_args, check_rows
 
 _INDEX_BLOCK_T = 64      # tokens per chunk of the plan: tile [64, BLOCK_E] of the routing map
 _INDEX_BLOCK_E = 128

@@ -12,7 +12,7 @@ Tiers (STYLE.md): `_name_kernel` (Triton), the launchers registered as torch cus
 `qmoe::quantize_*` (validate, allocate, grid; their fake implementation is the launcher run on
 fake tensors, which only allocates), and the public functions below that match the reference.
 
->>> from qmoe.formats import E4M3
+>>> from qmoe.contracts.formats import E4M3
 >>> row, row_si, col, col_si = quantize_fp8_block(torch.randn(256, 512, device="cuda"), 1, 128, E4M3,
 ...                                               rowwise=True, columnwise=True)
 """
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qmoe.formats import ElementFormat, ScaleMode, ceil_div
+from qmoe.contracts.formats import ElementFormat, ScaleMode, ceil_div
 from qmoe.kernels._triton_utils import (as_rows, atomic_max_bits, block_amax_2d, block_amax_first, block_amax_last,
                                         cast_bits, exp2_int, fp8_scale_from_amax, group_pow2, kernel_op, launch,
                                         max_abs_bits, mx_exponent, prune_oversized, reciprocal, scale_2d, scale_last,

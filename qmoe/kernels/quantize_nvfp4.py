@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qmoe.formats import E2M1, E4M3, FLT_MAX, NVFP4_BLOCK, NVFP4_TENSOR_MAX, RHT_SIZE, ceil_div
+from qmoe.contracts.formats import E2M1, E4M3, FLT_MAX, NVFP4_BLOCK, NVFP4_TENSOR_MAX, RHT_SIZE, ceil_div
 from qmoe.kernels._triton_utils import (RHT_SIGN_MASK, as_rows, atomic_max_bits, block_amax_2d, block_amax_first,
                                         block_amax_last, cast_satfinite, clamp_nan, group_pow2, is_nan, kernel_op, launch,
                                         max_abs_bits, prune_oversized, reciprocal, rht_last, scale_2d, scale_first,

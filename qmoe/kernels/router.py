@@ -17,7 +17,9 @@ import triton
 import triton.language as tl
 
 from qmoe.kernels._triton_utils import kernel_op, rows_contiguous, wrapped
-from qmoe.reference.router import NORMALIZE_EPS, ScoreFunction, check_topk_route_args, parse_score_function
+from qmoe.contracts.carriers import NORMALIZE_EPS
+from qmoe.contracts.enums import ScoreFunction, parse_score_function
+from qmoe.contracts.validate import check_topk_route_args
 
 # Kernel constants for `ScoreFunction`: the one place the enum becomes a number.
 _SCORE_CODE = {ScoreFunction.SOFTMAX: 0, ScoreFunction.SIGMOID: 1, ScoreFunction.SQRTSOFTPLUS: 2}

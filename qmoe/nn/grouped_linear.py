@@ -10,7 +10,8 @@ from torch import nn
 from qmoe.autocast import RecipeState, autocast_state
 from qmoe.ops.grouped_gemm import select_grouped_path
 from qmoe.ops.grouped_linear import grouped_linear
-from qmoe.reference.activation import check_activation, is_glu
+from qmoe.contracts.carriers import is_glu
+from qmoe.contracts.validate import check_activation
 
 _PER_EXPERT = re.compile(r"^(weight|bias)(\d+)$")
 

@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 from qmoe.nn.grouped_linear import GroupedLinear
-from qmoe.reference.activation import check_activation, deinterleave_glu, interleave_glu, is_glu
+from qmoe.contracts.carriers import deinterleave_glu, interleave_glu, is_glu
+from qmoe.contracts.validate import check_activation
 
 
 class GroupedMLP(nn.Module):

@@ -14,7 +14,7 @@ from qmoe import ops
 from qmoe.autocast import RecipeState, autocast_state
 from qmoe.nn.grouped_mlp import GroupedMLP
 from qmoe.nn.router import TopKRouter
-from qmoe.reference.permute import num_permuted_rows
+from qmoe.contracts.carriers import num_permuted_rows
 
 
 class MoELayer(nn.Module):

@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 from qmoe import ops
-from qmoe.reference.router import compute_scores, parse_score_function
+from qmoe.contracts.enums import parse_score_function
+from qmoe.ops.router import balance_scores
 
 
 class TopKRouter(nn.Module):
@@ -75,9 +76,7 @@ class TopKRouter(nn.Module):
         num_tokens = logits.shape[0]
         if self.aux_loss_coeff or self.seq_aux_loss_coeff:
             # balance losses see every expert's score (normalised), not only the chosen ones
-            scores = compute_scores(logits, self.score_function, pre_softmax=True)
-            if self.score_function.value != "softmax":
-                scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+            scores = balance_scores(logits, self.score_function)
         if self.aux_loss_coeff:
             loss = loss + ops.moe_aux_loss(scores, tokens_per_expert, num_tokens, self.num_experts, self.top_k,
                                            self.aux_loss_coeff)

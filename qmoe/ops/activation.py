@@ -13,7 +13,7 @@ import torch
 
 from qmoe.backend import implementation
 from qmoe.reference import activation as reference
-from qmoe.reference.activation import check_scaled_activation_args
+from qmoe.contracts.validate import check_scaled_activation_args
 
 __all__ = ["expert_activation"]
 

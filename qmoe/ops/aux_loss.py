@@ -16,8 +16,8 @@ import torch
 
 from qmoe.backend import use_kernels
 from qmoe.reference import aux_loss as reference
-from qmoe.reference.aux_loss import (_check_coeff, _check_scores, check_moe_aux_loss_args,
-                                     check_seq_aux_loss_args, check_update_expert_bias_args)
+from qmoe.contracts.validate import (check_coeff, check_moe_aux_loss_args, check_scores, check_seq_aux_loss_args,
+                                     check_update_expert_bias_args)
 
 __all__ = ["moe_aux_loss", "seq_aux_loss", "z_loss", "update_expert_bias"]
 
@@ -135,8 +135,8 @@ def z_loss(logits, coeff):
 
     Args: logits [T, E] float (gets the gradient); coeff float. Returns: 0-dim fp32 loss.
     """
-    _check_scores("logits", logits)
-    _check_coeff(coeff)
+    check_scores("logits", logits)
+    check_coeff(coeff)
     if use_kernels(logits):
         return _ZLoss.apply(logits, coeff)
     return reference.z_loss(logits, coeff)

@@ -24,9 +24,10 @@ import copy
 import torch
 
 from qmoe.backend import backend_override, implementation
-from qmoe.errors import UnsupportedError
+from qmoe.contracts.enums import Scaling, scaling_of
+from qmoe.contracts.errors import UnsupportedError
+from qmoe.contracts.validate import OUT_DTYPES
 from qmoe.quant import GroupedTensor, QuantizedTensor, Quantizer
-from qmoe.reference.grouped_gemm import OUT_DTYPES, Scaling, scaling_of
 
 GROUPED_PATHS = ("auto", "grouped", "split")
 _PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

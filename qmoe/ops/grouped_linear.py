@@ -25,7 +25,8 @@ from qmoe.backend import implementation
 from qmoe.ops.activation import activation_backward, expert_activation
 from qmoe.ops.grouped_gemm import host_readable, k_grouped_gemm, m_grouped_gemm, quantize_weights
 from qmoe.quant import GroupedTensor, QuantizedTensor
-from qmoe.reference.activation import ActivatedRows, check_scaled_activation_args
+from qmoe.contracts.carriers import ActivatedRows
+from qmoe.contracts.validate import check_scaled_activation_args
 
 
 def gemm_nt(a: QuantizedTensor, b: QuantizedTensor, a_columnwise: bool, b_columnwise: bool,

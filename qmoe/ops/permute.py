@@ -14,7 +14,8 @@ import torch
 
 from qmoe.backend import use_kernels
 from qmoe.reference import permute as reference
-from qmoe.reference.permute import RowIdMap, check_merging_probs, check_permute_index_args, check_rows
+from qmoe.contracts.carriers import RowIdMap
+from qmoe.contracts.validate import check_merging_probs, check_permute_index_args, check_rows
 
 __all__ = ["moe_permute", "moe_unpermute", "RowIdMap"]
 

@@ -14,7 +14,10 @@ import torch
 
 from qmoe.backend import use_kernels
 from qmoe.reference import router as reference
-from qmoe.reference.router import apply_capacity, check_capacity_factor, check_topk_route_args
+from qmoe.contracts.carriers import NORMALIZE_EPS
+from qmoe.contracts.enums import ScoreFunction, parse_score_function
+from qmoe.contracts.validate import check_capacity_factor, check_topk_route_args
+from qmoe.reference.router import apply_capacity
 
 __all__ = ["topk_route", "apply_capacity", "router_logits"]
 
@@ -125,3 +128,16 @@ def topk_route(logits, top_k, *, score_function="softmax", pre_softmax=False, nu
     if capacity_factor is not None:
         probs, routing_map = apply_capacity(probs, routing_map, capacity_factor)
     return probs, routing_map
+
+
+def balance_scores(logits: torch.Tensor, score_function="softmax") -> torch.Tensor:
+    """Every expert's score [T, E] (fp32), normalised to sum 1 per token: what the balance losses see.
+
+    Softmax over all E for "softmax"; sigmoid / sqrtsoftplus scores divided by their sum (plus
+    NORMALIZE_EPS, so an all-zero row stays finite). Differentiable by autograd.
+    """
+    fn = parse_score_function(score_function)
+    scores = reference.compute_scores(logits, fn, pre_softmax=True)
+    if fn is not ScoreFunction.SOFTMAX:
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + NORMALIZE_EPS)
+    return scores

@@ -1,7 +1,7 @@
 """The one switch from (recipe, role) to a quantizer (STYLE.md: nothing else asks which recipe)."""
 from __future__ import annotations
 
-from qmoe.formats import FP8_BLOCK
+from qmoe.contracts.formats import FP8_BLOCK
 from qmoe.quant.quantizer import (Float8BlockQuantizer, Float8CurrentQuantizer, Float8DelayedQuantizer,
                                   MXFP8Quantizer, NVFP4Quantizer, Quantizer)
 from qmoe.recipes import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling,

@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 
 from qmoe.backend import implementation, use_kernels
-from qmoe.formats import pack_e2m1, unpack_e2m1
+from qmoe.contracts.carriers import ActivatedRows
+from qmoe.contracts.formats import pack_e2m1, unpack_e2m1
 from qmoe.quant.quantizer import NVFP4Quantizer, Quantizer, check_float_input
 from qmoe.quant.tensor import QuantizedTensor
-from qmoe.reference.activation import ActivatedRows
 from qmoe.reference.grouped_quantize import group_scale_offsets
 
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import torch
 
 from qmoe.backend import implementation
-from qmoe.errors import refuse_compile
-from qmoe.formats import E2M1, FP8_BLOCK, MXFP8_BLOCK, NVFP4_BLOCK, RHT_SIZE, ElementFormat, ScaleMode, ceil_div
+from qmoe.contracts.carriers import ActivatedRows
+from qmoe.contracts.errors import refuse_compile
+from qmoe.contracts.formats import E2M1, FP8_BLOCK, MXFP8_BLOCK, NVFP4_BLOCK, RHT_SIZE, ElementFormat, ScaleMode, ceil_div
 from qmoe.quant.delayed import (DelayedScalingState, all_reduce_amax, in_forward_region, register_backward,
                                 register_forward)
 from qmoe.quant.tensor import QuantizedTensor
-from qmoe.reference.activation import ActivatedRows
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -1,5 +1,5 @@
 """Quantization recipes (NUMERICS.md) and their config files."""
-from qmoe.formats import ScaleMode
+from qmoe.contracts.formats import ScaleMode
 from qmoe.recipes.config import recipe_from_config, recipe_to_config
 from qmoe.recipes.recipe import (ROLES, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format,
                                  MXFP8BlockScaling, NVFP4BlockScaling, Recipe)

@@ -11,7 +11,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Mapping
 
-from qmoe.formats import ScaleMode
+from qmoe.contracts.formats import ScaleMode
 from qmoe.recipes.recipe import RECIPES, Format, Recipe
 
 _ENUMS = {"fp8_format": Format, "scale_mode": ScaleMode}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, fields
 
-from qmoe.formats import E4M3, E5M2, ElementFormat, ScaleMode
+from qmoe.contracts.formats import E4M3, E5M2, ElementFormat, ScaleMode
 
 ROLES = ("input", "weight", "grad_output")
 
@@ -163,7 +163,7 @@ class MXFP8BlockScaling(Recipe):
     def __post_init__(self):
         _check_format(self)
         if not isinstance(self.scale_mode, ScaleMode):
-            raise ValueError(f"MXFP8BlockScaling.scale_mode must be a qmoe.formats.ScaleMode, got {self.scale_mode!r}")
+            raise ValueError(f"MXFP8BlockScaling.scale_mode must be a qmoe.recipes.ScaleMode, got {self.scale_mode!r}")
         self._validate_common()
 
     def element_format(self, role):
@@ -184,7 +184,7 @@ class NVFP4BlockScaling(Recipe):
         self._validate_common()
 
     def element_format(self, role):
-        from qmoe.formats import E2M1
+        from qmoe.contracts.formats import E2M1
 
         check_role(role)
         return E2M1

@@ -22,70 +22,16 @@ names and signatures); `scaled_activation` is the plain formula autograd differe
 """
 from __future__ import annotations
 
-import math
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
-GLU_ACTIVATIONS = ("swiglu", "geglu", "clamped_qgeglu")
-ACTIVATIONS = GLU_ACTIVATIONS + ("relu2", "gelu")
-QGEGLU_LIMIT = 7.0  # GPT-OSS clamps the gate above and the linear part to +-limit
-QGEGLU_ALPHA = 1.702
-GELU_BETA = math.sqrt(2.0 / math.pi)  # tanh-approximate gelu: 0.5 x (1 + tanh(beta (x + kappa x^3)))
-GELU_KAPPA = 0.044715
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-def is_glu(activation: str) -> bool:
-    return activation in GLU_ACTIVATIONS
-
-
-def check_activation(activation: str) -> str:
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"unknown activation {activation!r}; expected one of {', '.join(ACTIVATIONS)}")
-    return activation
-
+from qmoe.contracts.carriers import (ACTIVATIONS, GELU_BETA, GELU_KAPPA, QGEGLU_ALPHA, QGEGLU_LIMIT, ActivatedRows,
+                                     glu_block, is_glu)
+from qmoe.contracts.validate import check_activation, check_scaled_activation_args
 
 def compute_dtype(h: torch.Tensor) -> torch.dtype:
     """fp32 for fp32 / bf16 / fp16 h, fp64 for fp64 h."""
     return torch.float64 if h.dtype == torch.float64 else torch.float32
-
-
-def glu_block(activation: str, glu_interleave_size: int | None) -> int:
-    """The interleave block k that applies, 0 when the gate and linear halves are contiguous
-    (GLU without interleaving, or an activation that is not a GLU: the size is ignored there)."""
-    return glu_interleave_size if is_glu(activation) and glu_interleave_size else 0
-
-
-def check_scaled_activation_args(h, probs, activation, glu_interleave_size, da=None) -> int:
-    """Validate the arguments of a scaled activation (forward, or backward with `da`); returns F."""
-    check_activation(activation)
-    if not isinstance(h, torch.Tensor) or h.dtype not in _FLOATS:
-        raise TypeError(f"h must be a float32, bfloat16, float16 or float64 tensor, got "
-                        f"{getattr(h, 'dtype', type(h).__name__)}")
-    if h.dim() != 2:
-        raise ValueError(f"h must be 2-D [R, 2F] (GLU) or [R, F], got shape {tuple(h.shape)}")
-    rows, width = h.shape
-    glu = is_glu(activation)
-    if glu and width % 2:
-        raise ValueError(f"{activation} takes h [R, 2F] (gate and linear halves), got an odd width {width}")
-    f = width // 2 if glu else width
-    k = glu_interleave_size
-    if glu and k is not None and k != 0:
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0 or f % k:
-            raise ValueError(f"glu_interleave_size={k!r} must be a positive divisor of the FFN size F={f}")
-    for name, t, shape in (("probs", probs, (rows,)), ("da", da, (rows, f))):
-        if t is None:
-            continue
-        if not isinstance(t, torch.Tensor) or t.dtype not in _FLOATS:
-            raise TypeError(f"{name} must be a floating-point tensor, got {getattr(t, 'dtype', type(t).__name__)}")
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{name} must have shape {list(shape)} for h of shape {list(h.shape)} and "
-                             f"activation {activation!r}, got {list(t.shape)}")
-        if t.device != h.device:
-            raise ValueError(f"{name} is on {t.device} but h is on {h.device}; put both on one device")
-    return f
 
 
 # ---------------------------------------------------------------- GLU layouts
@@ -107,34 +53,6 @@ def join_glu(gate: torch.Tensor, linear: torch.Tensor, glu_interleave_size: int 
         return torch.cat((gate, linear), dim=1)
     rows, f = gate.shape
     return torch.stack((gate.reshape(rows, f // k, k), linear.reshape(rows, f // k, k)), dim=2).reshape(rows, 2 * f)
-
-
-def interleave_glu(w: torch.Tensor, block: int) -> torch.Tensor:
-    """Logical FC1 rows [gate(F); linear(F)] -> alternating `block`-row gate/linear blocks.
-
-    Works on the row dimension -2 of [.., 2F, K] weights and on the last dim of [.., 2F] biases
-    (pass the bias as w[..., None] and squeeze back).
-    """
-    two_f = w.shape[-2]
-    f = two_f // 2
-    if two_f % 2 or f % block:
-        raise ValueError(f"glu_interleave_size={block} must divide the FFN size {f}")
-    gate, linear = w[..., :f, :], w[..., f:, :]
-    g = gate.reshape(*w.shape[:-2], f // block, block, w.shape[-1])
-    lin = linear.reshape(*w.shape[:-2], f // block, block, w.shape[-1])
-    return torch.stack((g, lin), dim=-3).reshape(w.shape)
-
-
-def deinterleave_glu(w: torch.Tensor, block: int) -> torch.Tensor:
-    """Inverse of interleave_glu."""
-    two_f = w.shape[-2]
-    f = two_f // 2
-    if two_f % 2 or f % block:
-        raise ValueError(f"glu_interleave_size={block} must divide the FFN size {f}")
-    v = w.reshape(*w.shape[:-2], f // block, 2, block, w.shape[-1])
-    gate = v[..., 0, :, :].reshape(*w.shape[:-2], f, w.shape[-1])
-    linear = v[..., 1, :, :].reshape(*w.shape[:-2], f, w.shape[-1])
-    return torch.cat((gate, linear), dim=-2)
 
 
 # ---------------------------------------------------------------- the formula (autograd's spec)
@@ -240,39 +158,6 @@ def _pointwise_backward(activation, x, dact):
 
 # ---------------------------------------------------------------- an activation fused into its consumer
 
-class ActivatedRows(NamedTuple):
-    """The rows act(h) * probs[:, None], not computed yet: a quantizer that takes it reads h and
-    applies the activation as it loads (the expert MLP's activation fused into the quantization
-    of FC2's input), so the [R, F] activation never goes to memory. Its values are exactly
-    `scaled_activation_forward`'s (fp32 math, rounded once to h's dtype); the reference
-    quantizers call `values()`.
-    """
-
-    h: torch.Tensor
-    probs: torch.Tensor | None
-    activation: str
-    glu_interleave_size: int | None = None
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.h.shape[0], self.h.shape[1] // 2 if is_glu(self.activation) else self.h.shape[1]))
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.h.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.h.device
-
-    def dim(self) -> int:
-        return 2
-
-    def values(self) -> torch.Tensor:
-        """act(h) * probs[:, None] as a tensor [R, F]."""
-        return scaled_activation_forward(self.h, self.probs, self.activation, self.glu_interleave_size)
-
-
 def rows_of(x) -> torch.Tensor:
-    """x itself, or the computed values of an `ActivatedRows`."""
-    return x.values() if isinstance(x, ActivatedRows) else x
+    """x itself, or the values act(h) * probs[:, None] of an `ActivatedRows` (computed here)."""
+    return scaled_activation_forward(*x) if isinstance(x, ActivatedRows) else x

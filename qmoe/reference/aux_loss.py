@@ -9,77 +9,14 @@ against the definition itself.
 """
 from __future__ import annotations
 
-import math
-
 import torch
+
+from qmoe.contracts.validate import (check_coeff, check_moe_aux_loss_args, check_scores, check_seq_aux_loss_args,
+                                     check_update_expert_bias_args)
 
 
 def _acc(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
-def _check_scores(name, t, *, dims=2):
-    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got "
-                        f"{getattr(t, 'dtype', type(t).__name__)}")
-    if t.dim() != dims:
-        raise ValueError(f"{name} must be {dims}-D [T, E], got shape {tuple(t.shape)}")
-
-
-def _check_positive_int(name, v):
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"{name} must be a positive int, got {v!r}")
-
-
-def _check_coeff(coeff):
-    if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not math.isfinite(coeff):
-        raise TypeError(f"coeff must be a finite Python number, got {coeff!r}")
-
-
-def check_moe_aux_loss_args(probs, tokens_per_expert, num_tokens, num_experts, top_k, coeff):
-    _check_scores("probs", probs)
-    if not isinstance(tokens_per_expert, torch.Tensor) or tuple(tokens_per_expert.shape) != (probs.shape[1],):
-        raise ValueError(f"tokens_per_expert must be a tensor of shape [E]=({probs.shape[1]},), got "
-                         f"{getattr(tokens_per_expert, 'shape', type(tokens_per_expert).__name__)}")
-    if tokens_per_expert.device != probs.device:
-        raise ValueError(f"tokens_per_expert is on {tokens_per_expert.device} but probs on {probs.device}")
-    if isinstance(num_tokens, torch.Tensor):
-        if num_tokens.dim() != 0 or num_tokens.device != probs.device:
-            raise ValueError("num_tokens as a tensor must be 0-dim and on the device of probs, got "
-                             f"shape {tuple(num_tokens.shape)} on {num_tokens.device}")
-    else:
-        _check_positive_int("num_tokens", num_tokens)
-    _check_positive_int("num_experts", num_experts)
-    _check_positive_int("top_k", top_k)
-    _check_coeff(coeff)
-
-
-def check_seq_aux_loss_args(probs, routing_map, seq_length, top_k, coeff):
-    _check_scores("probs", probs)
-    if not isinstance(routing_map, torch.Tensor) or routing_map.dtype != torch.bool:
-        raise TypeError("routing_map must be a torch.bool tensor [T, E]")
-    if routing_map.shape != probs.shape or routing_map.device != probs.device:
-        raise ValueError(f"routing_map {tuple(routing_map.shape)} on {routing_map.device} must match "
-                         f"probs {tuple(probs.shape)} on {probs.device}")
-    _check_positive_int("seq_length", seq_length)
-    if probs.shape[0] % seq_length:
-        raise ValueError(f"T={probs.shape[0]} tokens is not a whole number of sequences of "
-                         f"seq_length={seq_length}; tokens must be laid out [B * L, E], batch-major")
-    _check_positive_int("top_k", top_k)
-    _check_coeff(coeff)
-
-
-def check_update_expert_bias_args(bias, tokens_per_expert, rate):
-    if not isinstance(bias, torch.Tensor) or not bias.is_floating_point() or bias.dim() != 1:
-        raise TypeError("expert bias must be a 1-D floating-point tensor [E] (fp32 recommended)")
-    if not isinstance(tokens_per_expert, torch.Tensor) or tokens_per_expert.shape != bias.shape:
-        raise ValueError(f"tokens_per_expert must have the shape of the bias {tuple(bias.shape)}")
-    if tokens_per_expert.device != bias.device:
-        raise ValueError(f"tokens_per_expert is on {tokens_per_expert.device} but bias on {bias.device}")
-    if not bias.is_contiguous():
-        raise ValueError("expert bias must be contiguous: it is updated in place")
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate):
-        raise TypeError(f"rate must be a finite Python number, got {rate!r}")
 
 
 def moe_aux_loss(probs, tokens_per_expert, num_tokens, num_experts, top_k, coeff):
@@ -131,8 +68,8 @@ def seq_aux_loss(probs, routing_map, seq_length, top_k, coeff):
 
 def z_loss(logits, coeff):
     """Router z-loss: coeff * mean_t(logsumexp(logits[t, :])^2). logits: [T, E] float."""
-    _check_scores("logits", logits)
-    _check_coeff(coeff)
+    check_scores("logits", logits)
+    check_coeff(coeff)
     return torch.logsumexp(logits.to(_acc(logits)), dim=-1).square().mean() * coeff
 
 

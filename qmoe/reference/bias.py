@@ -9,14 +9,7 @@ from __future__ import annotations
 
 import torch
 
-
-def row_groups(offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Group index [R] int64 of every row from offsets [E+1] (device op, no host sync).
-
-    Rows past offsets[-1] get E (no group).
-    """
-    rows = torch.arange(num_rows, device=offsets.device, dtype=offsets.dtype)
-    return torch.searchsorted(offsets[1:].contiguous(), rows, right=True)
+from qmoe.contracts.carriers import row_groups
 
 
 def _bias_rows(bias: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:

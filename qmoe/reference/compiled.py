@@ -22,14 +22,13 @@ from __future__ import annotations
 import torch
 from torch.library import custom_op
 
-from qmoe.formats import ScaleMode, e2m1_decode, e8m0_to_float, fp8_format, unpack_e2m1
+from qmoe.contracts.carriers import row_groups
+from qmoe.contracts.enums import Scaling, is_grouped, scaling_of
+from qmoe.contracts.formats import ScaleMode, e2m1_decode, e8m0_to_float, fp8_format, nvfp4_tensor_scale, unpack_e2m1
 from qmoe.reference import grouped_gemm as _gemm
 from qmoe.reference import grouped_quantize as _gq
-from qmoe.reference.bias import row_groups
-from qmoe.reference.grouped_gemm import Scaling, is_grouped, scaling_of
 from qmoe.reference.grouped_quantize import scale_capacity
 from qmoe.reference.quantize import expand_blocks
-from qmoe.reference.quantize_nvfp4 import nvfp4_tensor_scale
 
 _E4M3, _E8M0, _FP32 = torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.float32
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from qmoe.formats import FLT_MAX
+from qmoe.contracts.formats import FLT_MAX
 
 
 def update_amax_history(amax_history: torch.Tensor, scale: torch.Tensor, fmt_max: float, margin: int,

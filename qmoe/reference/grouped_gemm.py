@@ -27,42 +27,12 @@ This loops over groups on the host (it reads split sizes); it is the spec, not t
 from __future__ import annotations
 
 import copy
-import enum
 
 import torch
 
-from qmoe.formats import E2M1, e2m1_decode, unpack_e2m1
+from qmoe.contracts.enums import Scaling, is_grouped, scaling_of
+from qmoe.contracts.formats import e2m1_decode, nvfp4_tensor_scale, unpack_e2m1
 from qmoe.reference.quantize import expand_blocks
-from qmoe.reference.quantize_nvfp4 import nvfp4_tensor_scale
-
-OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-class Scaling(enum.Enum):
-    """How an operand's values are scaled: decides which kernel body multiplies it."""
-
-    NONE = "none"  # plain bf16/fp16/fp32 tensor
-    TENSOR = "tensor"  # FP8, one fp32 scale per group (delayed / current scaling)
-    BLOCK = "block"  # FP8, fp32 scale per 1x128 row block or 128x128 tile
-    MX = "mx"  # FP8, E8M0 scale per 1x32
-    NVFP4 = "nvfp4"  # E2M1, E4M3 scale per 1x16 or 16x16, fp32 tensor amax
-
-
-def is_grouped(x) -> bool:
-    """True for a GroupedTensor (duck-typed: this layer sits below qmoe.quant)."""
-    return hasattr(x, "split_sizes") and hasattr(x, "quantizer") and hasattr(x, "offsets")
-
-
-def scaling_of(gt) -> Scaling:
-    """The Scaling of a GroupedTensor, asked of its quantizer (format, block) and scale dtype."""
-    q = gt.quantizer
-    if q.fmt == E2M1:
-        return Scaling.NVFP4
-    if q.block is None:
-        return Scaling.TENSOR
-    scale = gt.rowwise_scale_inv if gt.rowwise_scale_inv is not None else gt.columnwise_scale_inv
-    return Scaling.MX if scale.dtype == torch.float8_e8m0fnu else Scaling.BLOCK
-
 
 def host_bounds(offsets: torch.Tensor) -> list[tuple[int, int]]:
     off = [int(v) for v in offsets.tolist()]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from qmoe.formats import ElementFormat, ScaleMode, pack_e2m1, unpack_e2m1
+from qmoe.contracts.formats import ElementFormat, ScaleMode, pack_e2m1, unpack_e2m1
 from qmoe.reference import quantize as q
 from qmoe.reference import quantize_nvfp4 as q4
 from qmoe.reference.activation import rows_of

@@ -18,65 +18,10 @@ from the token's slots, and any row that would land past R is dropped rather tha
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-
-class RowIdMap(NamedTuple):
-    """Where each token's copies went. Opaque to users: pass it from permute to unpermute.
-
-    rows: [T, K] int32, output row of each of the token's copies (ascending expert), -1 if unused.
-    experts: [T, K] int32, the expert of each copy, -1 if unused.
-    counts: [E] int32, tokens routed to each expert (unpadded).
-    offsets: [E + 1] int32, first row of each expert's group; offsets[E] = rows in groups.
-    num_rows: R, the static output row count.
-    """
-
-    rows: torch.Tensor
-    experts: torch.Tensor
-    counts: torch.Tensor
-    offsets: torch.Tensor
-    num_rows: int
-
-
-def num_permuted_rows(num_tokens: int, top_k: int, num_experts: int, align_size: int) -> int:
-    """The static row count R of a permuted batch."""
-    return num_tokens * top_k + num_experts * (align_size - 1)
-
-
-def check_permute_index_args(routing_map, top_k, align_size):
-    if not isinstance(routing_map, torch.Tensor) or routing_map.dtype != torch.bool or routing_map.dim() != 2:
-        raise TypeError("routing_map must be a 2-D torch.bool tensor [T, E], got "
-                        f"{getattr(routing_map, 'dtype', type(routing_map).__name__)} "
-                        f"{tuple(getattr(routing_map, 'shape', ()))}")
-    e = routing_map.shape[1]
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= e:
-        raise ValueError(f"top_k must be an int in [1, num_experts={e}], got {top_k!r}")
-    if isinstance(align_size, bool) or not isinstance(align_size, int) or align_size < 1:
-        raise ValueError(f"align_size must be a positive int (ask the recipe: recipe.align_size), "
-                         f"got {align_size!r}")
-
-
-def check_rows(name, t, num_rows, device):
-    """A per-row tensor [num_rows, N] (or [num_rows]) of any dtype, on `device`."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
-    if t.dim() not in (1, 2) or t.shape[0] != num_rows:
-        raise ValueError(f"{name} must be [{num_rows}, N] (one row per token/permuted row), "
-                         f"got shape {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device} but the routing is on {device}; move it there")
-
-
-def check_merging_probs(merging_probs, row_id_map):
-    t = row_id_map.rows.shape[0]
-    e = row_id_map.counts.shape[0]
-    if not isinstance(merging_probs, torch.Tensor) or not merging_probs.is_floating_point():
-        raise TypeError("merging_probs must be a floating-point tensor [T, E]")
-    if tuple(merging_probs.shape) != (t, e) or merging_probs.device != row_id_map.rows.device:
-        raise ValueError(f"merging_probs must be [T, E]=({t}, {e}) on {row_id_map.rows.device}, got "
-                         f"{tuple(merging_probs.shape)} on {merging_probs.device}")
+from qmoe.contracts.carriers import RowIdMap, num_permuted_rows
+from qmoe.contracts.validate import check_merging_probs, check_permute_index_args, check_rows
 
 
 def _byte_movable(t: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from qmoe.formats import E8M0_BIAS, E8M0_NAN, FLT_MAX, ElementFormat, ScaleMode
+from qmoe.contracts.formats import E8M0_BIAS, E8M0_NAN, FLT_MAX, ElementFormat, ScaleMode
 
 _MANTISSA_MASK = 0x007FFFFF
 
@@ -170,7 +170,7 @@ def quantize_mxfp8(x: torch.Tensor, fmt: ElementFormat, scale_mode: ScaleMode = 
 
 
 def dequantize_mxfp8(data: torch.Tensor, scale: torch.Tensor, dtype=torch.float32, block: int = 32):
-    from qmoe.formats import e8m0_to_float
+    from qmoe.contracts.formats import e8m0_to_float
 
     s = expand_blocks(e8m0_to_float(scale), (1, block), tuple(data.shape))
     return (data.float() * s).to(dtype)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from qmoe.formats import E2M1, E2M1_GRID, E4M3, FLT_MAX, NVFP4_BLOCK, NVFP4_TENSOR_MAX, RHT_SIGNS, RHT_SIZE, \
-    e2m1_decode, pack_e2m1, unpack_e2m1
+from qmoe.contracts.formats import E2M1, E2M1_GRID, E4M3, FLT_MAX, NVFP4_BLOCK, RHT_SIGNS, RHT_SIZE, \
+    e2m1_decode, nvfp4_tensor_scale, pack_e2m1, unpack_e2m1
 from qmoe.reference.quantize import block_amax, cast_satfinite, expand_blocks
 
 _GRID = torch.tensor(E2M1_GRID, dtype=torch.float32)
@@ -24,13 +24,6 @@ def nan_amax(x: torch.Tensor) -> torch.Tensor:
     a = x.abs().float()
     a = torch.where(torch.isnan(a), torch.zeros_like(a), a)
     return a.amax() if a.numel() else torch.zeros((), dtype=torch.float32, device=x.device)
-
-
-def nvfp4_tensor_scale(amax: torch.Tensor) -> torch.Tensor:
-    """S_enc = min(448*6 / amax, FLT_MAX), 1 where that is 0."""
-    s = torch.full((), NVFP4_TENSOR_MAX, dtype=torch.float32, device=amax.device) / amax.float()  # true division
-    s = torch.where(torch.isnan(s) | (s > FLT_MAX), torch.full_like(s, FLT_MAX), s)
-    return torch.where(s == 0, torch.ones_like(s), s)
 
 
 def e2m1_round_nearest(a: torch.Tensor) -> torch.Tensor:

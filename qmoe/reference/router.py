@@ -10,77 +10,15 @@ descending sort rather than `torch.topk`, whose tie order is unspecified.
 """
 from __future__ import annotations
 
-import enum
-import math
-
 import torch
 
-# A normalised sum over the chosen experts adds this so an all-zero selection stays finite.
-NORMALIZE_EPS = 1e-20
-
-
-class ScoreFunction(str, enum.Enum):
-    """How router logits become scores (parsed once from the public string argument)."""
-
-    SOFTMAX = "softmax"
-    SIGMOID = "sigmoid"
-    SQRTSOFTPLUS = "sqrtsoftplus"  # sqrt(softplus(x)): positive, and grows like sqrt(x)
-
+from qmoe.contracts.carriers import NORMALIZE_EPS
+from qmoe.contracts.enums import ScoreFunction, parse_score_function
+from qmoe.contracts.validate import check_capacity_factor, check_topk_route_args
 
 def compute_dtype(t: torch.Tensor) -> torch.dtype:
     """float32, or float64 for float64 inputs (gradcheck)."""
     return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
-def parse_score_function(score_function) -> ScoreFunction:
-    try:
-        return ScoreFunction(score_function)
-    except ValueError:
-        names = ", ".join(repr(s.value) for s in ScoreFunction)
-        raise ValueError(f"score_function={score_function!r} is unknown; use one of {names}") from None
-
-
-def check_topk_route_args(logits, top_k, score_function, pre_softmax, num_groups, group_topk,
-                          scaling_factor, expert_bias) -> ScoreFunction:
-    """Validate `topk_route` arguments (shapes and dtypes only: never reads values)."""
-    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
-        raise TypeError(f"logits must be a floating-point tensor [T, E], got "
-                        f"{getattr(logits, 'dtype', type(logits).__name__)}")
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be 2-D [T, E], got shape {tuple(logits.shape)}; "
-                         "flatten leading dimensions with logits.reshape(-1, num_experts)")
-    num_experts = logits.shape[1]
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
-    fn = parse_score_function(score_function)
-    if pre_softmax and fn is not ScoreFunction.SOFTMAX:
-        raise ValueError(f"pre_softmax=True only applies to score_function='softmax', got {fn.value!r}")
-    if (num_groups is None) != (group_topk is None):
-        raise ValueError("group-limited routing needs both num_groups and group_topk "
-                         f"(got num_groups={num_groups!r}, group_topk={group_topk!r})")
-    if num_groups is not None:
-        if not isinstance(num_groups, int) or num_groups < 1 or num_experts % num_groups:
-            raise ValueError(f"num_groups={num_groups!r} must be a positive int dividing "
-                             f"num_experts={num_experts}")
-        if not isinstance(group_topk, int) or not 1 <= group_topk <= num_groups:
-            raise ValueError(f"group_topk={group_topk!r} must be an int in [1, num_groups={num_groups}]")
-        if top_k % group_topk:
-            raise ValueError(f"top_k={top_k} must be a multiple of group_topk={group_topk}: a group's "
-                             "score is the sum of its top (top_k // group_topk) experts")
-        if group_topk * (num_experts // num_groups) < top_k:
-            raise ValueError(f"group_topk={group_topk} groups of {num_experts // num_groups} experts "
-                             f"hold fewer than top_k={top_k} experts; raise group_topk")
-    if scaling_factor is not None and not isinstance(scaling_factor, (int, float)):
-        raise TypeError(f"scaling_factor must be a Python number or None, got {type(scaling_factor).__name__}")
-    if expert_bias is not None:
-        if not isinstance(expert_bias, torch.Tensor) or not expert_bias.is_floating_point():
-            raise TypeError("expert_bias must be a floating-point tensor [E] (fp32 recommended)")
-        if tuple(expert_bias.shape) != (num_experts,):
-            raise ValueError(f"expert_bias must have shape [E]=({num_experts},), got {tuple(expert_bias.shape)}")
-        if expert_bias.device != logits.device:
-            raise ValueError(f"expert_bias is on {expert_bias.device} but logits on {logits.device}; "
-                             "move them to the same device")
-    return fn
 
 
 def compute_scores(logits: torch.Tensor, fn: ScoreFunction, pre_softmax: bool) -> torch.Tensor:
@@ -192,13 +130,6 @@ def topk_route_backward(grad_probs, logits, routing_map, top_k, *, score_functio
             chosen = chosen * scaling_factor
         (grad,) = torch.autograd.grad(chosen, x, grad_probs.to(chosen.dtype).gather(1, idx))
     return grad.to(logits.dtype)
-
-
-def check_capacity_factor(capacity_factor):
-    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) \
-            or not capacity_factor > 0 or not math.isfinite(capacity_factor):
-        raise ValueError(f"capacity_factor must be a positive finite number (or None for dropless), "
-                         f"got {capacity_factor!r}")
 
 
 def apply_capacity(probs, routing_map, capacity_factor):

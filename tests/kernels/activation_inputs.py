@@ -1,7 +1,7 @@
 """Inputs for the activation kernel tests (interpreter and GPU): one recipe, the same numbers everywhere."""
 import torch
 
-from qmoe.reference.activation import is_glu
+from qmoe.contracts.carriers import is_glu
 
 
 def activation_inputs(activation, dtype, rows, f, seed=0, device="cpu"):

@@ -19,7 +19,7 @@ import warnings
 import pytest
 import torch
 
-from qmoe.reference.activation import is_glu
+from qmoe.contracts.carriers import is_glu
 from tests.kernels.activation_inputs import activation_inputs
 from tests.kernels.interpret import INTERPRETING, inside, launcher, run_under_interpreter  # noqa: F401
 

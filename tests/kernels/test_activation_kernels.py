@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from qmoe.reference import activation as reference
-from qmoe.reference.activation import interleave_glu, is_glu
+from qmoe.contracts.carriers import ACTIVATIONS, interleave_glu, is_glu
 from tests.kernels.activation_inputs import activation_inputs
 
 kernels = pytest.importorskip("qmoe.kernels.activation")
@@ -22,7 +22,6 @@ kernels = pytest.importorskip("qmoe.kernels.activation")
 DEV = "cuda"
 FP32, BF16, FP16 = torch.float32, torch.bfloat16, torch.float16
 RTOL = {FP32: 1e-5, BF16: 2.0 ** -7, FP16: 2.0 ** -10}
-ACTIVATIONS = reference.ACTIVATIONS
 
 
 def _inputs(activation, dtype, rows, f, seed=0):

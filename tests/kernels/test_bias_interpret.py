@@ -73,9 +73,10 @@ def _backward_inputs(sizes, tail, n, dtype, scales_dtype, seed, offsets_dtype=to
 def _check_backward(dy, bias, offsets, scales):
     """Kernel == reference to fp32 summation order, zeros where nothing is summed, bit-identical reruns."""
     from qmoe.kernels import bias as kernel
+    from qmoe.contracts.carriers import row_groups
     from qmoe.reference import bias as reference
     (r, n), e = dy.shape, bias.shape[0]
-    groups = reference.row_groups(offsets, r)
+    groups = row_groups(offsets, r)
     in_group = groups < e
     w = dy.float() if scales is None else dy.float() * scales.float()[:, None]
     dbias_mag = torch.zeros(e + 1, n).index_add_(0, groups, w.abs())[:e]  # sum of |terms| per entry

@@ -60,7 +60,7 @@ def _routes(recipe):
 def test_m_grouped_kernel_matches_reference(recipe, layout):
     from qmoe.kernels import grouped_gemm as kernels
     from qmoe.reference import grouped_gemm as reference
-    from qmoe.reference.grouped_gemm import scaling_of
+    from qmoe.contracts.enums import scaling_of
 
     _, (a, b) = _case(recipe, layout)
     columnwise = layout == "dgrad"

@@ -70,7 +70,7 @@ def _exact_nvfp4_input(m, k, seed=1, splits=None):
 
 def check_fp8_scales():
     import torch
-    from qmoe.formats import E4M3, E5M2, ScaleMode
+    from qmoe.contracts.formats import E4M3, E5M2, ScaleMode
     from qmoe.kernels import grouped_quantize as KG
     from qmoe.kernels import quantize as K
     from qmoe.reference import grouped_quantize as RG
@@ -135,10 +135,10 @@ def check_nvfp4():
 
 def check_fused_activation():
     import torch
-    from qmoe.formats import E4M3, ScaleMode
+    from qmoe.contracts.formats import E4M3, ScaleMode
     from qmoe.kernels import activation as KA
     from qmoe.kernels import grouped_quantize as KG
-    from qmoe.reference.activation import ActivatedRows
+    from qmoe.contracts.carriers import ActivatedRows
     g = torch.Generator().manual_seed(5)
     splits = torch.tensor([0, 40, 64, 6, 50])
     quantizers = {

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from qmoe import GroupedTensor
-from qmoe.formats import E4M3, E5M2, ScaleMode, e2m1_decode, unpack_e2m1
+from qmoe.contracts.formats import E4M3, E5M2, ScaleMode, e2m1_decode, unpack_e2m1
 from qmoe.recipes import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling,
                           NVFP4BlockScaling)
 from qmoe.reference import grouped_quantize as RG

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import qmoe
-from qmoe.reference.activation import deinterleave_glu, interleave_glu
+from qmoe.contracts.carriers import deinterleave_glu, interleave_glu
 from tests.nn.plain_moe import GLU, plain_activation
 
 E, H, F = 3, 32, 16

@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 import qmoe
 from qmoe.recipes import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling,
                           NVFP4BlockScaling)
-from qmoe.reference.activation import deinterleave_glu
+from qmoe.contracts.carriers import deinterleave_glu
 from tests.nn.plain_moe import balance_scores, params_of, plain_moe, plain_route
 from tests.nn.recipe_cases import DETERMINISTIC, QUANTIZED
 from tests.tolerances import assert_within_tolerance, recipe_tolerance

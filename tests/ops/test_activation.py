@@ -15,8 +15,8 @@ from hypothesis import given, strategies as st
 from qmoe.backend import implementation
 from qmoe.ops import expert_activation
 from qmoe.reference import activation as reference
-from qmoe.reference.activation import (ACTIVATIONS, QGEGLU_LIMIT, deinterleave_glu, interleave_glu, is_glu,
-                                       scaled_activation)
+from qmoe.contracts.carriers import ACTIVATIONS, deinterleave_glu, interleave_glu, is_glu, QGEGLU_LIMIT
+from qmoe.reference.activation import scaled_activation
 
 ROWS, F = 13, 24
 

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from qmoe.errors import UnsupportedError
+from qmoe.contracts.errors import UnsupportedError
 from qmoe.ops.grouped_gemm import (k_grouped_gemm, linear_k_grouped, linear_m_grouped, m_grouped_gemm,
                                    quantize_weights, select_grouped_path)
 from qmoe.quant import GroupedTensor
@@ -292,7 +292,7 @@ def test_every_small_m_tile_matches_reference(recipe, layout):
     """Few rows per group: swapped tiles (token tiles of 16-64 rows) and the plain ones."""
     from qmoe.kernels import grouped_gemm as kernels
     from qmoe.reference import grouped_gemm as reference
-    from qmoe.reference.grouped_gemm import scaling_of
+    from qmoe.contracts.enums import scaling_of
 
     splits, (a, b) = _gpu_case(recipe, layout)
     ref = reference.m_grouped_gemm(a, b, b_columnwise=layout == "dgrad", out_dtype=torch.float32)
@@ -310,7 +310,8 @@ def check_token_grouped_dequantize(a):
     elsewhere) give each group's columnwise values bit for bit, at the default tile and at one
     narrower than most groups."""
     from qmoe.kernels import grouped_gemm as kernels
-    from qmoe.reference.grouped_gemm import _columnwise_parts, scaling_of
+    from qmoe.contracts.enums import scaling_of
+    from qmoe.reference.grouped_gemm import _columnwise_parts
 
     scaling = scaling_of(a)
     op = kernels.tokens_operand(a, scaling)
@@ -339,7 +340,7 @@ def test_every_block_tile_matches_reference(layout):
 
     from qmoe.kernels import grouped_gemm as kernels
     from qmoe.reference import grouped_gemm as reference
-    from qmoe.reference.grouped_gemm import Scaling
+    from qmoe.contracts.enums import Scaling
 
     splits, (a, b) = _gpu_case(Float8BlockScaling(), layout)
     ref = reference.m_grouped_gemm(a, b, b_columnwise=layout == "dgrad", out_dtype=torch.float32)
@@ -457,7 +458,7 @@ def test_no_host_sync_and_graph_replay_with_new_splits(recipe):
 @pytest.mark.gpu
 def test_native_block_scaled_path_is_guarded_on_hopper():
     from qmoe.kernels.grouped_gemm import native_block_scaled_gemm
-    from qmoe.reference.grouped_gemm import Scaling
+    from qmoe.contracts.enums import Scaling
 
     if torch.cuda.get_device_capability() >= (10, 0):
         pytest.skip("sm100 has native block-scaled tensor cores")

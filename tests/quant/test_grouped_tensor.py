@@ -186,9 +186,10 @@ def test_bad_grouped_inputs_raise():
 def test_activated_rows_quantize_as_their_values(recipe, activation, k):
     """GroupedTensor.quantize(ActivatedRows(h, probs, ...)) == quantizing act(h) * probs, and the
     reference grouped quantizers take ActivatedRows directly (the kernels' fallback hands them one)."""
-    from qmoe.formats import E4M3
+    from qmoe.contracts.formats import E4M3
     from qmoe.reference import grouped_quantize as RG
-    from qmoe.reference.activation import ActivatedRows, scaled_activation_forward
+    from qmoe.contracts.carriers import ActivatedRows
+    from qmoe.reference.activation import scaled_activation_forward
     gen = torch.Generator().manual_seed(3)
     width = 64 * (2 if activation == "swiglu" else 1)
     h = (torch.randn(96, width, generator=gen) * 3).bfloat16()

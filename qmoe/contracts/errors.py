@@ -1,4 +1,4 @@
-"""Errors qmoe raises at its public boundary."""
+"""Errors qmoe raises at its public boundary (`qmoe.UnsupportedError` is this class)."""
 from __future__ import annotations
 
 import torch

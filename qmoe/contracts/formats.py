@@ -96,3 +96,14 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     lo = packed & 0xF
     hi = packed >> 4
     return torch.stack((lo, hi), dim=-1).flatten(-2)
+
+
+def nvfp4_tensor_scale(amax: torch.Tensor) -> torch.Tensor:
+    """NVFP4's per-tensor encode scale S_enc = min(448*6 / amax, FLT_MAX), 1 where that is 0.
+
+    Shared by the quantizer, the GEMM (which divides by it) and their reference twins, so one
+    definition fixes the bits of every path.
+    """
+    s = torch.full((), NVFP4_TENSOR_MAX, dtype=torch.float32, device=amax.device) / amax.float()  # true division
+    s = torch.where(torch.isnan(s) | (s > FLT_MAX), torch.full_like(s, FLT_MAX), s)
+    return torch.where(s == 0, torch.ones_like(s), s)

@@ -1,0 +1,126 @@
+"""What ops hand each other: the permutation map, fused-activation rows, and the constants both
+the kernels and their reference twins compute with.
+
+Dimensions: T tokens, K top-k, E experts (groups), R permuted rows, F ffn columns.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from qmoe.contracts.enums import Activation
+
+# ---------------------------------------------------------------- activations
+
+GLU_ACTIVATIONS = tuple(a.value for a in Activation if a.is_glu)
+ACTIVATIONS = GLU_ACTIVATIONS + tuple(a.value for a in Activation if not a.is_glu)
+QGEGLU_LIMIT = 7.0  # GPT-OSS clamps the gate above and the linear part to +-limit
+QGEGLU_ALPHA = 1.702
+GELU_BETA = math.sqrt(2.0 / math.pi)  # tanh-approximate gelu: 0.5 x (1 + tanh(beta (x + kappa x^3)))
+GELU_KAPPA = 0.044715
+
+
+def is_glu(activation: str) -> bool:
+    return activation in GLU_ACTIVATIONS
+
+
+def glu_block(activation: str, glu_interleave_size: int | None) -> int:
+    """The interleave block k that applies, 0 when the gate and linear halves are contiguous
+    (GLU without interleaving, or an activation that is not a GLU: the size is ignored there)."""
+    return glu_interleave_size if is_glu(activation) and glu_interleave_size else 0
+
+
+def interleave_glu(w: torch.Tensor, block: int) -> torch.Tensor:
+    """Logical FC1 rows [gate(F); linear(F)] -> alternating `block`-row gate/linear blocks.
+
+    Works on the row dimension -2 of [.., 2F, K] weights and on the last dim of [.., 2F] biases
+    (pass the bias as w[..., None] and squeeze back).
+    """
+    two_f = w.shape[-2]
+    f = two_f // 2
+    if two_f % 2 or f % block:
+        raise ValueError(f"glu_interleave_size={block} must divide the FFN size {f}")
+    gate, linear = w[..., :f, :], w[..., f:, :]
+    g = gate.reshape(*w.shape[:-2], f // block, block, w.shape[-1])
+    lin = linear.reshape(*w.shape[:-2], f // block, block, w.shape[-1])
+    return torch.stack((g, lin), dim=-3).reshape(w.shape)
+
+
+def deinterleave_glu(w: torch.Tensor, block: int) -> torch.Tensor:
+    """Inverse of interleave_glu."""
+    two_f = w.shape[-2]
+    f = two_f // 2
+    if two_f % 2 or f % block:
+        raise ValueError(f"glu_interleave_size={block} must divide the FFN size {f}")
+    v = w.reshape(*w.shape[:-2], f // block, 2, block, w.shape[-1])
+    gate = v[..., 0, :, :].reshape(*w.shape[:-2], f, w.shape[-1])
+    linear = v[..., 1, :, :].reshape(*w.shape[:-2], f, w.shape[-1])
+    return torch.cat((gate, linear), dim=-2)
+
+
+class ActivatedRows(NamedTuple):
+    """The rows act(h) * probs[:, None], not computed yet: a quantizer that takes it reads h and
+    applies the activation as it loads (the expert MLP's activation fused into the quantization
+    of FC2's input), so the [R, F] activation never goes to memory. Its values are exactly
+    `qmoe.reference.activation.scaled_activation_forward(*rows)` (fp32 math, rounded once to
+    h's dtype); the reference quantizers compute them with `qmoe.reference.activation.rows_of`.
+    """
+
+    h: torch.Tensor
+    probs: torch.Tensor | None
+    activation: str
+    glu_interleave_size: int | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.h.shape[0], self.h.shape[1] // 2 if is_glu(self.activation) else self.h.shape[1]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.h.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.h.device
+
+    def dim(self) -> int:
+        return 2
+
+
+# ---------------------------------------------------------------- routing and permutation
+
+# A normalised sum over the chosen experts adds this so an all-zero selection stays finite.
+NORMALIZE_EPS = 1e-20
+
+
+class RowIdMap(NamedTuple):
+    """Where each token's copies went. Opaque to users: pass it from permute to unpermute.
+
+    rows: [T, K] int32, output row of each of the token's copies (ascending expert), -1 if unused.
+    experts: [T, K] int32, the expert of each copy, -1 if unused.
+    counts: [E] int32, tokens routed to each expert (unpadded).
+    offsets: [E + 1] int32, first row of each expert's group; offsets[E] = rows in groups.
+    num_rows: R, the static output row count.
+    """
+
+    rows: torch.Tensor
+    experts: torch.Tensor
+    counts: torch.Tensor
+    offsets: torch.Tensor
+    num_rows: int
+
+
+def num_permuted_rows(num_tokens: int, top_k: int, num_experts: int, align_size: int) -> int:
+    """The static row count R of a permuted batch."""
+    return num_tokens * top_k + num_experts * (align_size - 1)
+
+
+def row_groups(offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Group index [R] int64 of every row from offsets [E+1] (device op, no host sync).
+
+    Rows past offsets[-1] get E (no group).
+    """
+    rows = torch.arange(num_rows, device=offsets.device, dtype=offsets.dtype)
+    return torch.searchsorted(offsets[1:].contiguous(), rows, right=True)

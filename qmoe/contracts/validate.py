@@ -1,0 +1,283 @@
+"""One validator per concept, shared by the public ops, the kernels and their reference twins.
+
+Validators check types, shapes and devices before any work runs and raise TypeError /
+ValueError naming the argument. They never read tensor values from a device (no host sync),
+except `check_split_sizes(..., read="always")`, which says so.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from qmoe.contracts.carriers import is_glu
+from qmoe.contracts.enums import ScoreFunction, parse_activation, parse_score_function
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what a grouped GEMM may write
+
+
+# ---------------------------------------------------------------- numbers
+
+def check_positive_int(name: str, v) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+
+
+def check_coeff(coeff, name: str = "coeff") -> None:
+    """A loss coefficient: a finite Python number (a tensor would be read on the host)."""
+    if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not math.isfinite(coeff):
+        raise TypeError(f"{name} must be a finite Python number, got {coeff!r}")
+
+
+def check_out_dtype(out_dtype) -> None:
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
+
+
+# ---------------------------------------------------------------- split sizes
+
+def host_readable(split_sizes) -> bool:
+    """Whether split sizes can be read on the host for free: lists and CPU tensors, except while
+    torch.compile traces (a read would break the graph; such sizes are trusted like device ones)."""
+    if not isinstance(split_sizes, torch.Tensor):
+        return True
+    return split_sizes.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def check_split_sizes(split_sizes, *, device: torch.device, num_rows: int | None = None,
+                      num_groups: int | None = None, read: str = "host", on_device: bool = False,
+                      max_rows: bool = False) -> list[int] | None:
+    """The one check of split sizes (rows per group), for every op that takes them.
+
+    split_sizes: a non-empty 1-D int32/int64 tensor, on the CPU or on `device` (exactly on
+    `device` with `on_device=True`), or (unless `on_device`) a list/tuple of Python ints.
+    num_groups: the number of entries it must have, if known.
+    read: when the values are read and checked (non-negative, sum == num_rows; <= num_rows with
+    `max_rows`, for static buffers whose tail rows belong to no group): "host" reads lists and
+    host-readable tensors (`host_readable`) and trusts device tensors; "always" also reads device
+    tensors (a host sync); "never" checks the type and shape only.
+
+    Returns the values when they were read, else None.
+    """
+    if read not in ("host", "always", "never"):
+        raise ValueError(f"read={read!r} must be 'host', 'always' or 'never'")
+    if isinstance(split_sizes, (list, tuple)) and not on_device:
+        if not all(isinstance(s, int) and not isinstance(s, bool) for s in split_sizes):
+            raise TypeError(f"split_sizes must hold Python ints, got {split_sizes!r}")
+        n = len(split_sizes)
+    elif isinstance(split_sizes, torch.Tensor):
+        if split_sizes.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"split_sizes must have dtype int32 or int64, got {split_sizes.dtype}")
+        if split_sizes.dim() != 1:
+            raise ValueError(f"split_sizes must be a 1-D tensor [G], got shape {tuple(split_sizes.shape)}")
+        device = torch.device(device)
+        if on_device and split_sizes.device != device:
+            raise ValueError(f"split_sizes is on {split_sizes.device} but the input is on {device}; "
+                             f"keep them on the same device")
+        if split_sizes.device.type != "cpu" and split_sizes.device != device:
+            raise ValueError(f"split_sizes is on {split_sizes.device} but the input is on {device}; "
+                             f"keep them on the same device")
+        n = split_sizes.numel()
+    else:
+        what = "an int32/int64 tensor [G] on the input's device" if on_device else \
+            "a list of ints or an integer tensor"
+        raise TypeError(f"split_sizes must be {what}, got {type(split_sizes).__name__}")
+    if n == 0:
+        raise ValueError("split_sizes must be non-empty: one entry per group")
+    if num_groups is not None and n != num_groups:
+        raise ValueError(f"split_sizes has {n} entries but there are {num_groups} groups (experts); "
+                         f"it must have shape [{num_groups}]")
+    if read == "never" or (read == "host" and not host_readable(split_sizes)):
+        return None
+    host = [int(s) for s in (split_sizes.tolist() if isinstance(split_sizes, torch.Tensor) else split_sizes)]
+    if any(s < 0 for s in host):
+        raise ValueError(f"split_sizes must be non-negative, got {host}")
+    if num_rows is not None:
+        total = sum(host)
+        if max_rows and total > num_rows:
+            raise ValueError(f"split_sizes sum to {total}, more than the {num_rows} rows of the input")
+        if not max_rows and total != num_rows:
+            raise ValueError(f"split_sizes sum to {total} but the input has {num_rows} rows")
+    return host
+
+
+# ---------------------------------------------------------------- activation
+
+def check_activation(activation) -> str:
+    """The activation's name, checked against `Activation` (a plain str, whatever was passed)."""
+    return parse_activation(activation).value
+
+
+def check_scaled_activation_args(h, probs, activation, glu_interleave_size, da=None) -> int:
+    """Validate the arguments of a scaled activation (forward, or backward with `da`); returns F."""
+    check_activation(activation)
+    if not isinstance(h, torch.Tensor) or h.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"h must be a float32, bfloat16, float16 or float64 tensor, got "
+                        f"{getattr(h, 'dtype', type(h).__name__)}")
+    if h.dim() != 2:
+        raise ValueError(f"h must be 2-D [R, 2F] (GLU) or [R, F], got shape {tuple(h.shape)}")
+    rows, width = h.shape
+    glu = is_glu(activation)
+    if glu and width % 2:
+        raise ValueError(f"{activation} takes h [R, 2F] (gate and linear halves), got an odd width {width}")
+    f = width // 2 if glu else width
+    k = glu_interleave_size
+    if glu and k is not None and k != 0:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0 or f % k:
+            raise ValueError(f"glu_interleave_size={k!r} must be a positive divisor of the FFN size F={f}")
+    for name, t, shape in (("probs", probs, (rows,)), ("da", da, (rows, f))):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must be a floating-point tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {list(shape)} for h of shape {list(h.shape)} and "
+                             f"activation {activation!r}, got {list(t.shape)}")
+        if t.device != h.device:
+            raise ValueError(f"{name} is on {t.device} but h is on {h.device}; put both on one device")
+    return f
+
+
+# ---------------------------------------------------------------- routing
+
+def check_topk_route_args(logits, top_k, score_function, pre_softmax, num_groups, group_topk,
+                          scaling_factor, expert_bias) -> ScoreFunction:
+    """Validate `topk_route` arguments (shapes and dtypes only: never reads values)."""
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        raise TypeError(f"logits must be a floating-point tensor [T, E], got "
+                        f"{getattr(logits, 'dtype', type(logits).__name__)}")
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be 2-D [T, E], got shape {tuple(logits.shape)}; "
+                         "flatten leading dimensions with logits.reshape(-1, num_experts)")
+    num_experts = logits.shape[1]
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
+    fn = parse_score_function(score_function)
+    if pre_softmax and fn is not ScoreFunction.SOFTMAX:
+        raise ValueError(f"pre_softmax=True only applies to score_function='softmax', got {fn.value!r}")
+    if (num_groups is None) != (group_topk is None):
+        raise ValueError("group-limited routing needs both num_groups and group_topk "
+                         f"(got num_groups={num_groups!r}, group_topk={group_topk!r})")
+    if num_groups is not None:
+        if not isinstance(num_groups, int) or num_groups < 1 or num_experts % num_groups:
+            raise ValueError(f"num_groups={num_groups!r} must be a positive int dividing "
+                             f"num_experts={num_experts}")
+        if not isinstance(group_topk, int) or not 1 <= group_topk <= num_groups:
+            raise ValueError(f"group_topk={group_topk!r} must be an int in [1, num_groups={num_groups}]")
+        if top_k % group_topk:
+            raise ValueError(f"top_k={top_k} must be a multiple of group_topk={group_topk}: a group's "
+                             "score is the sum of its top (top_k // group_topk) experts")
+        if group_topk * (num_experts // num_groups) < top_k:
+            raise ValueError(f"group_topk={group_topk} groups of {num_experts // num_groups} experts "
+                             f"hold fewer than top_k={top_k} experts; raise group_topk")
+    if scaling_factor is not None and not isinstance(scaling_factor, (int, float)):
+        raise TypeError(f"scaling_factor must be a Python number or None, got {type(scaling_factor).__name__}")
+    if expert_bias is not None:
+        if not isinstance(expert_bias, torch.Tensor) or not expert_bias.is_floating_point():
+            raise TypeError("expert_bias must be a floating-point tensor [E] (fp32 recommended)")
+        if tuple(expert_bias.shape) != (num_experts,):
+            raise ValueError(f"expert_bias must have shape [E]=({num_experts},), got {tuple(expert_bias.shape)}")
+        if expert_bias.device != logits.device:
+            raise ValueError(f"expert_bias is on {expert_bias.device} but logits on {logits.device}; "
+                             "move them to the same device")
+    return fn
+
+
+def check_capacity_factor(capacity_factor) -> None:
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) \
+            or not capacity_factor > 0 or not math.isfinite(capacity_factor):
+        raise ValueError(f"capacity_factor must be a positive finite number (or None for dropless), "
+                         f"got {capacity_factor!r}")
+
+
+# ---------------------------------------------------------------- auxiliary losses
+
+def check_scores(name: str, t, *, dims: int = 2) -> None:
+    """A floating-point score tensor of `dims` dimensions ([T, E] by default)."""
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got "
+                        f"{getattr(t, 'dtype', type(t).__name__)}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D [T, E], got shape {tuple(t.shape)}")
+
+
+def check_moe_aux_loss_args(probs, tokens_per_expert, num_tokens, num_experts, top_k, coeff) -> None:
+    check_scores("probs", probs)
+    if not isinstance(tokens_per_expert, torch.Tensor) or tuple(tokens_per_expert.shape) != (probs.shape[1],):
+        raise ValueError(f"tokens_per_expert must be a tensor of shape [E]=({probs.shape[1]},), got "
+                         f"{getattr(tokens_per_expert, 'shape', type(tokens_per_expert).__name__)}")
+    if tokens_per_expert.device != probs.device:
+        raise ValueError(f"tokens_per_expert is on {tokens_per_expert.device} but probs on {probs.device}")
+    if isinstance(num_tokens, torch.Tensor):
+        if num_tokens.dim() != 0 or num_tokens.device != probs.device:
+            raise ValueError("num_tokens as a tensor must be 0-dim and on the device of probs, got "
+                             f"shape {tuple(num_tokens.shape)} on {num_tokens.device}")
+    else:
+        check_positive_int("num_tokens", num_tokens)
+    check_positive_int("num_experts", num_experts)
+    check_positive_int("top_k", top_k)
+    check_coeff(coeff)
+
+
+def check_seq_aux_loss_args(probs, routing_map, seq_length, top_k, coeff) -> None:
+    check_scores("probs", probs)
+    if not isinstance(routing_map, torch.Tensor) or routing_map.dtype != torch.bool:
+        raise TypeError("routing_map must be a torch.bool tensor [T, E]")
+    if routing_map.shape != probs.shape or routing_map.device != probs.device:
+        raise ValueError(f"routing_map {tuple(routing_map.shape)} on {routing_map.device} must match "
+                         f"probs {tuple(probs.shape)} on {probs.device}")
+    check_positive_int("seq_length", seq_length)
+    if probs.shape[0] % seq_length:
+        raise ValueError(f"T={probs.shape[0]} tokens is not a whole number of sequences of "
+                         f"seq_length={seq_length}; tokens must be laid out [B * L, E], batch-major")
+    check_positive_int("top_k", top_k)
+    check_coeff(coeff)
+
+
+def check_update_expert_bias_args(bias, tokens_per_expert, rate) -> None:
+    if not isinstance(bias, torch.Tensor) or not bias.is_floating_point() or bias.dim() != 1:
+        raise TypeError("expert bias must be a 1-D floating-point tensor [E] (fp32 recommended)")
+    if not isinstance(tokens_per_expert, torch.Tensor) or tokens_per_expert.shape != bias.shape:
+        raise ValueError(f"tokens_per_expert must have the shape of the bias {tuple(bias.shape)}")
+    if tokens_per_expert.device != bias.device:
+        raise ValueError(f"tokens_per_expert is on {tokens_per_expert.device} but bias on {bias.device}")
+    if not bias.is_contiguous():
+        raise ValueError("expert bias must be contiguous: it is updated in place")
+    check_coeff(rate, "rate")
+
+
+# ---------------------------------------------------------------- permutation
+
+def check_permute_index_args(routing_map, top_k, align_size) -> None:
+    if not isinstance(routing_map, torch.Tensor) or routing_map.dtype != torch.bool or routing_map.dim() != 2:
+        raise TypeError("routing_map must be a 2-D torch.bool tensor [T, E], got "
+                        f"{getattr(routing_map, 'dtype', type(routing_map).__name__)} "
+                        f"{tuple(getattr(routing_map, 'shape', ()))}")
+    e = routing_map.shape[1]
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= e:
+        raise ValueError(f"top_k must be an int in [1, num_experts={e}], got {top_k!r}")
+    if isinstance(align_size, bool) or not isinstance(align_size, int) or align_size < 1:
+        raise ValueError(f"align_size must be a positive int (ask the recipe: recipe.align_size), "
+                         f"got {align_size!r}")
+
+
+def check_rows(name: str, t, num_rows: int, device) -> None:
+    """A per-row tensor [num_rows, N] (or [num_rows]) of any dtype, on `device`."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dim() not in (1, 2) or t.shape[0] != num_rows:
+        raise ValueError(f"{name} must be [{num_rows}, N] (one row per token/permuted row), "
+                         f"got shape {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the routing is on {device}; move it there")
+
+
+def check_merging_probs(merging_probs, row_id_map) -> None:
+    t = row_id_map.rows.shape[0]
+    e = row_id_map.counts.shape[0]
+    if not isinstance(merging_probs, torch.Tensor) or not merging_probs.is_floating_point():
+        raise TypeError("merging_probs must be a floating-point tensor [T, E]")
+    if tuple(merging_probs.shape) != (t, e) or merging_probs.device != row_id_map.rows.device:
+        raise ValueError(f"merging_probs must be [T, E]=({t}, {e}) on {row_id_map.rows.device}, got "
+                         f"{tuple(merging_probs.shape)} on {merging_probs.device}")
