@@ -81,19 +81,33 @@ def _room_for_every_graph():
 
 
 class _Compiled:
-    """One compiled layer per (device, dtype, backend), shared by the recipes: each compiles its
-    own graph into it on first use, and the recipe-switch test checks that they are reused."""
+    """One compiled layer per (device, dtype, backend), shared by the recipes and the tests (a
+    graph costs seconds to trace): a recipe it has not run yet compiles exactly one graph into it
+    (fullgraph: no breaks), a recipe it has run compiles nothing. It remembers which recipes it
+    has run, so these checks hold whichever test, in whichever order, runs a recipe first."""
 
     cache: dict = {}
+
+    def __init__(self, dtype, device, backend):
+        self.layer = _layer(dtype, device)
+        self.counter = CompileCounterWithBackend(backend)
+        self.compiled = torch.compile(self.layer, backend=self.counter, fullgraph=True)
+        self.recipes_run = set()
 
     @classmethod
     def get(cls, dtype, device="cpu", backend="aot_eager"):
         key = (device, dtype, backend)
         if key not in cls.cache:
-            layer = _layer(dtype, device)
-            counter = CompileCounterWithBackend(backend)
-            cls.cache[key] = layer, counter, torch.compile(layer, backend=counter, fullgraph=True)
+            cls.cache[key] = cls(dtype, device, backend)
         return cls.cache[key]
+
+    def step(self, name, x, g):
+        frames = self.counter.frame_count
+        out = _step(self.layer, self.compiled, _recipe(name), x, g)  # a fresh recipe object each time
+        new_graphs = self.counter.frame_count - frames
+        assert new_graphs == (0 if name in self.recipes_run else 1), f"{name}: {new_graphs} new graphs"
+        self.recipes_run.add(name)
+        return out
 
 
 def _assert_equal(got, want):
@@ -104,28 +118,22 @@ def _assert_equal(got, want):
 
 @pytest.mark.parametrize("name, dtype", CASES)
 def test_compiled_layer_is_one_graph_and_equals_eager(name, dtype):
-    recipe = _recipe(name)
-    layer, counter, compiled = _Compiled.get(dtype)
+    compiled = _Compiled.get(dtype)
     x, g = _inputs(dtype)
-    frames = counter.frame_count
-    got = _step(layer, compiled, recipe, x, g)
-    assert counter.frame_count == frames + 1  # a new recipe: one graph, fullgraph: no breaks
-    _assert_equal(got, _step(layer, layer, recipe, x, g))
-    again = _step(layer, compiled, recipe, x, g)  # a new autocast region with the same recipe
-    assert counter.frame_count == frames + 1
+    got = compiled.step(name, x, g)
+    _assert_equal(got, _step(compiled.layer, compiled.layer, _recipe(name), x, g))
+    again = compiled.step(name, x, g)  # a new autocast region with the same recipe: no new graph
     _assert_equal(again, got)
 
 
 def test_switching_recipes_reuses_their_graphs():
     """Each region picks its recipe's graph (same results), with no recompilation."""
-    layer, counter, compiled = _Compiled.get(torch.bfloat16)
+    compiled = _Compiled.get(torch.bfloat16)
     x, g = _inputs(torch.bfloat16, seed=2)
     names = [None] + NAMES
-    first = {name: _step(layer, compiled, _recipe(name), x, g) for name in names}  # compiles what is missing
-    frames = counter.frame_count
-    for name in names[::-1]:  # fresh recipe objects, equal to the ones compiled for
-        _assert_equal(_step(layer, compiled, _recipe(name), x, g), first[name])
-    assert counter.frame_count == frames
+    first = {name: compiled.step(name, x, g) for name in names}  # compiles what is missing
+    for name in names[::-1]:
+        _assert_equal(compiled.step(name, x, g), first[name])
 
 
 def test_delayed_scaling_refuses_compile():

@@ -58,11 +58,8 @@ def test_layer_within_tolerance_of_fp32_on_gpu(recipe):
     y, g = _step(layer, x, recipe)
     names = ["dx"] + [DEPTH_NAMES[n] for n, _ in layer.named_parameters()]
     for name, a, b in zip(["y"] + names, [y] + g, [y_ref] + g_ref):
-        if recipe is None:  # bf16 end to end: NUMERICS.md's bf16 row is for bf16 math against fp32
-            rtol, atol = 3e-2, 3e-2
-        else:  # quantized GEMMs chained in front of each quantity (tests/nn/test_moe_layer.py)
-            rtol, atol = recipe_tolerance(recipe, gemms_in_series=GEMM_DEPTH[name])
-        assert_within_tolerance(a, b, rtol, atol, name)
+        # the GEMMs chained in front of each quantity (tests/nn/test_moe_layer.py), bf16 included
+        assert_within_tolerance(a, b, *recipe_tolerance(recipe, GEMM_DEPTH[name]), name)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -328,19 +328,9 @@ def test_capacity_factor_drops_the_lowest_probabilities(factor):
 # ------------------------------------------------------------------ recipes
 
 RECIPES = QUANTIZED
-# How many quantized GEMMs each quantity depends on. NUMERICS.md's tolerance is met by one
-# quantized GEMM (tests/nn/test_grouped_linear.py checks each); the layer chains them, and
-# independent errors add in quadrature, so a quantity n GEMMs deep gets rtol, atol * sqrt(n).
-# FP8 (~0.04 relative error a GEMM) meets the flat tolerance anyway; NVFP4 (~0.15) does not.
+# How many quantized GEMMs in series each quantity depends on: NUMERICS.md's chained-GEMM rule
+# (tests/tolerances.py's recipe_tolerance) widens the tolerance by sqrt(n) for it.
 GEMM_DEPTH = {"y": 2, "dx": 3, "router": 2, "w1": 3, "b1": 2, "w2": 2, "b2": 1}
-
-
-def _tolerance(recipe, what):
-    rtol, atol = recipe_tolerance(recipe)
-    if isinstance(recipe, NVFP4BlockScaling):
-        scale = math.sqrt(GEMM_DEPTH[what])
-        return rtol * scale, atol * scale
-    return rtol, atol
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -353,8 +343,7 @@ def test_recipe_within_numerics_tolerance_of_fp32(recipe):
     got = _run_layer(layer, x, g, recipe)
     _assert_fp32_close(got["aux"], want["aux"], "aux")  # the router is fp32 under every recipe
     for k in ("y", "dx") + PARAM_NAMES:
-        rtol, atol = _tolerance(recipe, k)
-        assert_within_tolerance(got[k], want[k], rtol, atol, k)
+        assert_within_tolerance(got[k], want[k], *recipe_tolerance(recipe, GEMM_DEPTH[k]), k)
     assert not torch.equal(got["y"], want["y"])  # it did quantize
     # the output, and for FP8 every gradient too, meets NUMERICS.md's tolerance as it stands
     flat = ("y", "b2") if isinstance(recipe, NVFP4BlockScaling) else ("y", "dx") + PARAM_NAMES
