@@ -7,7 +7,7 @@ launches and host work. Each loss is therefore one forward and one backward laun
 
 - Forward: every program reduces its tiles to one fp32 partial and stores it, then takes a
   ticket from a zeroed counter; the program that takes the last ticket resets the counter
-  (so the next launch on the stream needs no memset: `_triton_utils.tickets`), adds the
+  (so the next launch on the stream needs no memset: `counters.tickets`), adds the
   partials in slot order and writes the loss. One launch for any T and E (no cooperative
   launch, no host read), and deterministic: no float atomics, the same bits on every run and
   in graph replay. On the way it writes what the backward needs besides grad_loss: the
@@ -15,9 +15,9 @@ launches and host work. Each loss is therefore one forward and one backward laun
 - Backward: one Triton launch writing the contiguous [T, E] gradient, which autograd keeps as
   `.grad` without the copy a stride-0 broadcast would cost. It is Triton's even where a launch
   costs more host time than ATen's: ATen's multiply over a stride-0 view (or by a 0-dim
-  device tensor) runs its unvectorized loop, 10.8 against 7.1 us replayed in a CUDA graph at
-  8192 x 256 and 25 against 13 at 131072 x 64 (benchmarks/results/aux_loss_variants.json),
-  and in a training step the host runs ahead of the GPU.
+  device tensor) runs its unvectorized loop, slower on the device even replayed in a CUDA graph
+  (benchmarks/results/sweeps/aux_loss_variants.json), and in a training step the host runs
+  ahead of the GPU.
 
 The launchers without a `check_` call (`aux_loss_forward`, `seq_aux_loss_forward`,
 `z_loss_forward`, `grad_from_rows`, `broadcast_grad`, `z_loss_grad`) trust
@@ -32,7 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from qmoe.kernels._triton_utils import is_last_to_arrive, rows_contiguous, sum_partials, tickets, wrapped
+from qmoe.kernels.counters import is_last_to_arrive, sum_partials, tickets
+from qmoe.kernels.launch import wrapped
+from qmoe.kernels.layout import rows_contiguous
 from qmoe.contracts.validate import (check_coeff, check_moe_aux_loss_args, check_scores, check_seq_aux_loss_args,
                                      check_update_expert_bias_args)
 

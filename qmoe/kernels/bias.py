@@ -14,7 +14,7 @@ it runs in two launches whose every sum has a fixed order:
 
 1. Each group's rows are cut into chunks of `_CHUNK` rows, numbered group after group. The launch
    covers cdiv(R, _CHUNK) + E virtual chunks (a bound on their number from the shapes alone, as
-   `_triton_utils.tile_rows` does for row tiles) x column blocks; each program finds its group
+   `tiles.tile_rows` does for row tiles) x column blocks; each program finds its group
    from the device offsets, sums its chunk's rows into one partial row of dbias_part
    [chunks, N], and its columns into dscales_part [column blocks, R]. Every chunk lies inside one
    group, so work is even however the rows are split (one group holding them all, or most
@@ -38,7 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from qmoe.kernels._triton_utils import group_pow2, kernel_op, rows_contiguous, wrapped
+from qmoe.kernels.launch import kernel_op, wrapped
+from qmoe.kernels.layout import group_pow2, rows_contiguous
 from qmoe.contracts.carriers import row_groups
 
 @triton.jit

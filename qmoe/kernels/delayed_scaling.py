@@ -1,11 +1,11 @@
 """Delayed scaling's per-step update as one launch. Reference twin: `qmoe.reference.delayed_scaling`.
 
-The update is a few microseconds of GPU work, but written as torch ops it is some twenty
-launches, about 0.5 ms of host time per slot on an H200; an MoE layer updates six slots a step
-(input, weight and grad_output of two grouped linears), which bounds small layers by the host
-(benchmarks/results/profile_linear_qwen3.txt). Here one program per block of slots reads each
-slot's window once, writes the rolled window into a new buffer and the scale in place; the
-caller copies the window back (the history is updated in place: group slots are views of it).
+The update is little GPU work, but written as torch ops it is some twenty launches per slot,
+and an MoE layer updates six slots a step (input, weight and grad_output of two grouped
+linears): their host time bounds small layers (docs/performance.md, Qwen3's small experts).
+Here one program per block of slots reads each slot's window once, writes the rolled window
+into a new buffer and the scale in place; the caller copies the window back (the history is
+updated in place: group slots are views of it).
 """
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 
 from qmoe.contracts.formats import FLT_MAX
-from qmoe.kernels._triton_utils import abs_bits, wrapped
+from qmoe.kernels.arith import abs_bits
+from qmoe.kernels.launch import wrapped
 
 _FLT_MAX = tl.constexpr(FLT_MAX)
 _BLOCK_L = 128  # window rows per step of the loop

@@ -14,10 +14,10 @@ whole call is host-sync-free and CUDA-graph capturable. Routes:
       "dequant"  one exact bf16 dequantize pass per operand, then a bf16 grouped GEMM
                  (torch._grouped_mm for MXFP8 with bf16 out, else Triton with the NVFP4
                  tensor factors in its epilogue): the compute-bound route
-  "auto" picks "dequant" from DEQUANT_MIN_ROWS rows per group on. Measured on an H200
-  (benchmarks/results/gemm.json, "other_route"): at 2048-4096 rows per expert "dequant" runs
-  MXFP8 at 620-690 TFLOP/s against 220-240 fused; at 512 rows 373 against 225; at 16-64 rows
-  the fused kernel wins (MXFP8 99 against 36 TFLOP/s at 32 rows).
+  "auto" picks "dequant" from DEQUANT_MIN_ROWS rows per group on: with many rows per expert
+  the GEMM is compute-bound and the bf16 tensor-core GEMM after one dequantize pass outruns
+  in-register dequantization; with few rows it is memory-bound and the fused kernel, which
+  reads the 8/4-bit weights, wins (benchmarks/results/gemm.json, "other_route").
 
 sm100+ has native MXFP8/NVFP4 grouped GEMMs in torch; qmoe keeps them behind
 `native_block_scaled_gemm`, which raises qmoe.UnsupportedError until they are wired and tested
@@ -35,13 +35,14 @@ import triton
 from qmoe.contracts.errors import UnsupportedError
 from qmoe.contracts.formats import ceil_div, nvfp4_tensor_scale
 from qmoe.kernels import grouped_gemm_triton as jit
-from qmoe.kernels._triton_utils import group_pow2, kernel_op, wrapped
+from qmoe.kernels.launch import kernel_op, wrapped
+from qmoe.kernels.layout import group_pow2
 from qmoe.contracts.enums import Scaling, is_grouped, scaling_of
 
 _CODE = {Scaling.NONE: 0, Scaling.TENSOR: 1, Scaling.BLOCK: 2, Scaling.MX: 3, Scaling.NVFP4: 4}
 # Rows per group from which the exact dequantize-then-bf16-GEMM route beats in-register
 # dequantization (compute-bound); below it the fused kernel reads 8/4-bit weights directly.
-# Between the measured 64 (fused 2.7x faster) and 512 (dequant 1.7x faster).
+# The crossover lies between 64 rows (fused ahead) and 512 (dequant ahead): benchmarks/results/gemm.json.
 DEQUANT_MIN_ROWS = 256
 
 
@@ -61,8 +62,8 @@ class TileConfig:
     tile_scale: bool = True  # BLOCK: one weight scale per tile and step where a weight block spans the tile
 
 
-# Dequantize-pass tiles (rows, columns, warps), measured on an H200 (benchmarks/results/gemm.json's
-# sweep): MXFP8 streams best in wide tiles; NVFP4's nibble unpacking in small ones.
+# Dequantize-pass tiles (rows, columns, warps), picked by the sweep in benchmarks/results/gemm.json:
+# MXFP8 streams best in wide tiles; NVFP4's nibble unpacking in small ones.
 DEQUANT_TILES = {Scaling.MX: (64, 256, 8), Scaling.NVFP4: (32, 64, 4)}
 
 
@@ -74,11 +75,9 @@ def tile_configs(scaling: Scaling, small_m: bool, rows_per_group: int = 64) -> l
     that dequantize in registers BK = 64 to keep their bf16 tiles small. Few rows per group
     (small_m, memory-bound) take 64-row tiles and several programs per SM, so more weight bytes
     are in flight. At <= 16 rows per group the emulated formats take swapped tiles first (weights
-    on the MMA's 64-row side, a 16-row token tile): on an H200 at 8 x 16 rows, 4096 -> 14336,
-    MXFP8 ran at 70-71 TFLOP/s against 51 unswapped in three runs; NVFP4 at 28-45 against 26-37
-    (it varies that much from run to run either way; measured before the E2M1 permute decode,
-    which took the swapped NVFP4 tile to 50). From 32 rows on the unswapped tiles were as fast
-    or faster (benchmarks/results/gemm_small_m_sweep.json, gemm_nvfp4.json).
+    on the MMA's 64-row side, a 16-row token tile), which keep the tensor cores busier than a
+    64-row tile that is mostly padding; from 32 rows on the unswapped tiles are as fast or faster
+    (benchmarks/results/sweeps/gemm_small_m_sweep.json, gemm_nvfp4.json).
     """
     if small_m:
         tok = min(64, max(16, triton.next_power_of_2(max(rows_per_group, 1))))
@@ -88,7 +87,7 @@ def tile_configs(scaling: Scaling, small_m: bool, rows_per_group: int = 64) -> l
         swapped = [TileConfig(tok, 64, 128, 4, 4, ctas_per_sm=4, swap=True),
                    TileConfig(tok, 128, 128, 4, 4, ctas_per_sm=2, swap=True),
                    TileConfig(tok, 256, 128, 8, 3, swap=True)]
-        swap_first = rows_per_group <= 16 and scaling in (Scaling.MX, Scaling.NVFP4)  # measured there only
+        swap_first = rows_per_group <= 16 and scaling in (Scaling.MX, Scaling.NVFP4)  # ahead there only
         configs = swapped + plain if swap_first else plain + swapped
         return [c for c in configs if c.bk == 128] if scaling is Scaling.BLOCK else configs
     if scaling is Scaling.NONE:
@@ -102,10 +101,10 @@ def tile_configs(scaling: Scaling, small_m: bool, rows_per_group: int = 64) -> l
 
 
 def k_tile_config(scaling: Scaling) -> TileConfig:
-    """wgrad tiles (one program per output tile, no persistence). Measured on an H200 at the
-    DeepSeek-V3 shapes (benchmarks/results/gemm_block_sweep.json): FP8 block wgrad, whose two
-    token-scaled operands need the outer-product promotion, runs at 520 TFLOP/s in 64-row tiles
-    of 4 warps against 390 in the forward's 128 x 128 tiles."""
+    """wgrad tiles (one program per output tile, no persistence). FP8 block wgrad, whose two
+    token-scaled operands need the outer-product promotion, runs faster in 64-row tiles of 4
+    warps than in the forward's 128 x 128 tiles (DeepSeek-V3 shapes:
+    benchmarks/results/sweeps/gemm_block_sweep.json)."""
     if scaling is Scaling.BLOCK:
         return TileConfig(64, 128, 128, 4, 3)
     return tile_configs(scaling, small_m=False)[0]
@@ -231,7 +230,7 @@ def _m_op(a_data: torch.Tensor, a_scale: Optional[torch.Tensor], a_factor: Optio
           a_soffs: Optional[torch.Tensor], a_meta: list[int], b_data: torch.Tensor, b_scale: Optional[torch.Tensor],
           b_factor: Optional[torch.Tensor], b_soffs: Optional[torch.Tensor], b_meta: list[int], offsets: torch.Tensor,
           sizes: list[int], scaling: str, out_dtype: torch.dtype) -> torch.Tensor:
-    """The m-grouped launch as one opaque op (kernels/_triton_utils.KernelOp)."""
+    """The m-grouped launch as one opaque op (kernels/launch.KernelOp)."""
     total_rows, n_out, k, groups = sizes
     return _launch_m_tiles(_unflat(a_data, a_scale, a_factor, a_soffs, a_meta),
                            _unflat(b_data, b_scale, b_factor, b_soffs, b_meta), offsets, total_rows, n_out, k, groups,
@@ -253,7 +252,7 @@ def _launch_m_tiles(a: _Operand, b: _Operand, offsets, total_rows, n_out, k, gro
     programs = max(1, min(_sms(device) * cfg.ctas_per_sm, upper))
     fa = a.factor if a.factor is not None else a.data
     fb = b.factor if b.factor is not None else b.data
-    wrapped(jit._m_grouped_gemm_kernel)[(programs,)](
+    wrapped(jit.m_grouped_gemm_kernel)[(programs,)](
         a.data, b.data, out, offsets, a.scale_or_data(), b.scale_or_data(), fa, fb,
         total_rows, n_out, k, groups,
         a.stride_r, a.stride_k, b.stride_r, b.stride_k, b.group_stride, out.stride(0), out.stride(1),
@@ -285,7 +284,7 @@ def _torch_grouped_mm_op(a16: torch.Tensor, mat_b: torch.Tensor, offsets: torch.
     """torch._grouped_mm (bf16, CUTLASS) with the rows past the last group zeroed on the device."""
     out = torch._grouped_mm(a16, mat_b, offs=offsets[1:].to(torch.int32))
     n = out.shape[1]
-    wrapped(jit._zero_rows_from_kernel)[(ceil_div(total_rows, 64),)](
+    wrapped(jit.zero_rows_from_kernel)[(ceil_div(total_rows, 64),)](
         out, offsets[-1:], total_rows, n, out.stride(0), out.stride(1), BLOCK_R=64, BLOCK_C=128)
     return out
 
@@ -319,7 +318,7 @@ def _dequantize_op(data: torch.Tensor, scale: Optional[torch.Tensor], factor: Op
     if gather:
         c = torch.arange(cols, device=op.data.device, dtype=torch.int32)
         cidx = (c // col_group) * ceil_div(col_group, bc) + (c % col_group) // bc
-    wrapped(jit._dequantize_kernel)[(ceil_div(rows, block_r), ceil_div(cols, block_c))](
+    wrapped(jit.dequantize_kernel)[(ceil_div(rows, block_r), ceil_div(cols, block_c))](
         op.data, op.scale, out, cidx if gather else op.data,
         rows, cols, row_group, ceil_div(row_group, br), col_group, ceil_div(col_group, bc),
         op.stride_r, op.stride_k, op.s_stride_r, op.s_stride_k, out_strides[0], out_strides[1],
@@ -397,7 +396,7 @@ def _k_op(a_data: torch.Tensor, a_scale: Optional[torch.Tensor], a_factor: Optio
           a_soffs: Optional[torch.Tensor], a_meta: list[int], b_data: torch.Tensor, b_scale: Optional[torch.Tensor],
           b_factor: Optional[torch.Tensor], b_soffs: Optional[torch.Tensor], b_meta: list[int], offsets: torch.Tensor,
           sizes: list[int], scaling: str, out_dtype: torch.dtype) -> torch.Tensor:
-    """The k-grouped launch into a new tensor, as one opaque op (kernels/_triton_utils.KernelOp)."""
+    """The k-grouped launch into a new tensor, as one opaque op (kernels/launch.KernelOp)."""
     n, k, groups = sizes
     out = torch.empty((groups, n, k), dtype=out_dtype, device=a_data.device)
     return _launch_k_into(_unflat(a_data, a_scale, a_factor, a_soffs, a_meta),
@@ -415,7 +414,7 @@ def _launch_k_into(a: _Operand, b: _Operand, offsets, n, k, groups, scaling, out
         cfg = _fp32_config(cfg) if plain_fp32 else cfg
     align = 16 // a.data.element_size() * (2 if scaling is Scaling.NVFP4 else 1) if tokens_contiguous else 1
     grid = (groups * ceil_div(n, cfg.bm) * ceil_div(k, cfg.bn),)
-    wrapped(jit._k_grouped_gemm_kernel)[grid](
+    wrapped(jit.k_grouped_gemm_kernel)[grid](
         a.data, b.data, out, offsets, a.scale_or_data(), b.scale_or_data(),
         a.soffs if a.soffs is not None else offsets, b.soffs if b.soffs is not None else offsets,
         a.factor if a.factor is not None else a.data, b.factor if b.factor is not None else b.data,
@@ -446,7 +445,7 @@ def _dequantize_tokens_op(data: torch.Tensor, scale: Optional[torch.Tensor], fac
     block_r, block_t, warps = tile
     if features == 0 or total == 0 or groups == 0:
         return out
-    wrapped(jit._dequantize_tokens_kernel)[(ceil_div(features, block_r), ceil_div(total, block_t) + groups)](
+    wrapped(jit.dequantize_tokens_kernel)[(ceil_div(features, block_r), ceil_div(total, block_t) + groups)](
         op.data, op.scale, op.soffs, offsets, out, features, groups,
         op.stride_r, op.stride_k, op.s_stride_r, op.s_stride_k, out.stride(0), out.stride(1),
         SCALING=_CODE[Scaling(scaling)], BC=op.block[1], GP=group_pow2(groups),  # reads offs[g], offs[g + 1] for g < G

@@ -196,7 +196,7 @@ def _promote(acc, a, b, s_rows, s_cols, VECTOR_AXIS: tl.constexpr):
     outer product, two operations per element). 0 or 1: the other one is a single number (a
     128 x 128 weight block spans the tile), so the factor is one vector along that axis and the
     promotion one FMA per element. The CUDA cores do this while the tensor cores idle: it is
-    what BLOCK pays over plain FP8 (benchmarks/results/block_gemm_variants.json).
+    what BLOCK pays over plain FP8 (benchmarks/results/sweeps/block_gemm_variants.json).
     """
     p = tl.dot(a, tl.trans(b))
     if VECTOR_AXIS == 0:
@@ -211,7 +211,7 @@ def _promote(acc, a, b, s_rows, s_cols, VECTOR_AXIS: tl.constexpr):
 # ---------------------------------------------------------------- m-grouped: fprop and dgrad
 
 @triton.jit
-def _m_grouped_gemm_kernel(
+def m_grouped_gemm_kernel(
         # pointers
         a_ptr, b_ptr, out_ptr, offs_ptr, sa_ptr, sb_ptr, fa_ptr, fb_ptr,
         # sizes
@@ -330,7 +330,7 @@ def _k_loop(a_ptr, b_ptr, sa_ptr, sb_ptr, rows, row_ok, cols, col_ok, start, end
 
 
 @triton.jit
-def _k_grouped_gemm_kernel(
+def k_grouped_gemm_kernel(
         # pointers
         a_ptr, b_ptr, out_ptr, offs_ptr, sa_ptr, sb_ptr, soffs_a_ptr, soffs_b_ptr, fa_ptr, fb_ptr,
         # sizes
@@ -392,7 +392,7 @@ def _k_grouped_gemm_kernel(
 # ---------------------------------------------------------------- exact dequantize to bf16, zero rows
 
 @triton.jit
-def _dequantize_kernel(
+def dequantize_kernel(
         # pointers
         x_ptr, s_ptr, out_ptr, cidx_ptr,
         # sizes: R x C elements; rows in groups of GR sharing GSR scale rows; columns in groups of GC
@@ -407,7 +407,7 @@ def _dequantize_kernel(
     Scale row of data row r: (r // GR) * GSR + (r % GR) // BR. Columns: with GATHER, element c's
     scale column is cidx[c] (column groups whose width is not a multiple of BLOCK_C); otherwise
     a tile lies in one column group of width GC with GSC scale columns. Token-grouped operands
-    take `_dequantize_tokens_kernel`.
+    take `dequantize_tokens_kernel`.
     """
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -449,7 +449,7 @@ def _dequantize_kernel(
 
 
 @triton.jit
-def _dequantize_tokens_kernel(
+def dequantize_tokens_kernel(
         # pointers
         x_ptr, s_ptr, soffs_ptr, offs_ptr, out_ptr,
         # sizes
@@ -500,7 +500,7 @@ def _dequantize_tokens_kernel(
 
 
 @triton.jit
-def _zero_rows_from_kernel(out_ptr, end_ptr, R, C, stride_r, stride_c, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def zero_rows_from_kernel(out_ptr, end_ptr, R, C, stride_r, stride_c, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """out[end:R] = 0 with `end` read on the device (rows a library grouped GEMM leaves unwritten)."""
     pid = tl.program_id(0)
     end = tl.load(end_ptr).to(tl.int32)

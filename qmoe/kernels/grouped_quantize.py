@@ -28,9 +28,9 @@ from __future__ import annotations
 import torch
 
 from qmoe.contracts.formats import ElementFormat, ScaleMode
-from qmoe.kernels._triton_utils import as_rows, device_splits
 from qmoe.kernels.activation import activation_code
-from qmoe.kernels.quantize import _fp8_meta, amax_op, fp8_block_op, fp8_block_supported, fp8_tensorwise_op, mxfp8_op
+from qmoe.kernels.layout import as_rows, device_splits
+from qmoe.kernels.quantize import amax_op, fp8_block_op, fp8_block_supported, fp8_meta, fp8_tensorwise_op, mxfp8_op
 from qmoe.kernels.quantize_nvfp4 import check_nvfp4_shape, draw_seeds, nvfp4_op
 from qmoe.reference import grouped_quantize as _ref
 from qmoe.contracts.carriers import ActivatedRows, glu_block
@@ -57,7 +57,7 @@ def grouped_tensor_amax(x: torch.Tensor, split_sizes: torch.Tensor) -> torch.Ten
 
 def grouped_quantize_fp8_tensorwise(x, split_sizes, scales, fmt: ElementFormat, rowwise=True, columnwise=False):
     """Per-group scales [G] -> (row [sum M, K], col [K, sum M], amax [G])."""
-    _fp8_meta(fmt)
+    fp8_meta(fmt)
     x, splits, g, fused = _prepare(x, split_sizes)
     if scales.numel() != g:
         raise ValueError(f"grouped FP8 cast needs one scale per group ({g}), got {scales.numel()}")
@@ -69,7 +69,7 @@ def grouped_quantize_fp8_tensorwise(x, split_sizes, scales, fmt: ElementFormat, 
 def grouped_quantize_fp8_block(x, split_sizes, block_rows, block_cols, fmt, power_2_scale=True,
                                amax_epsilon=0.0, rowwise=True, columnwise=False):
     """-> (row [sum M, K], row_s, col [K, sum M], col_s) in the reference's grouped scale layouts."""
-    _fp8_meta(fmt)
+    fp8_meta(fmt)
     if not fp8_block_supported(block_rows, block_cols):
         return _ref.grouped_quantize_fp8_block(x, split_sizes, block_rows, block_cols, fmt, power_2_scale,
                                                amax_epsilon, rowwise, columnwise)
@@ -83,7 +83,7 @@ def grouped_quantize_fp8_block(x, split_sizes, block_rows, block_cols, fmt, powe
 def grouped_quantize_mxfp8(x, split_sizes, fmt, scale_mode: ScaleMode = ScaleMode.ROUND_UP, rowwise=True,
                            columnwise=False):
     """-> (row [sum M, K], row_s [sum M, ceil(K/32)], col [K, sum M], col_s [K, sum M // 32 + G]) (E8M0)."""
-    _fp8_meta(fmt)
+    fp8_meta(fmt)
     x, splits, g, fused = _prepare(x, split_sizes)
     row, rs, col, cs = mxfp8_op(x, splits, g, fmt.dtype, fmt.max, fmt.emax,
                                 scale_mode is ScaleMode.ROUND_UP, 32, rowwise, columnwise, *fused)

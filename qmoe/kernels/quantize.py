@@ -6,7 +6,7 @@ transpose). Every kernel reads one [BM, BK] tile of x once and writes both orien
 it (the columnwise copy through `tl.trans`), so asking for both costs one pass over x.
 
 The same kernels serve `qmoe/kernels/grouped_quantize.py`: with GROUPED, the row tiles follow
-the device split sizes (see `_triton_utils.tile_rows`) and per-group values index by group.
+the device split sizes (see `tiles.tile_rows`) and per-group values index by group.
 
 Tiers (STYLE.md): `_name_kernel` (Triton), the launchers registered as torch custom ops
 `qmoe::quantize_*` (validate, allocate, grid; their fake implementation is the launcher run on
@@ -25,23 +25,26 @@ import triton
 import triton.language as tl
 
 from qmoe.contracts.formats import ElementFormat, ScaleMode, ceil_div
-from qmoe.kernels._triton_utils import (as_rows, atomic_max_bits, block_amax_2d, block_amax_first, block_amax_last,
-                                        cast_bits, exp2_int, fp8_scale_from_amax, group_pow2, kernel_op, launch,
-                                        max_abs_bits, mx_exponent, prune_oversized, reciprocal, scale_2d, scale_last,
-                                        store8, tile_configs, tile_rows, tile_span, wrapped)
 from qmoe.kernels.activation import NO_ACTIVATION, input_width, load_rows
+from qmoe.kernels.arith import (atomic_max_bits, cast_bits, exp2_int, fp8_scale_from_amax, max_abs_bits, mx_exponent,
+                                reciprocal)
+from qmoe.kernels.launch import kernel_op, launch, prune_oversized, tile_configs, wrapped
+from qmoe.kernels.layout import as_rows, group_pow2
+from qmoe.kernels.tiles import (block_amax_2d, block_amax_first, block_amax_last, scale_2d, scale_last, store8,
+                                tile_rows, tile_span)
 from qmoe.reference import quantize as _ref
 
 _TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 
 
-def _fp8_meta(fmt: ElementFormat):
+def fp8_meta(fmt: ElementFormat):
+    """Triton's dtype for an FP8 format (ValueError for any other format)."""
     if fmt.dtype not in _TL_FP8:
         raise ValueError(f"{fmt} is not an FP8 format (E4M3 or E5M2)")
     return _TL_FP8[fmt.dtype]
 
 
-def _prune_blocks(configs, named_args, **kwargs):
+def prune_blocks(configs, named_args, **kwargs):
     """Tiles must hold whole blocks: BK % B along K; BM % B where blocks run along M too."""
     b = kwargs.get("B", 1)
     along_m = kwargs.get("COLWISE", False) or kwargs.get("BLOCK_2D", False)
@@ -59,7 +62,7 @@ _BLOCK128_CONFIGS = tile_configs(((32, 128, 4), (64, 128, 8), (128, 128, 8), (12
 _KEY = ["M", "K", "G", "ACT"]
 # Kernels with block scales also key on orientation and block shape: they decide which tiles are
 # legal (a tile tuned for a rowwise-only call cannot hold the 128-row blocks of a columnwise one).
-_ORIENTED_KEY = _KEY + ["ROWWISE", "COLWISE"]
+ORIENTED_KEY = _KEY + ["ROWWISE", "COLWISE"]
 
 
 # ---------------------------------------------------------------- amax
@@ -86,7 +89,8 @@ def _amax_kernel(
     atomic_max_bits(amax_ptr + g, max_abs_bits(x.to(tl.float32), False))
 
 
-def _tile_grid(m: int, k: int, groups: int, grouped: bool):
+def tile_grid(m: int, k: int, groups: int, grouped: bool):
+    """The launch grid of a tile kernel: virtual row tiles (`tiles.tile_rows`) x column tiles."""
     return lambda meta: (triton.cdiv(m, meta["BM"]) + (groups if grouped else 0), triton.cdiv(k, meta["BK"]))
 
 
@@ -105,7 +109,7 @@ def amax_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, pr
     bits = torch.zeros(num_groups, dtype=torch.int32, device=x.device)
     if m * k:
         grouped = splits is not None
-        launch(_amax_kernel, _tile_grid(m, k, num_groups, grouped),
+        launch(_amax_kernel, tile_grid(m, k, num_groups, grouped),
                (x, probs if probs is not None else x, bits, splits if grouped else x, m, k, num_groups, x.stride(0)),
                _SMALL_TILE, m * k, ACT=act, GLU_BLOCK=glu_block, GROUPED=grouped, G_P2=group_pow2(num_groups))
     return bits.view(torch.float32)
@@ -191,7 +195,7 @@ def fp8_tensorwise_op(x: torch.Tensor, scale: torch.Tensor, splits: Optional[tor
     bits = torch.zeros(num_groups, dtype=torch.int32, device=x.device)
     if m * k:
         grouped = splits is not None
-        launch(_fp8_tensorwise_kernel, _tile_grid(m, k, num_groups, grouped),
+        launch(_fp8_tensorwise_kernel, tile_grid(m, k, num_groups, grouped),
                (x, probs if probs is not None else x, scale.reshape(-1), row.view(torch.uint8), col.view(torch.uint8),
                 bits, splits if grouped else x, m, k, num_groups, x.stride(0)),
                _SMALL_TILE, m * k, ACT=act, GLU_BLOCK=glu_block, FMT_MAX=fmt_max, OUT_DTYPE=_TL_FP8[out_dtype], ROWWISE=rowwise,
@@ -205,7 +209,7 @@ def quantize_fp8_tensorwise(x: torch.Tensor, scale: torch.Tensor, fmt: ElementFo
 
     Returns (rowwise_data [M, K] | None, columnwise_data [K, M] | None, amax 0-dim fp32).
     """
-    _fp8_meta(fmt)
+    fp8_meta(fmt)
     row, col, amax = fp8_tensorwise_op(as_rows(x), scale.float(), None, 1, fmt.dtype,
                                        fmt.max, rowwise, columnwise)
     return row if rowwise else None, col if columnwise else None, amax.reshape(())
@@ -213,7 +217,7 @@ def quantize_fp8_tensorwise(x: torch.Tensor, scale: torch.Tensor, fmt: ElementFo
 
 # ---------------------------------------------------------------- FP8 blocks (1x128, 128x128)
 
-@triton.autotune(configs=_BLOCK128_CONFIGS, key=_ORIENTED_KEY + ["BLOCK_2D"], prune_configs_by={"early_config_prune": _prune_blocks})
+@triton.autotune(configs=_BLOCK128_CONFIGS, key=ORIENTED_KEY + ["BLOCK_2D"], prune_configs_by={"early_config_prune": prune_blocks})
 @triton.jit
 def _fp8_block_kernel(
         # pointers
@@ -294,7 +298,7 @@ def fp8_block_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: in
         col_s = alloc((k, width) if columnwise else (0,), dtype=f32, device=dev)
     if m * k:
         small = triton.Config({"BM": b if (columnwise or two_d) else 32, "BK": b}, num_warps=4, num_stages=1)
-        launch(_fp8_block_kernel, _tile_grid(m, k, num_groups, grouped),
+        launch(_fp8_block_kernel, tile_grid(m, k, num_groups, grouped),
                (x, probs if probs is not None else x, row.view(torch.uint8), row_s, col.view(torch.uint8), col_s,
                 splits if grouped else x, m, k, num_groups, amax_epsilon,
                 x.stride(0), nkb, width),
@@ -314,7 +318,7 @@ def quantize_fp8_block(x: torch.Tensor, block_rows: int, block_cols: int, fmt: E
 
     Returns (row_data [M, K], row_scale_inv, col_data [K, M], col_scale_inv) as the reference.
     """
-    _fp8_meta(fmt)
+    fp8_meta(fmt)
     if not fp8_block_supported(block_rows, block_cols):
         return _ref.quantize_fp8_block(x, block_rows, block_cols, fmt, power_2_scale, amax_epsilon, rowwise,
                                        columnwise)
@@ -327,7 +331,7 @@ def quantize_fp8_block(x: torch.Tensor, block_rows: int, block_cols: int, fmt: E
 
 # ---------------------------------------------------------------- MXFP8 (1x32, E8M0 scales)
 
-@triton.autotune(configs=_TILE_CONFIGS, key=_ORIENTED_KEY, prune_configs_by={"early_config_prune": _prune_blocks})
+@triton.autotune(configs=_TILE_CONFIGS, key=ORIENTED_KEY, prune_configs_by={"early_config_prune": prune_blocks})
 @triton.jit
 def _mxfp8_kernel(
         # pointers
@@ -383,7 +387,7 @@ def mxfp8_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, o
     row_s = torch.empty((m, nkb) if rowwise else (0,), dtype=u8, device=dev)
     col_s = (torch.zeros if grouped else torch.empty)((k, width) if columnwise else (0,), dtype=u8, device=dev)
     if m * k:
-        launch(_mxfp8_kernel, _tile_grid(m, k, num_groups, grouped),
+        launch(_mxfp8_kernel, tile_grid(m, k, num_groups, grouped),
                (x, probs if probs is not None else x, row.view(torch.uint8), row_s, col.view(torch.uint8), col_s,
                 splits if grouped else x, m, k, num_groups, x.stride(0), nkb, width),
                _SMALL_TILE, m * k, ACT=act, GLU_BLOCK=glu_block, FMT_MAX=fmt_max, EMAX=emax, ROUND_UP=round_up,
@@ -395,7 +399,7 @@ def mxfp8_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, o
 def quantize_mxfp8(x: torch.Tensor, fmt: ElementFormat, scale_mode: ScaleMode = ScaleMode.ROUND_UP,
                    rowwise: bool = True, columnwise: bool = False, block: int = 32):
     """MXFP8: FP8 codes with an E8M0 scale per 32 consecutive values (layouts as the reference)."""
-    _fp8_meta(fmt)
+    fp8_meta(fmt)
     if block != 32:  # the kernels' tiles assume 32-value blocks
         return _ref.quantize_mxfp8(x, fmt, scale_mode, rowwise, columnwise, block)
     row, rs, col, cs = mxfp8_op(as_rows(x), None, 1, fmt.dtype, fmt.max, fmt.emax,

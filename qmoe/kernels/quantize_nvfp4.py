@@ -25,12 +25,13 @@ import triton
 import triton.language as tl
 
 from qmoe.contracts.formats import E2M1, E4M3, FLT_MAX, NVFP4_BLOCK, NVFP4_TENSOR_MAX, RHT_SIZE, ceil_div
-from qmoe.kernels._triton_utils import (RHT_SIGN_MASK, as_rows, atomic_max_bits, block_amax_2d, block_amax_first,
-                                        block_amax_last, cast_satfinite, clamp_nan, group_pow2, is_nan, kernel_op, launch,
-                                        max_abs_bits, prune_oversized, reciprocal, rht_last, scale_2d, scale_first,
-                                        scale_last, store8, tile_configs, tile_rows, tile_span, trans8, uniform_tile)
 from qmoe.kernels.activation import NO_ACTIVATION, input_width, load_rows
-from qmoe.kernels.quantize import _ORIENTED_KEY, _prune_blocks, _tile_grid, scale_width
+from qmoe.kernels.arith import atomic_max_bits, cast_satfinite, clamp_nan, is_nan, max_abs_bits, reciprocal, trans8
+from qmoe.kernels.launch import kernel_op, launch, prune_oversized, tile_configs
+from qmoe.kernels.layout import as_rows, group_pow2
+from qmoe.kernels.quantize import ORIENTED_KEY, prune_blocks, scale_width, tile_grid
+from qmoe.kernels.tiles import (RHT_SIGN_MASK, block_amax_2d, block_amax_first, block_amax_last, rht_last, scale_2d,
+                                scale_first, scale_last, store8, tile_rows, tile_span, uniform_tile)
 
 _FLT_MAX = tl.constexpr(FLT_MAX)
 _ONE_SIXTH = tl.constexpr(float(torch.tensor(1.0 / 6.0, dtype=torch.float32)))  # fp32(1/6), as the reference
@@ -175,8 +176,8 @@ def _nvfp4_amax_kernel(
 
 # ---------------------------------------------------------------- quantize launch
 
-@triton.autotune(configs=_CONFIGS, key=_ORIENTED_KEY + ["BLOCK_2D"],
-                 prune_configs_by={"early_config_prune": _prune_blocks})
+@triton.autotune(configs=_CONFIGS, key=ORIENTED_KEY + ["BLOCK_2D"],
+                 prune_configs_by={"early_config_prune": prune_blocks})
 @triton.jit
 def _nvfp4_kernel(
         # pointers
@@ -279,7 +280,7 @@ def nvfp4_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, b
     if m * k:
         amax_bits, rht_bits = bits.unbind(0)  # atomic_max runs on the int32 patterns
         rht_col = rht and columnwise
-        grid = _tile_grid(m, k, num_groups, grouped)
+        grid = tile_grid(m, k, num_groups, grouped)
         dummy = splits if grouped else x
         p = probs if probs is not None else x
         launch(_nvfp4_amax_kernel, grid, (x, p, amax_bits, rht_bits, col, dummy, m, k, num_groups, x.stride(0), m // 2),

@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from qmoe.kernels._triton_utils import kernel_op, rows_contiguous, wrapped
+from qmoe.kernels.launch import kernel_op, wrapped
+from qmoe.kernels.layout import rows_contiguous
 from qmoe.contracts.carriers import NORMALIZE_EPS
 from qmoe.contracts.enums import ScoreFunction, parse_score_function
 from qmoe.contracts.validate import check_topk_route_args
@@ -237,7 +238,7 @@ def route_forward(logits, top_k, fn, pre_softmax, num_groups, group_topk, scalin
 def _route_forward_op(logits: torch.Tensor, expert_bias: Optional[torch.Tensor], top_k: int, score_function: str,
                       pre_softmax: bool, num_groups: Optional[int], group_topk: Optional[int],
                       scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One opaque op (kernels/_triton_utils.KernelOp): (probs, routing map).
+    """One opaque op (kernels/launch.KernelOp): (probs, routing map).
 
     The kernel stores the map's 0/1 bytes through a uint8 view of the bool tensor. The view
     stays inside the op, where torch.compile does not look (Inductor cannot lower a bool ->

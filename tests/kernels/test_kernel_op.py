@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from qmoe.kernels._triton_utils import KernelOp
+from qmoe.kernels.launch import KernelOp, wrapped
 
 
 def _twice(x: torch.Tensor) -> torch.Tensor:
@@ -57,3 +57,31 @@ def test_dispatcher_path_can_be_forced():
         assert "qmoe_test::twice" in _dispatched_ops(lambda: TWICE(x))
     finally:
         KernelOp.direct = True
+
+
+class _RecordingKernel:
+    """Stands in for a Triton kernel: `kernel[grid](*args)` records the launch."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
+
+
+def test_launches_happen_in_eager_calls_and_never_in_the_fake_twin():
+    kernel = _RecordingKernel()
+
+    def _fill(x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        wrapped(kernel)[(x.numel(),)](x, out, BLOCK=4)
+        return out
+
+    op = KernelOp("qmoe_test::fill", _fill)
+    assert wrapped(kernel) is kernel  # outside a fake twin: the kernel itself
+    op(torch.randn(3))
+    assert [(g, kw) for g, _, kw in kernel.launches] == [((3,), {"BLOCK": 4})]
+    with FakeTensorMode():
+        y = op(torch.empty(5))
+    assert isinstance(y, FakeTensor) and y.shape == (5,)
+    assert len(kernel.launches) == 1  # the fake twin allocated its output and launched nothing

@@ -106,7 +106,7 @@ def test_aux_losses(t, e, seq):
 @inside
 @pytest.mark.parametrize("t,e,seq", [(70, 300, 35), (512, 32, 512), (1024, 32, 256)])
 def test_loss_kernels_leave_their_counters_zeroed(monkeypatch, t, e, seq):
-    # Launches share arrival counters (`_triton_utils.tickets`), so each kernel must reset every
+    # Launches share arrival counters (`counters.tickets`), so each kernel must reset every
     # counter it draws from, the seq loss's per-pair ones too ((512, 32, 512) and (1024, 32, 256)
     # split each sequence into row chunks finished by the last to arrive).
     from qmoe.kernels import aux_loss as kernels

@@ -1,7 +1,7 @@
 """Each op family compiled on the GPU (torch.compile, fullgraph) equals eager, forward and backward.
 
 AOTAutograd (backend="aot_eager") runs the very kernels eager runs (each launcher is one opaque
-op, kernels/_triton_utils.KernelOp), so results must be bit-identical; Inductor may fuse the
+op, kernels/launch.KernelOp), so results must be bit-identical; Inductor may fuse the
 torch glue around them, so it gets fp32 tolerance.
 
 The scaled-bias case caught a real failure (H200, torch 2.11): the grouped bias forward was

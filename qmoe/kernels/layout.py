@@ -1,0 +1,33 @@
+"""Host-side argument layout for the kernels: dense rows, split sizes on the device, group counts."""
+from __future__ import annotations
+
+import torch
+import triton
+
+
+def group_pow2(num_groups: int) -> int:
+    """The power-of-two width (at least 2) of a kernel's vector over `num_groups` groups."""
+    return max(2, triton.next_power_of_2(num_groups))
+
+
+def rows_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """`t` when its last dimension is dense (the kernels take a row stride), else a dense copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def device_splits(split_sizes: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Split sizes as an int tensor on x's device (a no-op for device splits)."""
+    if split_sizes.dim() != 1:
+        raise ValueError(f"split_sizes must be 1-D [G], got shape {tuple(split_sizes.shape)}")
+    if split_sizes.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"split_sizes must be int32 or int64, got {split_sizes.dtype}")
+    return split_sizes.to(x.device) if split_sizes.device != x.device else split_sizes
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] with unit stride along K (copies only when it has none)."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize kernels take a 2-D tensor [M, K], got shape {tuple(x.shape)}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"quantize kernels take float32, bfloat16 or float16 input, got {x.dtype}")
+    return x if x.stride(1) == 1 or x.shape[1] <= 1 else x.contiguous()
