@@ -296,8 +296,8 @@ class NVFP4Quantizer(Quantizer):
     """
 
     # the NVFP4 kernels hold two copies, the Hadamard product and Philox in registers already: with
-    # the activation as well the fused pass ran 0.83x the activation-then-quantize pair (H200,
-    # benchmarks/results/fused_activation.json), so the activation runs first
+    # the activation as well the fused pass is slower than the activation-then-quantize pair
+    # (benchmarks/results/fused_activation.json), so the activation runs first
     fuses_activation = False
 
     def __init__(self, role, block_2d: bool = False, rht: bool = False, stochastic: bool = False,
