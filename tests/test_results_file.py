@@ -1,6 +1,7 @@
 """benchmarks/harness: the header every results file starts with, its writer, and the files of
 record under benchmarks/results/ (each one has a complete header)."""
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -86,3 +87,28 @@ def test_every_results_file_starts_with_one_complete_header(path):
     check_header(data["header"])
     assert not set(data) & set(HEADER_KEYS), "run facts belong in the header only"
     assert len(data["header"]["commit"]) == 40 or data["header"]["commit"] == "unknown"
+
+
+REPO = RESULTS_DIR.parents[1]
+
+
+def _cited_results() -> list[tuple[str, str]]:
+    """(citing file, cited name) for every results file the code and the docs cite: in Python,
+    the .json names on a line that says benchmarks/results/; in Markdown, `...json` spans."""
+    found = []
+    for path in sorted(REPO.glob("qmoe/**/*.py")):
+        for line in path.read_text().splitlines():
+            if "benchmarks/results/" in line:
+                found += [(str(path.relative_to(REPO)), m) for m in re.findall(r"[\w/]+\.json", line)]
+    for path in [REPO / "README.md", *sorted(REPO.glob("docs/*.md"))]:
+        found += [(str(path.relative_to(REPO)), m) for m in re.findall(r"`([\w/]+\.json)`", path.read_text())]
+    return found
+
+
+def test_every_cited_results_file_exists():
+    cited = _cited_results()
+    assert any(name.endswith("moe.json") for _, name in cited)  # the scan finds the docs' citations
+    missing = [(where, name) for where, name in cited
+               if not (REPO / name).is_file() and not (RESULTS_DIR / name).is_file()
+               and not (RESULTS_DIR / "sweeps" / name).is_file()]
+    assert missing == []
