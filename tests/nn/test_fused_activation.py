@@ -2,11 +2,14 @@
 
 `GroupedLinear(..., input_activation=(activation, probs, k))` takes FC1's output h and quantizes
 act(h) * probs straight from h (on the GPU the quantize kernels apply the activation as they
-load: kernels.activation.load_rows; on the CPU the rows are computed first). Against the same
-layer fed `expert_activation(h, probs, ...)`: the output and the gradients of h, probs, weight,
-bias and bias scales are equal bit for bit (the bias kernel's dbias has no atomics: the same dy
-gives the same bits), under every recipe and without one (then nothing is fused and the
-activation runs first). GroupedMLP goes through this path.
+load: kernels.activation.load_rows; on the CPU the reference computes the rows first). On the
+GPU, against the same layer fed `expert_activation(h, probs, ...)`: the output and the gradients
+of h, probs, weight, bias and bias scales are equal bit for bit (the bias kernel's dbias has no
+atomics: the same dy gives the same bits). On the CPU both of those would run the same reference
+code, so the other arm is the activation written with torch's functions and autograd: the output
+and the layer's gradients are equal bit for bit, the hand-written dh and dprobs within an ulp.
+Under every recipe and without one (then nothing is fused and the activation runs first).
+GroupedMLP goes through this path.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import copy
 
 import pytest
 import torch
+from torch.nn.functional import relu, silu
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -49,6 +53,31 @@ def _run(fc2, h, probs, splits, recipe, activation, k, fused, dy):
     return {"y": y.detach(), "dh": h.grad, "dprobs": probs.grad, **{n: p.grad for n, p in fc2.named_parameters()}}
 
 
+def _plain_activation(h, probs, activation, k):
+    """act(h) * probs in fp32 with torch's own functions and autograd, cast to h's dtype: the
+    activation written a second time, apart from qmoe's activation op and its hand-written backward."""
+    hf = h.float()
+    if activation == "relu2":
+        return (relu(hf).square() * probs[:, None]).to(h.dtype)
+    rows, two_f = hf.shape
+    if k:  # k-column blocks alternate gate, linear
+        blocks = hf.reshape(rows, two_f // (2 * k), 2, k)
+        gate, linear = blocks[:, :, 0].reshape(rows, -1), blocks[:, :, 1].reshape(rows, -1)
+    else:
+        gate, linear = hf[:, : two_f // 2], hf[:, two_f // 2:]
+    assert activation == "swiglu", activation
+    return (silu(gate) * linear * probs[:, None]).to(h.dtype)
+
+
+def _run_plain(fc2, h, probs, splits, recipe, activation, k, dy):
+    h, probs = h.detach().clone().requires_grad_(True), probs.detach().clone().requires_grad_(True)
+    fc2.zero_grad(set_to_none=True)
+    with qmoe.autocast(recipe=recipe, enabled=recipe is not None):
+        y = fc2(_plain_activation(h, probs, activation, k), splits, probs.to(h.dtype))
+    y.backward(dy)
+    return {"y": y.detach(), "dh": h.grad, "dprobs": probs.grad, **{n: p.grad for n, p in fc2.named_parameters()}}
+
+
 def _check(device, recipe_name, activation, k, dtype, sizes=(128, 0, 256, 128), path="grouped"):
     torch.manual_seed(0)
     glu = activation in ("swiglu", "geglu", "clamped_qgeglu")
@@ -63,11 +92,24 @@ def _check(device, recipe_name, activation, k, dtype, sizes=(128, 0, 256, 128), 
     recipe = _recipe(recipe_name)
     twin = copy.deepcopy(fc2)  # before any step: delayed scaling's state changes with each
     got = _run(fc2, h, probs, splits, recipe, activation, k, True, dy)
-    want = _run(twin, h, probs, splits, recipe, activation, k, False, dy)
+    if device == "cpu":  # the fused path computes the rows with the same reference code: check
+        # it against the activation written apart (tests/nn/test_fused_activation.py's docstring)
+        want = _run_plain(twin, h, probs, splits, recipe, activation, k, dy)
+        _assert_activation_grads_close(got.pop("dh"), want.pop("dh"), got.pop("dprobs"), want.pop("dprobs"))
+    else:
+        want = _run(twin, h, probs, splits, recipe, activation, k, False, dy)
     assert got.keys() == want.keys()
     for name in want:
         assert got[name] is not None, name
         assert torch.equal(got[name], want[name]), name
+
+
+def _assert_activation_grads_close(dh, dh_want, dprobs, dprobs_want):
+    """The hand-written backward against autograd's: one output ulp for dh (2^-7 in bf16, fp32
+    terms in another order), fp32 summation order for dprobs."""
+    ulp = {torch.bfloat16: 2.0 ** -7, torch.float32: 1e-5}[dh.dtype]
+    torch.testing.assert_close(dh.float(), dh_want.float(), rtol=ulp, atol=1e-6 * float(dh_want.abs().max()))
+    torch.testing.assert_close(dprobs, dprobs_want, rtol=1e-5, atol=1e-6 * float(dprobs_want.abs().max()))
 
 
 @pytest.mark.parametrize("recipe_name", RECIPES)
