@@ -206,14 +206,21 @@ def test_nvfp4_rht_bit_exact_where_transform_is_exact(recipe, role, x):
 @pytest.mark.parametrize("recipe, role", NVFP4_RHT)
 def test_nvfp4_rht_within_half_step_of_float64_transform(recipe, role):
     """General inputs: the stored Hadamard-domain copy is within half an E2M1 step (of its block's
-    scale) of the float64 transform, plus the fp32 rounding of the transform and dequantization."""
+    scale) of the float64 transform, plus the fp32 rounding of the transform and dequantization.
+
+    The steps come from the oracle (NVFP4 of the float64 transform rounded to fp32), not from the
+    library's stored scales, so wrong scales cannot widen the bound; the stored ones must equal
+    them (an fp32 transform moves a block amax by an ulp: no E4M3 scale of this input sits that
+    close to a rounding boundary)."""
     x = sample(64, 40, torch.float32, 11)
     qt = recipe.quantizer(role).quantize(x)
     t = O.rht_float64(np.ascontiguousarray(x.numpy().T))  # [K, M], float64
     assert abs(float(qt.columnwise_amax) - np.abs(t).max()) <= 2.0 ** -23 * np.abs(t).max()
+    _, scale_codes, amax_t = O.nvfp4(t.astype(np.float32))
+    assert np.array_equal(qt.columnwise_scale_inv.view(torch.uint8).numpy(), scale_codes)
     deq = qt.dequantize(torch.float32, columnwise=True).double().numpy()
-    s_dec = 1.0 / np.float64(O.nvfp4_tensor_scale(np.float32(qt.columnwise_amax)))
-    d = O.expand(qt.columnwise_scale_inv.float().double().numpy(), 1, 16, t.shape) * s_dec
+    s_dec = 1.0 / np.float64(O.nvfp4_tensor_scale(amax_t))
+    d = O.expand(O.fp8_decode(scale_codes, "E4M3").astype(np.float64), 1, 16, t.shape) * s_dec
     u = np.abs(t) / d
     saturated = u > 6.0
     bound = O.half_step(u, O.E2M1_GRID) * d + 2.0 ** -21 * (np.abs(t) + np.abs(deq))
