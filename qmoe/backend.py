@@ -1,7 +1,8 @@
 """Which implementation runs an op: Triton kernels or the pure-torch reference (DESIGN.md).
 
 Kernels run on CUDA devices of compute capability >= 9.0; everything else, and any run with
-`QMOE_BACKEND=reference`, uses `qmoe.reference`. `QMOE_BACKEND=triton` forces the kernels
+`QMOE_BACKEND=reference`, uses `qmoe.reference`. `qmoe.dispatch` holds the per-family tables
+that this choice picks from. `QMOE_BACKEND=triton` forces the kernels
 whatever the device: for Triton's interpreter (TRITON_INTERPRET=1 on CPU tensors) and for
 trying older GPUs. The environment is read per call, so tests and users can switch backends
 without re-importing.
@@ -9,9 +10,7 @@ without re-importing.
 from __future__ import annotations
 
 import functools
-import importlib
 import os
-import sys
 
 import torch
 
@@ -46,37 +45,3 @@ def use_kernels(*tensors: torch.Tensor) -> bool:
         return False
     return all(_device_has_kernels(d.index if d.index is not None else torch.cuda.current_device())
                for d in devices)
-
-
-def _module(path: str):
-    """The module at `path`, or None if it cannot be imported.
-
-    Looked up in sys.modules first: torch.compile reads that but cannot trace importlib, so a
-    module first needed inside a compiled region costs a graph break in that graph.
-    """
-    mod = sys.modules.get(path)
-    if mod is not None:
-        return mod
-    try:
-        return importlib.import_module(path)
-    except ImportError:
-        return None
-
-
-def implementation(family: str, name: str, *tensors: torch.Tensor):
-    """`qmoe.kernels.<family>.<name>` when kernels apply and exist, else `qmoe.reference.<family>.<name>`.
-
-    Kernel and reference twins share names and signatures, so a kernel that lands is picked up
-    here without touching its callers. While torch.compile traces, the reference's
-    host-looping grouped ops are replaced by their custom-op twins (`qmoe.reference.compiled`).
-    """
-    if use_kernels(*tensors):
-        mod = _module(f"qmoe.kernels.{family}")
-        if mod is not None and hasattr(mod, name):
-            return getattr(mod, name)
-    if torch.compiler.is_compiling():
-        from qmoe.reference.compiled import TWINS
-
-        if (family, name) in TWINS:
-            return TWINS[family, name]
-    return getattr(_module(f"qmoe.reference.{family}"), name)

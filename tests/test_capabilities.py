@@ -3,7 +3,8 @@ import pytest
 import torch
 
 import qmoe
-from qmoe.backend import implementation, use_kernels
+from qmoe.backend import use_kernels
+from qmoe.dispatch import QUANTIZE
 from qmoe.contracts.errors import UnsupportedError
 from qmoe.reference import quantize as ref_quantize
 
@@ -17,7 +18,7 @@ def test_cpu_runs_every_recipe_on_the_reference():
 def test_cpu_tensors_use_the_reference(monkeypatch):
     x = torch.zeros(2, 2)
     assert not use_kernels(x)
-    assert implementation("quantize", "quantize_mxfp8", x) is ref_quantize.quantize_mxfp8
+    assert QUANTIZE.pick("quantize_mxfp8", x) is ref_quantize.quantize_mxfp8
 
 
 def test_bad_backend_override_is_an_error(monkeypatch):

@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import torch
 
+from qmoe.contracts.carriers import ActivatedRows, glu_block
+from qmoe.contracts.errors import UnsupportedError
 from qmoe.contracts.formats import ElementFormat, ScaleMode
 from qmoe.kernels.activation import activation_code
 from qmoe.kernels.layout import as_rows, device_splits
 from qmoe.kernels.quantize import amax_op, fp8_block_op, fp8_block_supported, fp8_meta, fp8_tensorwise_op, mxfp8_op
 from qmoe.kernels.quantize_nvfp4 import check_nvfp4_shape, draw_seeds, nvfp4_op
-from qmoe.reference import grouped_quantize as _ref
-from qmoe.contracts.carriers import ActivatedRows, glu_block
 
 
 def _prepare(x, split_sizes):
@@ -71,8 +71,8 @@ def grouped_quantize_fp8_block(x, split_sizes, block_rows, block_cols, fmt, powe
     """-> (row [sum M, K], row_s, col [K, sum M], col_s) in the reference's grouped scale layouts."""
     fp8_meta(fmt)
     if not fp8_block_supported(block_rows, block_cols):
-        return _ref.grouped_quantize_fp8_block(x, split_sizes, block_rows, block_cols, fmt, power_2_scale,
-                                               amax_epsilon, rowwise, columnwise)
+        raise UnsupportedError("the grouped_quantize_fp8_block kernel", why=f"{block_rows}x{block_cols} blocks",
+                               fix="qmoe.dispatch.GROUPED_QUANTIZE runs the reference for these")
     x, splits, g, fused = _prepare(x, split_sizes)
     row, rs, col, cs = fp8_block_op(x, splits, g, block_rows, block_cols, fmt.dtype, fmt.max,
                                     power_2_scale, float(amax_epsilon), rowwise, columnwise, *fused)

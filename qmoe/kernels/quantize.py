@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qmoe.contracts.errors import UnsupportedError
 from qmoe.contracts.formats import ElementFormat, ScaleMode, ceil_div
 from qmoe.kernels.activation import NO_ACTIVATION, input_width, load_rows
 from qmoe.kernels.arith import (atomic_max_bits, cast_bits, exp2_int, fp8_scale_from_amax, max_abs_bits, mx_exponent,
@@ -32,7 +33,6 @@ from qmoe.kernels.launch import kernel_op, launch, prune_oversized, tile_configs
 from qmoe.kernels.layout import as_rows, group_pow2
 from qmoe.kernels.tiles import (block_amax_2d, block_amax_first, block_amax_last, scale_2d, scale_last, store8,
                                 tile_rows, tile_span)
-from qmoe.reference import quantize as _ref
 
 _TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 
@@ -146,11 +146,17 @@ def fp8_scale_op(amax: torch.Tensor, fmt_max: float, power_2_scale: bool, amax_e
     return out.reshape(amax.shape)
 
 
+def fp8_scale_supported(amax: torch.Tensor) -> bool:
+    """One program holds every value: up to 4096 amaxes (a quantizer's are far fewer)."""
+    return amax.numel() <= 4096
+
+
 def compute_fp8_scale(amax: torch.Tensor, fmt_max: float, power_2_scale: bool = False,
                       amax_epsilon: float = 0.0) -> torch.Tensor:
     """FP8 scale from amax (NUMERICS.md): fmt_max / max(amax, eps), 1 where amax is 0 or not finite."""
-    if amax.numel() > 4096:  # one program holds every value; larger inputs are not a quantizer's
-        return _ref.compute_fp8_scale(amax, fmt_max, power_2_scale, amax_epsilon)
+    if not fp8_scale_supported(amax):
+        raise UnsupportedError("the compute_fp8_scale kernel", why=f"{amax.numel()} amaxes exceed its 4096",
+                               fix="qmoe.dispatch.QUANTIZE runs the reference for these")
     return fp8_scale_op(amax, float(fmt_max), bool(power_2_scale), float(amax_epsilon))
 
 
@@ -320,8 +326,8 @@ def quantize_fp8_block(x: torch.Tensor, block_rows: int, block_cols: int, fmt: E
     """
     fp8_meta(fmt)
     if not fp8_block_supported(block_rows, block_cols):
-        return _ref.quantize_fp8_block(x, block_rows, block_cols, fmt, power_2_scale, amax_epsilon, rowwise,
-                                       columnwise)
+        raise UnsupportedError("the quantize_fp8_block kernel", why=f"{block_rows}x{block_cols} blocks",
+                               fix="qmoe.dispatch.QUANTIZE runs the reference for these")
     row, rs, col, cs = fp8_block_op(as_rows(x), None, 1, block_rows, block_cols, fmt.dtype,
                                     fmt.max, power_2_scale, float(amax_epsilon), rowwise,
                                     columnwise)
@@ -396,12 +402,17 @@ def mxfp8_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, o
     return row, row_s.view(torch.float8_e8m0fnu), col, col_s.view(torch.float8_e8m0fnu)
 
 
+def mxfp8_block_supported(block: int) -> bool:
+    return block == 32  # the kernels' tiles assume 32-value blocks
+
+
 def quantize_mxfp8(x: torch.Tensor, fmt: ElementFormat, scale_mode: ScaleMode = ScaleMode.ROUND_UP,
                    rowwise: bool = True, columnwise: bool = False, block: int = 32):
     """MXFP8: FP8 codes with an E8M0 scale per 32 consecutive values (layouts as the reference)."""
     fp8_meta(fmt)
-    if block != 32:  # the kernels' tiles assume 32-value blocks
-        return _ref.quantize_mxfp8(x, fmt, scale_mode, rowwise, columnwise, block)
+    if not mxfp8_block_supported(block):
+        raise UnsupportedError("the quantize_mxfp8 kernel", why=f"{block}-value blocks",
+                               fix="qmoe.dispatch.QUANTIZE runs the reference for these")
     row, rs, col, cs = mxfp8_op(as_rows(x), None, 1, fmt.dtype, fmt.max, fmt.emax,
                                 scale_mode is ScaleMode.ROUND_UP, block, rowwise, columnwise)
     return (row if rowwise else None, rs if rowwise else None, col if columnwise else None,

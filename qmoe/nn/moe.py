@@ -17,6 +17,18 @@ from qmoe.nn.router import TopKRouter
 from qmoe.contracts.carriers import num_permuted_rows
 
 
+# qmoe.parallel sits above qmoe.nn (DESIGN.md) and builds on its modules; it registers its
+# dispatcher here when imported (`import qmoe` imports it), so MoELayer(ep_group=...) can build
+# one without importing upward.
+_expert_parallel_dispatcher = None
+
+
+def register_expert_parallel_dispatcher(factory) -> None:
+    """Set the class MoELayer(ep_group=...) builds its dispatcher with (qmoe.parallel's)."""
+    global _expert_parallel_dispatcher
+    _expert_parallel_dispatcher = factory
+
+
 class MoELayer(nn.Module):
     """A Mixture-of-Experts feed-forward layer whose expert GEMMs follow the active recipe.
 
@@ -63,10 +75,10 @@ class MoELayer(nn.Module):
                                  z_loss_coeff=z_loss_coeff, capacity_factor=capacity_factor, device=device)
         self.dispatcher = None
         if ep_group is not None:
-            from qmoe.parallel.dispatcher import ExpertParallelDispatcher  # qmoe.parallel builds on qmoe.nn
-
-            self.dispatcher = ExpertParallelDispatcher(ep_group, num_experts, top_k, capacity_factor=capacity_factor,
-                                                       quantized=quantized_dispatch)
+            if _expert_parallel_dispatcher is None:
+                raise RuntimeError("ep_group needs qmoe.parallel: import qmoe (or qmoe.parallel) first")
+            self.dispatcher = _expert_parallel_dispatcher(ep_group, num_experts, top_k,
+                                                          capacity_factor=capacity_factor, quantized=quantized_dispatch)
         local_experts = num_experts if self.dispatcher is None else self.dispatcher.num_local_experts
         self.experts = GroupedMLP(local_experts, hidden_size, ffn_hidden_size, activation=activation,
                                   glu_interleave_size=glu_interleave_size, bias=bias, grouped_path=grouped_path,

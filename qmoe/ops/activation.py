@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from qmoe.backend import implementation
 from qmoe.reference import activation as reference
 from qmoe.contracts.validate import check_scaled_activation_args
+from qmoe.dispatch import ACTIVATION
 
 __all__ = ["expert_activation"]
 
@@ -23,7 +23,7 @@ def _twin(name: str, *tensors: torch.Tensor):
     take fp32 / bf16 / fp16 h; float64 h (double-precision checks) always runs the reference."""
     if tensors[0].dtype == torch.float64:
         return getattr(reference, name)
-    return implementation("activation", name, *tensors)
+    return ACTIVATION.pick(name, *tensors)
 
 
 class _ExpertActivation(torch.autograd.Function):

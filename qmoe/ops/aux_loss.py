@@ -10,23 +10,15 @@ validated once per call, here, before either.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from qmoe.backend import use_kernels
 from qmoe.reference import aux_loss as reference
 from qmoe.contracts.validate import (check_coeff, check_moe_aux_loss_args, check_scores, check_seq_aux_loss_args,
                                      check_update_expert_bias_args)
+from qmoe.dispatch import AUX_LOSS
 
 __all__ = ["moe_aux_loss", "seq_aux_loss", "z_loss", "update_expert_bias"]
-
-
-@functools.cache
-def _kernels():
-    # Imported on first use: Triton is only a dependency on Linux, the reference runs anywhere.
-    from qmoe.kernels import aux_loss
-    return aux_loss
 
 
 # The Functions save only what their backward reads (no forward input is kept alive for
@@ -36,10 +28,9 @@ def _kernels():
 class _MoEAuxLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, probs, tokens_per_expert, num_tokens, num_experts, top_k, coeff, needs_grad):
-        k = _kernels()
-        scale, nt = k.moe_aux_constants(num_tokens, num_experts, top_k, coeff)
-        loss, rows = k.aux_loss_forward(probs, tokens_per_expert.contiguous(), scale, nt,
-                                        grad_rows=needs_grad)
+        scale, nt = AUX_LOSS.kernel("moe_aux_constants")(num_tokens, num_experts, top_k, coeff)
+        loss, rows = AUX_LOSS.kernel("aux_loss_forward")(probs, tokens_per_expert.contiguous(), scale, nt,
+                                                         grad_rows=needs_grad)
         ctx.save_for_backward(rows)  # the gradient's row for a unit grad_loss
         ctx.meta = (probs.shape[0], probs.shape[1], probs.dtype)
         return loss
@@ -48,17 +39,16 @@ class _MoEAuxLoss(torch.autograd.Function):
     def backward(ctx, grad_loss):
         (rows,) = ctx.saved_tensors
         t, e, dtype = ctx.meta
-        grad = _kernels().grad_from_rows(grad_loss, rows, t, e, t, dtype)
+        grad = AUX_LOSS.kernel("grad_from_rows")(grad_loss, rows, t, e, t, dtype)
         return grad, None, None, None, None, None, None
 
 
 class _SeqAuxLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, probs, routing_map, seq_length, top_k, coeff):
-        k = _kernels()
         t, e = probs.shape
-        loss, rows = k.seq_aux_loss_forward(probs, routing_map, seq_length,
-                                            k.seq_aux_scale(t, e, seq_length, top_k, coeff))
+        scale = AUX_LOSS.kernel("seq_aux_scale")(t, e, seq_length, top_k, coeff)
+        loss, rows = AUX_LOSS.kernel("seq_aux_loss_forward")(probs, routing_map, seq_length, scale)
         ctx.save_for_backward(rows)  # scale * per-sequence counts: the gradient's rows
         ctx.meta = (t, e, seq_length, probs.dtype)
         return loss
@@ -66,13 +56,13 @@ class _SeqAuxLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         (rows,) = ctx.saved_tensors
-        return _kernels().grad_from_rows(grad_loss, rows, *ctx.meta), None, None, None, None
+        return AUX_LOSS.kernel("grad_from_rows")(grad_loss, rows, *ctx.meta), None, None, None, None
 
 
 class _ZLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, coeff):
-        loss, lse = _kernels().z_loss_forward(logits, coeff)
+        loss, lse = AUX_LOSS.kernel("z_loss_forward")(logits, coeff)
         # the backward kernel reads both: the logits are the op's input (the router's backward
         # keeps them alive anyway) and lse is [T], so the loss allocates no [T, E] of its own
         ctx.save_for_backward(logits, lse)
@@ -82,7 +72,7 @@ class _ZLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         logits, lse = ctx.saved_tensors
-        return _kernels().z_loss_grad(grad_loss, logits, ctx.coeff, lse), None
+        return AUX_LOSS.kernel("z_loss_grad")(grad_loss, logits, ctx.coeff, lse), None
 
 
 def moe_aux_loss(probs, tokens_per_expert, num_tokens, num_experts, top_k, coeff):
@@ -157,5 +147,5 @@ def update_expert_bias(bias, tokens_per_expert, rate=1e-3):
     """
     check_update_expert_bias_args(bias, tokens_per_expert, rate)
     if use_kernels(bias, tokens_per_expert):
-        return _kernels().update_expert_bias(bias, tokens_per_expert, rate)
+        return AUX_LOSS.kernel("update_expert_bias")(bias, tokens_per_expert, rate)
     return reference.update_expert_bias(bias, tokens_per_expert, rate)

@@ -23,10 +23,11 @@ import copy
 
 import torch
 
-from qmoe.backend import backend_override, implementation
+from qmoe.backend import backend_override
 from qmoe.contracts.enums import Scaling, scaling_of
 from qmoe.contracts.errors import UnsupportedError
 from qmoe.contracts.validate import OUT_DTYPES
+from qmoe.dispatch import GROUPED_GEMM
 from qmoe.quant import GroupedTensor, QuantizedTensor, Quantizer
 
 GROUPED_PATHS = ("auto", "grouped", "split")
@@ -162,7 +163,7 @@ def m_grouped_gemm(a, b, split_sizes=None, *, b_columnwise: bool = False, out_dt
             raise ValueError("b must hold N rows per expert: build it with quantize_weights")
         tensors = _tensors(a, False) + _tensors(b, b_columnwise)
         _check_same_device(*tensors)
-        fn = implementation("grouped_gemm", "m_grouped_gemm", *tensors)
+        fn = GROUPED_GEMM.pick("m_grouped_gemm", *tensors)
         return fn(a, b, None, b_columnwise=b_columnwise, out_dtype=out_dtype)
     _check_plain(a, "a", 2)
     _check_plain(b, "b", 3)
@@ -173,7 +174,7 @@ def m_grouped_gemm(a, b, split_sizes=None, *, b_columnwise: bool = False, out_dt
     if a.shape[1] != contraction:
         raise ValueError(f"a has {a.shape[1]} features but b contracts over {contraction}")
     _check_host_splits(split_sizes, a.shape[0], b.shape[0], a.device)
-    fn = implementation("grouped_gemm", "m_grouped_gemm", a, b)
+    fn = GROUPED_GEMM.pick("m_grouped_gemm", a, b)
     return fn(a, b, split_sizes, b_columnwise=b_columnwise, out_dtype=out_dtype)
 
 
@@ -216,7 +217,7 @@ def k_grouped_gemm(a, b, split_sizes=None, *, out_dtype=torch.bfloat16, out: tor
             raise ValueError(f"out must have shape [E, N, K] = {(e, n, k)}, got {tuple(out.shape)}")
         tensors.append(out)
     _check_same_device(*tensors)
-    fn = implementation("grouped_gemm", "k_grouped_gemm", *tensors)
+    fn = GROUPED_GEMM.pick("k_grouped_gemm", *tensors)
     return fn(a, b, split_sizes, out_dtype=out_dtype, out=out, accumulate=accumulate)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from qmoe.backend import implementation
+from qmoe.dispatch import BIAS
 from qmoe.ops.activation import activation_backward, expert_activation
 from qmoe.ops.grouped_gemm import host_readable, k_grouped_gemm, m_grouped_gemm, quantize_weights
 from qmoe.quant import GroupedTensor, QuantizedTensor
@@ -139,7 +139,7 @@ class GroupedLinearFunction(torch.autograd.Function):
                 ctx.wq = [_drop_rowwise(t) for t in ws] if need_dgrad else None
             ctx.save_for_backward(None, None, split_sizes, offsets, bias, scales, h, act_probs)
         if bias is not None:
-            y = implementation("bias", "grouped_bias_forward", y)(y, bias, offsets, scales)
+            y = BIAS.pick("grouped_bias_forward", y)(y, bias, offsets, scales)
         ctx.x_shape = x.shape if activation is None else xq.shape
         return y
 
@@ -190,7 +190,7 @@ class GroupedLinearFunction(torch.autograd.Function):
             else:
                 dw = wgrad().to(ctx.w_dtype)
         if ctx.has_bias and (ctx.needs_input_grad[3] or ctx.needs_input_grad[4]):
-            fn = implementation("bias", "grouped_bias_backward", dy)
+            fn = BIAS.pick("grouped_bias_backward", dy)
             dbias, dscales = fn(dy, bias, offsets, scales, ctx.needs_input_grad[4])
             dbias = dbias.to(bias.dtype) if ctx.needs_input_grad[3] else None
             dscales = dscales.to(scales.dtype) if dscales is not None else None

@@ -16,36 +16,31 @@ from qmoe.backend import use_kernels
 from qmoe.reference import permute as reference
 from qmoe.contracts.carriers import RowIdMap
 from qmoe.contracts.validate import check_merging_probs, check_permute_index_args, check_rows
+from qmoe.dispatch import PERMUTE
 
 __all__ = ["moe_permute", "moe_unpermute", "RowIdMap"]
-
-
-def _kernels():
-    # Imported on first use: Triton is only a dependency on Linux, the reference runs anywhere.
-    from qmoe.kernels import permute
-    return permute
 
 
 class _PermuteRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, row_id_map):
         ctx.row_id_map = row_id_map
-        return _kernels().permute_rows(x, row_id_map)
+        return PERMUTE.kernel("permute_rows")(x, row_id_map)
 
     @staticmethod
     def backward(ctx, grad_out):
-        return _kernels().permute_rows_backward(grad_out, ctx.row_id_map), None
+        return PERMUTE.kernel("permute_rows_backward")(grad_out, ctx.row_id_map), None
 
 
 class _PermuteProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, probs, row_id_map):
         ctx.row_id_map, ctx.dtype = row_id_map, probs.dtype
-        return _kernels().permute_probs(probs, row_id_map)
+        return PERMUTE.kernel("permute_probs")(probs, row_id_map)
 
     @staticmethod
     def backward(ctx, grad_out):
-        return _kernels().permute_probs_backward(grad_out, ctx.row_id_map, ctx.dtype), None
+        return PERMUTE.kernel("permute_probs_backward")(grad_out, ctx.row_id_map, ctx.dtype), None
 
 
 class _UnpermuteRows(torch.autograd.Function):
@@ -57,7 +52,7 @@ class _UnpermuteRows(torch.autograd.Function):
         ctx.save_for_backward(y if keep_y else None, merging_probs)
         ctx.y_meta = (y.shape, y.dtype, y.device)
         ctx.row_id_map = row_id_map
-        return _kernels().unpermute_rows(y, row_id_map, merging_probs)
+        return PERMUTE.kernel("unpermute_rows")(y, row_id_map, merging_probs)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -65,7 +60,7 @@ class _UnpermuteRows(torch.autograd.Function):
         if y is None:  # a stand-in with y's shape and dtype: one row, never read
             shape, dtype, device = ctx.y_meta
             y = torch.empty(1, shape[1], dtype=dtype, device=device).expand(shape)
-        grad_y, grad_probs = _kernels().unpermute_rows_backward(
+        grad_y, grad_probs = PERMUTE.kernel("unpermute_rows_backward")(
             grad_out, y, ctx.row_id_map, merging_probs, need_probs_grad=ctx.needs_input_grad[1])
         return grad_y, grad_probs, None
 
@@ -130,17 +125,16 @@ def moe_permute(x, routing_map, probs=None, align_size=1, *, top_k=None, row_sca
                                      row_scales=row_scales, num_rows=num_rows)
     if top_k is None:  # host read, documented above
         top_k = max(int(routing_map.sum(dim=1).max()), 1) if routing_map.numel() else 1
-    kernels = _kernels()
-    row_id_map, split_sizes = kernels.permute_index(routing_map, top_k, align_size)
+    row_id_map, split_sizes = PERMUTE.kernel("permute_index")(routing_map, top_k, align_size)
     row_id_map = reference.with_num_rows(row_id_map, num_rows)
     if x.is_floating_point() and x.element_size() >= 2:
         out = _PermuteRows.apply(x, row_id_map)
     else:  # quantized bits: nothing to differentiate
-        out = kernels.permute_rows(x, row_id_map)
+        out = PERMUTE.kernel("permute_rows")(x, row_id_map)
     out_probs = None if probs is None else _PermuteProbs.apply(probs, row_id_map)
     if row_scales is None:
         return out, out_probs, row_id_map, split_sizes
-    return out, out_probs, row_id_map, split_sizes, kernels.permute_rows(row_scales, row_id_map)
+    return out, out_probs, row_id_map, split_sizes, PERMUTE.kernel("permute_rows")(row_scales, row_id_map)
 
 
 def moe_unpermute(y, row_id_map, merging_probs=None, restore_shape=None):

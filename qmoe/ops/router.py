@@ -8,8 +8,6 @@ reads a value back to the host, so a routed step can be captured in a CUDA graph
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from qmoe.backend import use_kernels
@@ -17,16 +15,10 @@ from qmoe.reference import router as reference
 from qmoe.contracts.carriers import NORMALIZE_EPS
 from qmoe.contracts.enums import ScoreFunction, parse_score_function
 from qmoe.contracts.validate import check_capacity_factor, check_topk_route_args
+from qmoe.dispatch import ROUTER
 from qmoe.reference.router import apply_capacity
 
 __all__ = ["topk_route", "apply_capacity", "router_logits"]
-
-
-@functools.cache
-def _kernels():
-    # Imported on first use: Triton is only a dependency on Linux, the reference runs anywhere.
-    from qmoe.kernels import router
-    return router
 
 
 class _TopKRoute(torch.autograd.Function):
@@ -35,7 +27,7 @@ class _TopKRoute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, expert_bias, top_k, fn, pre_softmax, num_groups, group_topk,
                 scaling_factor):
-        probs, routing_map = _kernels().route_forward(logits, top_k, fn, pre_softmax, num_groups,
+        probs, routing_map = ROUTER.kernel("route_forward")(logits, top_k, fn, pre_softmax, num_groups,
                                                       group_topk, scaling_factor, expert_bias)
         ctx.save_for_backward(logits, routing_map)
         ctx.args = (top_k, fn, pre_softmax, scaling_factor)
@@ -49,7 +41,7 @@ class _TopKRoute(torch.autograd.Function):
         if grad_probs is None:
             return (None,) * 8
         logits, routing_map = ctx.saved_tensors
-        grad_logits = _kernels().route_backward(grad_probs, logits, routing_map, *ctx.args)
+        grad_logits = ROUTER.kernel("route_backward")(grad_probs, logits, routing_map, *ctx.args)
         return grad_logits, None, None, None, None, None, None, None
 
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from qmoe import ops
 from qmoe.autocast import autocast_state
+from qmoe.nn.moe import register_expert_parallel_dispatcher
 from qmoe.parallel.comm import AllToAll, Exchange, all_to_all, exchange_counts
 from qmoe.parallel.payload import PackedRows
 
@@ -280,3 +281,6 @@ def shard_expert_state_dict(state_dict: dict, num_experts: int, ep_rank: int, ep
         else:
             out[key] = value
     return out
+
+
+register_expert_parallel_dispatcher(ExpertParallelDispatcher)

@@ -11,7 +11,7 @@ import contextvars
 
 import torch
 
-from qmoe.backend import implementation
+from qmoe.dispatch import DELAYED_SCALING
 
 # Slots that recorded an amax inside the current outermost autocast region (None outside one).
 _PENDING_FORWARD: contextvars.ContextVar[list | None] = contextvars.ContextVar("qmoe_pending_forward",
@@ -76,7 +76,7 @@ class DelayedScalingState:
     def update(self) -> None:
         """Roll the window and recompute the scale; slots whose newest amax is 0 stay as they are."""
         _observe(self)
-        implementation("delayed_scaling", "update_amax_history", self.amax_history)(
+        DELAYED_SCALING.pick("update_amax_history", self.amax_history)(
             self.amax_history, self.scale, self.fmt_max, self.margin, self.algo)
 
 

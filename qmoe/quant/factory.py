@@ -6,7 +6,7 @@ from qmoe.quant.quantizer import (Float8BlockQuantizer, Float8CurrentQuantizer, 
                                   MXFP8Quantizer, NVFP4Quantizer, Quantizer)
 from qmoe.recipes import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling,
                           NVFP4BlockScaling)
-from qmoe.recipes.recipe import check_role
+from qmoe.recipes.recipe import check_role, register_quantizer_factory
 
 
 def make_quantizer(recipe, role: str) -> Quantizer:
@@ -29,3 +29,6 @@ def make_quantizer(recipe, role: str) -> Quantizer:
                               rht=role != "weight" and not recipe.disable_rht,
                               stochastic=role == "grad_output" and not recipe.disable_stochastic_rounding)
     raise ValueError(f"not a qmoe recipe: {recipe!r}; use one of qmoe.recipes' recipe classes")
+
+
+register_quantizer_factory(make_quantizer)

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from qmoe.backend import implementation, use_kernels
+from qmoe.backend import use_kernels
 from qmoe.contracts.carriers import ActivatedRows
 from qmoe.contracts.formats import pack_e2m1, unpack_e2m1
+from qmoe.dispatch import ACTIVATION
 from qmoe.quant.quantizer import NVFP4Quantizer, Quantizer, check_float_input
 from qmoe.quant.tensor import QuantizedTensor
 from qmoe.reference.grouped_quantize import group_scale_offsets
@@ -96,7 +97,7 @@ class GroupedTensor:
             raise TypeError(f"quantizer must be a qmoe Quantizer (recipe.quantizer(role)), got {quantizer!r}")
         if isinstance(x, ActivatedRows) and not (use_kernels(x.h) and quantizer.fuses_activation):
             # the fusion lives in the kernels: compute the rows first, as the unfused layer would
-            x = implementation("activation", "scaled_activation_forward", x.h)(*x)
+            x = ACTIVATION.pick("scaled_activation_forward", x.h)(*x)
         if x.dim() != 2:
             raise ValueError(f"GroupedTensor.quantize needs a 2-D input [sum M_g, K], got shape {tuple(x.shape)}")
         if not (rowwise or columnwise):

@@ -2,17 +2,17 @@
 
 A quantizer knows its element format, block shape and scale layout; callers ask it
 (`block`, `scale_shape`, `quantize`, `dequantize`) instead of asking which recipe is active.
-Every compute step goes through `qmoe.backend.implementation`, which picks the Triton kernel
+Every compute step goes through a `qmoe.dispatch` table, which picks the Triton kernel
 on sm90+ GPUs and the reference (the spec) elsewhere, with identical signatures.
 """
 from __future__ import annotations
 
 import torch
 
-from qmoe.backend import implementation
 from qmoe.contracts.carriers import ActivatedRows
 from qmoe.contracts.errors import refuse_compile
 from qmoe.contracts.formats import E2M1, FP8_BLOCK, MXFP8_BLOCK, NVFP4_BLOCK, RHT_SIZE, ElementFormat, ScaleMode, ceil_div
+from qmoe.dispatch import GROUPED_QUANTIZE, QUANTIZE, QUANTIZE_NVFP4, Dispatch
 from qmoe.quant.delayed import (DelayedScalingState, all_reduce_amax, in_forward_region, register_backward,
                                 register_forward)
 from qmoe.quant.tensor import QuantizedTensor
@@ -96,9 +96,9 @@ class Quantizer:
         """GroupedTensor parts for x [sum M_g, K] split by `splits` [G] (device int64)."""
         raise NotImplementedError
 
-    def _impl(self, family: str, name: str, *tensors):
+    def _impl(self, family: Dispatch, name: str, *tensors):
         # an ActivatedRows input (GroupedTensor.quantize on the kernels' device) runs where its h is
-        return implementation(family, name, *(t.h if isinstance(t, ActivatedRows) else t for t in tensors))
+        return family.pick(name, *(t.h if isinstance(t, ActivatedRows) else t for t in tensors))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(role={self.role!r}, fmt={self.fmt})"
@@ -120,7 +120,7 @@ class Float8CurrentQuantizer(Quantizer):
         self.amax_reduction_group = None
 
     def compute_scale(self, amax: torch.Tensor) -> torch.Tensor:
-        return self._impl("quantize", "compute_fp8_scale", amax)(amax, self.fmt.max, self.power_2_scale,
+        return self._impl(QUANTIZE, "compute_fp8_scale", amax)(amax, self.fmt.max, self.power_2_scale,
                                                                  self.amax_epsilon)
 
     def _shared_amax(self, amax: torch.Tensor) -> torch.Tensor:
@@ -129,19 +129,19 @@ class Float8CurrentQuantizer(Quantizer):
         return amax
 
     def _scale_for(self, x: torch.Tensor) -> torch.Tensor:
-        return self.compute_scale(self._shared_amax(self._impl("quantize", "tensor_amax", x)(x)))
+        return self.compute_scale(self._shared_amax(self._impl(QUANTIZE, "tensor_amax", x)(x)))
 
     def quantize_for_dispatch(self, x, amax_group=None):
         check_float_input(x, "quantize_for_dispatch")
         x2d = x.reshape(-1, x.shape[-1])
-        amax = self._impl("quantize", "tensor_amax", x2d)(x2d).clone()
+        amax = self._impl(QUANTIZE, "tensor_amax", x2d)(x2d).clone()
         scale = self.compute_scale(all_reduce_amax(amax, amax_group))  # one scale on every rank
-        row, _, _ = self._impl("quantize", "quantize_fp8_tensorwise", x2d)(x2d, scale, self.fmt, True, False)
+        row, _, _ = self._impl(QUANTIZE, "quantize_fp8_tensorwise", x2d)(x2d, scale, self.fmt, True, False)
         return QuantizedTensor(self, x2d.shape, x.dtype, rowwise_data=row, rowwise_scale_inv=1.0 / scale)
 
     def _quantize_2d(self, x, rowwise, columnwise):
         scale = self._scale_for(x)
-        row, col, amax = self._impl("quantize", "quantize_fp8_tensorwise", x)(x, scale, self.fmt, rowwise, columnwise)
+        row, col, amax = self._impl(QUANTIZE, "quantize_fp8_tensorwise", x)(x, scale, self.fmt, rowwise, columnwise)
         self._recorded(amax)
         scale_inv = 1.0 / scale
         return dict(rowwise_data=row, rowwise_scale_inv=scale_inv if rowwise else None,
@@ -151,12 +151,12 @@ class Float8CurrentQuantizer(Quantizer):
         """Hook for delayed scaling, which keeps the amax it did not use."""
 
     def _grouped_scales(self, x, splits):
-        amax = self._impl("grouped_quantize", "grouped_tensor_amax", x)(x, splits)
+        amax = self._impl(GROUPED_QUANTIZE, "grouped_tensor_amax", x)(x, splits)
         return self.compute_scale(self._shared_amax(amax))
 
     def _quantize_grouped(self, x, splits, rowwise, columnwise):
         scales = self._grouped_scales(x, splits)
-        row, col, amax = self._impl("grouped_quantize", "grouped_quantize_fp8_tensorwise", x)(
+        row, col, amax = self._impl(GROUPED_QUANTIZE, "grouped_quantize_fp8_tensorwise", x)(
             x, splits, scales, self.fmt, rowwise, columnwise)
         self._recorded(amax)
         inv = 1.0 / scales
@@ -166,7 +166,7 @@ class Float8CurrentQuantizer(Quantizer):
     def dequantize(self, qt, dtype=torch.float32, columnwise=False):
         data, si = ((qt.columnwise_data, qt.columnwise_scale_inv) if columnwise
                     else (qt.rowwise_data, qt.rowwise_scale_inv))
-        return self._impl("quantize", "dequantize_fp8_tensorwise", data)(data, si, dtype)
+        return self._impl(QUANTIZE, "dequantize_fp8_tensorwise", data)(data, si, dtype)
 
 
 class Float8DelayedQuantizer(Float8CurrentQuantizer):
@@ -244,12 +244,12 @@ class Float8BlockQuantizer(Quantizer):
         return self.quantize(x.reshape(-1, x.shape[-1]), rowwise=True, columnwise=False)
 
     def _quantize_2d(self, x, rowwise, columnwise):
-        row, row_si, col, col_si = self._impl("quantize", "quantize_fp8_block", x)(
+        row, row_si, col, col_si = self._impl(QUANTIZE, "quantize_fp8_block", x)(
             x, self.block[0], self.block[1], self.fmt, self.power_2_scale, self.amax_epsilon, rowwise, columnwise)
         return dict(rowwise_data=row, rowwise_scale_inv=row_si, columnwise_data=col, columnwise_scale_inv=col_si)
 
     def _quantize_grouped(self, x, splits, rowwise, columnwise):
-        row, rs, col, cs = self._impl("grouped_quantize", "grouped_quantize_fp8_block", x)(
+        row, rs, col, cs = self._impl(GROUPED_QUANTIZE, "grouped_quantize_fp8_block", x)(
             x, splits, self.block[0], self.block[1], self.fmt, self.power_2_scale, self.amax_epsilon,
             rowwise, columnwise)
         return dict(rowwise_data=row, rowwise_scale_inv=rs, columnwise_data=col, columnwise_scale_inv=cs)
@@ -257,7 +257,7 @@ class Float8BlockQuantizer(Quantizer):
     def dequantize(self, qt, dtype=torch.float32, columnwise=False):
         data, si = ((qt.columnwise_data, qt.columnwise_scale_inv) if columnwise
                     else (qt.rowwise_data, qt.rowwise_scale_inv))
-        return self._impl("quantize", "dequantize_fp8_block", data)(data, si, self.block[0], self.block[1], dtype)
+        return self._impl(QUANTIZE, "dequantize_fp8_block", data)(data, si, self.block[0], self.block[1], dtype)
 
 
 class MXFP8Quantizer(Quantizer):
@@ -272,19 +272,19 @@ class MXFP8Quantizer(Quantizer):
         return self.quantize(x.reshape(-1, x.shape[-1]), rowwise=True, columnwise=False)
 
     def _quantize_2d(self, x, rowwise, columnwise):
-        row, row_s, col, col_s = self._impl("quantize", "quantize_mxfp8", x)(
+        row, row_s, col, col_s = self._impl(QUANTIZE, "quantize_mxfp8", x)(
             x, self.fmt, self.scale_mode, rowwise, columnwise)
         return dict(rowwise_data=row, rowwise_scale_inv=row_s, columnwise_data=col, columnwise_scale_inv=col_s)
 
     def _quantize_grouped(self, x, splits, rowwise, columnwise):
-        row, rs, col, cs = self._impl("grouped_quantize", "grouped_quantize_mxfp8", x)(
+        row, rs, col, cs = self._impl(GROUPED_QUANTIZE, "grouped_quantize_mxfp8", x)(
             x, splits, self.fmt, self.scale_mode, rowwise, columnwise)
         return dict(rowwise_data=row, rowwise_scale_inv=rs, columnwise_data=col, columnwise_scale_inv=cs)
 
     def dequantize(self, qt, dtype=torch.float32, columnwise=False):
         data, s = ((qt.columnwise_data, qt.columnwise_scale_inv) if columnwise
                    else (qt.rowwise_data, qt.rowwise_scale_inv))
-        return self._impl("quantize", "dequantize_mxfp8", data)(data, s, dtype)
+        return self._impl(QUANTIZE, "dequantize_mxfp8", data)(data, s, dtype)
 
 
 class NVFP4Quantizer(Quantizer):
@@ -329,13 +329,13 @@ class NVFP4Quantizer(Quantizer):
         return g
 
     def _quantize_2d(self, x, rowwise, columnwise):
-        row, row_s, amax, col, col_s, col_amax = self._impl("quantize_nvfp4", "quantize_nvfp4", x)(
+        row, row_s, amax, col, col_s, col_amax = self._impl(QUANTIZE_NVFP4, "quantize_nvfp4", x)(
             x, self.block_2d, rowwise, columnwise, self.rht, self.stochastic, self._generator_for(x))
         return dict(rowwise_data=row, rowwise_scale_inv=row_s, columnwise_data=col, columnwise_scale_inv=col_s,
                     amax=amax, columnwise_amax=col_amax)
 
     def _quantize_grouped(self, x, splits, rowwise, columnwise):
-        row, rs, amax, col, cs, camax = self._impl("grouped_quantize", "grouped_quantize_nvfp4", x)(
+        row, rs, amax, col, cs, camax = self._impl(GROUPED_QUANTIZE, "grouped_quantize_nvfp4", x)(
             x, splits, self.block_2d, rowwise, columnwise, self.rht, self.stochastic, self._generator_for(x))
         return dict(rowwise_data=row, rowwise_scale_inv=rs, columnwise_data=col, columnwise_scale_inv=cs,
                     amax=amax, columnwise_amax=camax)
@@ -343,4 +343,4 @@ class NVFP4Quantizer(Quantizer):
     def dequantize(self, qt, dtype=torch.float32, columnwise=False):
         data, s, amax = ((qt.columnwise_data, qt.columnwise_scale_inv, qt.columnwise_amax) if columnwise
                          else (qt.rowwise_data, qt.rowwise_scale_inv, qt.amax))
-        return self._impl("quantize_nvfp4", "dequantize_nvfp4", data)(data, s, amax, self.block_2d, dtype)
+        return self._impl(QUANTIZE_NVFP4, "dequantize_nvfp4", data)(data, s, amax, self.block_2d, dtype)

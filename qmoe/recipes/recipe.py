@@ -62,6 +62,17 @@ def _check_bool(recipe, name):
         raise ValueError(f"{type(recipe).__name__}.{name} must be True or False, got {getattr(recipe, name)!r}")
 
 
+# Recipes sit below qmoe.quant (DESIGN.md), so they cannot import the quantizers they describe:
+# qmoe.quant.factory registers its builder here when imported (`import qmoe` imports it).
+_quantizer_factory = None
+
+
+def register_quantizer_factory(factory) -> None:
+    """Set the function (recipe, role) -> Quantizer that `Recipe.quantizer` calls (qmoe.quant's)."""
+    global _quantizer_factory
+    _quantizer_factory = factory
+
+
 class Recipe:
     """Base of every recipe. Subclasses are frozen dataclasses."""
 
@@ -69,9 +80,10 @@ class Recipe:
 
     def quantizer(self, role: str):
         """A fresh `qmoe.quant.Quantizer` for a tensor role ("input", "weight", "grad_output")."""
-        from qmoe.quant.factory import make_quantizer  # recipes sit below quant; build lazily
-
-        return make_quantizer(self, check_role(role))
+        role = check_role(role)
+        if _quantizer_factory is None:
+            raise RuntimeError("no quantizer factory registered: import qmoe (or qmoe.quant) first")
+        return _quantizer_factory(self, role)
 
     def element_format(self, role: str) -> ElementFormat:
         raise NotImplementedError

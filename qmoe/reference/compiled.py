@@ -2,7 +2,7 @@
 
 The grouped reference (grouped_quantize, grouped_gemm) is the spec: it loops over the groups
 on the host, reading the split sizes. torch.compile cannot trace that (a data-dependent
-`.tolist()` breaks the graph), so while compiling, `qmoe.backend.implementation` returns the
+`.tolist()` breaks the graph), so while compiling, `qmoe.dispatch` returns the
 twins below instead: same names, signatures and results, with every host-looping step behind a
 `torch.library.custom_op` (namespace `qmoe_ref`) whose fake implementation gives the static
 output shapes, exactly as the Triton kernels are `qmoe::` ops on the GPU. Eager runs never come
@@ -269,7 +269,7 @@ def k_grouped_gemm(a, b, split_sizes=None, *, out_dtype=torch.bfloat16, out=None
     return out
 
 
-# (family, name) -> twin, for qmoe.backend.implementation while compiling
+# (family, name) -> twin, for qmoe.dispatch while compiling
 TWINS = {("grouped_quantize", f.__name__): f for f in (
     grouped_tensor_amax, grouped_quantize_fp8_tensorwise, grouped_quantize_fp8_block, grouped_quantize_mxfp8,
     grouped_quantize_nvfp4)}

@@ -10,6 +10,8 @@ new split sizes, equal to eager.
 """
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -329,10 +331,10 @@ def grouped_parts(gt: GroupedTensor):
 
 
 def test_backend_picks_kernels():
-    from qmoe.backend import implementation
+    from qmoe.dispatch import GROUPED_QUANTIZE, QUANTIZE
     x = torch.zeros(2, 2, device=DEV)
-    assert implementation("quantize", "quantize_mxfp8", x) is K.quantize_mxfp8
-    assert implementation("grouped_quantize", "grouped_quantize_nvfp4", x) is KG.grouped_quantize_nvfp4
+    assert inspect.unwrap(QUANTIZE.pick("quantize_mxfp8", x)) is K.quantize_mxfp8
+    assert GROUPED_QUANTIZE.pick("grouped_quantize_nvfp4", x) is KG.grouped_quantize_nvfp4
 
 
 def test_grouped_quantize_never_syncs():

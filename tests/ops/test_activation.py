@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from qmoe.backend import implementation
+from qmoe.dispatch import ACTIVATION
 from qmoe.ops import expert_activation
 from qmoe.reference import activation as reference
 from qmoe.contracts.carriers import ACTIVATIONS, deinterleave_glu, interleave_glu, is_glu, QGEGLU_LIMIT
@@ -262,7 +262,7 @@ def test_interleave_size_is_ignored_for_pointwise_activations():
 def test_cpu_dispatch_picks_the_reference():
     t = torch.zeros(2, 2)
     for name in ("scaled_activation_forward", "scaled_activation_backward"):
-        assert implementation("activation", name, t) is getattr(reference, name)
+        assert ACTIVATION.pick(name, t) is getattr(reference, name)
 
 
 # ------------------------------------------------------------------ on the GPU: the op through the kernels
@@ -271,7 +271,7 @@ def test_cpu_dispatch_picks_the_reference():
 @pytest.mark.parametrize("activation, k", [("swiglu", None), ("clamped_qgeglu", 64), ("gelu", None)])
 def test_gpu_op_uses_the_kernels_and_matches_reference(activation, k, monkeypatch):
     from qmoe.kernels import activation as kernels
-    assert implementation("activation", "scaled_activation_forward",
+    assert ACTIVATION.pick("scaled_activation_forward",
                           torch.zeros(1, device="cuda")) is kernels.scaled_activation_forward
     h0, p0, da = (t.cuda() for t in _inputs(activation, torch.bfloat16, rows=4099, f=1536, seed=7))
     p0 = p0.float()

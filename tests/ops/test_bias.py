@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from qmoe.backend import implementation
+from qmoe.dispatch import BIAS
 from qmoe.contracts.carriers import row_groups
 from qmoe.reference import bias as reference
 
@@ -115,5 +115,5 @@ def test_jagged_groups(sizes, tail, n, with_scales, seed):
 
 def test_cpu_dispatch_picks_the_reference():
     t = torch.zeros(2, 2)
-    assert implementation("bias", "grouped_bias_forward", t) is reference.grouped_bias_forward
-    assert implementation("bias", "grouped_bias_backward", t) is reference.grouped_bias_backward
+    assert BIAS.pick("grouped_bias_forward", t) is reference.grouped_bias_forward
+    assert BIAS.pick("grouped_bias_backward", t) is reference.grouped_bias_backward
