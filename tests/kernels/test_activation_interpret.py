@@ -23,8 +23,6 @@ from qmoe.contracts.carriers import is_glu
 from tests.kernels.activation_inputs import activation_inputs
 from tests.kernels.interpret import INTERPRETING, inside, launcher, run_under_interpreter  # noqa: F401
 
-pytest.importorskip("triton")
-
 FP32, BF16, FP16 = torch.float32, torch.bfloat16, torch.float16
 RTOL = {FP32: 1e-5, BF16: 2.0 ** -7, FP16: 2.0 ** -10}
 

@@ -13,11 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qmoe.reference import activation as reference
 from qmoe.contracts.carriers import ACTIVATIONS, interleave_glu, is_glu
+from qmoe.kernels import activation as kernels
+from qmoe.reference import activation as reference
 from tests.kernels.activation_inputs import activation_inputs
-
-kernels = pytest.importorskip("qmoe.kernels.activation")
 
 DEV = "cuda"
 FP32, BF16, FP16 = torch.float32, torch.bfloat16, torch.float16

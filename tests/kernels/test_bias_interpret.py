@@ -20,8 +20,6 @@ from hypothesis import strategies as st
 
 from tests.kernels.interpret import inside, launcher, run_under_interpreter  # noqa: F401
 
-pytest.importorskip("triton")
-
 
 @launcher
 def test_bias_kernel_under_the_interpreter():

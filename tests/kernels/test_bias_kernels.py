@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from qmoe.contracts.carriers import row_groups
+from qmoe.kernels import bias as kernels
 from qmoe.reference import bias as reference
-
-kernels = pytest.importorskip("qmoe.kernels.bias")
 
 DEV = "cuda"
 

@@ -14,8 +14,6 @@ import torch
 
 from tests.kernels.interpret import inside, launcher, run_under_interpreter
 
-pytest.importorskip("triton")
-
 CASES = [  # (window rows, slots or None for a per-tensor [L] history, margin, algo)
     (1, None, 0, "max"), (2, 3, 0, "max"), (7, 1, 2, "most_recent"), (300, 40, 0, "max"),
     (1024, 5, 1, "max"), (129, None, 0, "most_recent"), (5, 33, 3, "max"),

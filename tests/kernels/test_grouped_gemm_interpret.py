@@ -23,8 +23,6 @@ from tests.kernels.interpret import inside, launcher, run_under_interpreter
 from tests.ops.test_grouped_gemm import (JAGGED_CASES, _data, _quantize, _rel, check_token_grouped_dequantize,
                                         draw_jagged_case)
 
-pytest.importorskip("triton")
-
 SPLITS = [0, 19, 1, 40, 0, 8]  # empty experts, a one-token expert, odd group starts (even total: NVFP4 columnwise)
 SPLITS_16 = [0, 32, 16, 48, 0, 16]  # NVFP4 with RHT: runs of 16 tokens
 N, K = 88, 208  # neither a multiple of the 64/128-wide tiles

@@ -4,8 +4,8 @@ The interpreter mis-rounds float -> fp8 casts (ties and carries into the next bi
 codes are proven on the GPU (test_quantize_kernels.py). Here, against the reference, bit for
 bit: tensor and group amaxes, FP8 block scales (1x128, 128x128, power-of-two and fp32), E8M0
 exponents of both MX scale modes, grouped scale layouts with empty and odd groups, and NVFP4
-codes, E4M3 scales and amaxes on inputs whose block scales are exact (every 16-run holds the
-tensor amax), including odd group boundaries in the packed columnwise data and the RHT (fp32).
+codes, E4M3 scales and amaxes on inputs whose block scales are exact and differ from block to
+block (each 16-run's amax is the tensor amax times its own power of two), including odd group boundaries in the packed columnwise data and the RHT (fp32).
 The expert activation fused into the grouped quantizers (an ActivatedRows input) gives every
 output bit for bit as quantizing the activation kernel's output does (both interpreted).
 Runs in a subprocess so the interpreter switch never leaks into other tests.
@@ -17,13 +17,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_kernels_under_interpreter():
-    pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-W", "ignore", __file__], env=env, capture_output=True, text=True,
                           timeout=300)
@@ -53,19 +50,32 @@ def _inputs():
 
 
 def _exact_nvfp4_input(m, k, seed=1, splits=None):
-    """Every 16-run along either axis (within each group) holds +-8 = the tensor amax, so every E4M3
-    block scale is exact: a +-8 diagonal in every 16x16 tile, and full rows of +-8 where a group's
-    16-row runs start."""
+    """Blocks whose amaxes differ and whose E4M3 block scales are exact: every 16-run along either
+    axis (within each group) holds +-8 * 2^-j, j = (column // 16) % 4, and nothing larger (a +-8
+    diagonal in every 16x16 tile, full rows of +-8 where a group's 16-row runs start, everything
+    else within +-7, all scaled by 2^-j). The tensor amax is 8 and the block scales are 448 * 2^-j:
+    a kernel that used the tensor amax, or another block's, for a block would differ."""
     import torch
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g) * 2
+    x = (torch.randn(m, k, generator=g) * 2).clamp(-7.0, 7.0)
     pm8 = torch.where(torch.rand(m, k, generator=g) < 0.5, -8.0, 8.0)
     mark = (torch.arange(m)[:, None] % 16) == (torch.arange(k)[None, :] % 16)
     start = 0
     for size in (splits or [m]):
         mark[start:start + size:16] = True
         start += size
-    return torch.where(mark, pm8, x)
+    return torch.where(mark, pm8, x) * torch.exp2(-(torch.arange(k) // 16 % 4).float())
+
+
+def _exact_rht_input(m, k, seed=4):
+    """For the RHT copy, whose values are sums of 16: +-8 * 2^-j, constant over each 16-row run of
+    a column (the transform of a constant run has a fixed shape, so its amax scales with it) and
+    j = (row // 16 + column // 16) % 4, so block amaxes differ and every E4M3 block scale is exact."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    sign = torch.where(torch.rand(m // 16, k, generator=g) < 0.5, -8.0, 8.0).repeat_interleave(16, 0)
+    j = (torch.arange(m)[:, None] // 16 + torch.arange(k)[None, :] // 16) % 4
+    return sign * torch.exp2(-j.float())
 
 
 def check_fp8_scales():
@@ -116,8 +126,9 @@ def check_nvfp4():
     names = ("row", "row_scale", "amax", "col", "col_scale", "col_amax")
     x = _exact_nvfp4_input(32, 64)
     for block_2d, rht in ((False, False), (True, False), (False, True)):
-        for got, want, n in zip(K4.quantize_nvfp4(x, block_2d, True, True, rht),
-                                R4.quantize_nvfp4(x, block_2d, True, True, rht), names):
+        xi = _exact_rht_input(32, 64) if rht else x
+        for got, want, n in zip(K4.quantize_nvfp4(xi, block_2d, True, True, rht),
+                                R4.quantize_nvfp4(xi, block_2d, True, True, rht), names):
             _same(got, want, f"nvfp4 2d={block_2d} rht={rht} {n}")
     r = R4.quantize_nvfp4(x, False, True, True)
     _same(K4.dequantize_nvfp4(r[3], r[4], r[5]), R4.dequantize_nvfp4(r[3], r[4], r[5]), "nvfp4 dequantize")

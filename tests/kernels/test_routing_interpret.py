@@ -13,8 +13,6 @@ import torch
 
 from tests.kernels.interpret import INTERPRETING, inside, launcher, run_under_interpreter  # noqa: F401
 
-pytest.importorskip("triton")
-
 
 @launcher
 def test_routing_kernels_under_the_interpreter():
