@@ -165,7 +165,9 @@ HEADER = (f"{'shape':<15} {'recipe':<8} {'dispatch':<9} {'step ms':>9} {'disp MB
 def _print_row(r):
     if dist.get_rank() != 0:
         return
-    mb = (lambda b: b / 1e6 if b is not None else None)
+    def mb(b):
+        return b / 1e6 if b is not None else None
+
     print(f"{r['shape']:<15} {r['recipe']:<8} {r['dispatch']:<9} {_fmt(r['step_ms'], '>9.3f')} "
           f"{_fmt(mb(r['dispatch_bytes']), '>9.2f')} {_fmt(mb(r['combine_bytes']), '>9.2f')} "
           f"{_fmt(r['a2a_ms'], '>8.3f')} {_fmt(r['busbw_gbps'], '>10.1f')} "

@@ -94,7 +94,7 @@ def run(shapes, recipes, reps=10, on_shape=None):
                              ratio_vs_torchao=round(tao_ms / ms, 3) if tao_ms else None))
             print(f"{name:<12} {impl:<18} {rname:<12} {ms:8.3f} ms {flops / ms / 1e9:8.1f} TF/s  "
                   f"x{bf16 / ms:5.2f} vs bf16" + (f"  x{tao_ms / ms:5.2f} vs torchao" if tao_ms else ""))
-        del x, w, dy, layer
+        x = w = dy = layer = None  # free this shape's tensors before the next
         torch.cuda.empty_cache()
         if on_shape is not None:
             on_shape(rows)

@@ -22,6 +22,8 @@ import sys
 
 import torch
 
+from benchmarks.harness import run_header, write_results
+
 # (tokens, experts, top_k, hidden, ffn)
 SHAPES = {
     "deepseek-v3-ep8": dict(tokens=8192, experts=32, top_k=8, hidden=7168, ffn=2048),

@@ -2,9 +2,9 @@
 
 Run: `qmoe bench routing` or `PYTHONPATH=. python -m benchmarks.bench_routing [--quick]`.
 
-Each stage is timed in the same run, alternately (ROUNDS times, medians kept): the eager PyTorch reference (`qmoe.reference.*`,
-the executable spec, run op by op on the GPU with autograd) and qmoe's op (`qmoe.ops.*`, Triton
-kernels with fused backward). Medians of `triton.testing.do_bench`. Shapes: DeepSeek-V3
+Each stage is timed in the same run, alternately (ROUNDS times, medians kept): the eager PyTorch
+reference (`qmoe.reference.*`, the executable spec, run op by op on the GPU with autograd) and
+qmoe's op (`qmoe.ops.*`, Triton kernels with fused backward). Medians of `triton.testing.do_bench`. Shapes: DeepSeek-V3
 (8192 tokens, 256 experts, top-8, sigmoid, group-limited 8 groups / top-4, H 7168) and Qwen3
 (16384 tokens, 128 experts, top-8, softmax, H 2048), and the balance loss alone at E in
 {64, 1024, 4096} with 131072 tokens. Writes benchmarks/results/routing.json.

@@ -42,7 +42,8 @@ def test_missing_kernel_raises_unsupported_naming_the_op(monkeypatch):
 
     table = Dispatch("family", {"op": (None, ref)})
     monkeypatch.setenv("QMOE_BACKEND", "triton")
-    with pytest.raises(qmoe.UnsupportedError, match=r"family\.op is not supported on device cpu.*QMOE_BACKEND=reference"):
+    with pytest.raises(qmoe.UnsupportedError,
+                       match=r"family\.op is not supported on device cpu.*QMOE_BACKEND=reference"):
         table.pick("op", torch.zeros(1))
     with pytest.raises(qmoe.UnsupportedError, match=r"family\.op"):
         table.kernel("op")

@@ -374,7 +374,8 @@ def k_grouped_gemm_kernel(
                           SCALING, A_BC, B_BC, PRECISE, INPUT_PRECISION, BM, BN, BK, True)
         else:
             acc = _k_loop(a_ptr, b_ptr, sa_base, sb_base, rows, row_ok, cols, col_ok, start, end,
-                          stride_an, stride_at, stride_bk, stride_bt, s_stride_an, s_stride_at, s_stride_bk, s_stride_bt,
+                          stride_an, stride_at, stride_bk, stride_bt, s_stride_an, s_stride_at, s_stride_bk,
+                          s_stride_bt,
                           SCALING, A_BC, B_BC, PRECISE, INPUT_PRECISION, BM, BN, BK, False)
     else:
         acc = _k_loop(a_ptr, b_ptr, sa_base, sb_base, rows, row_ok, cols, col_ok, start, end,

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import triton
 
+from qmoe.contracts.validate import check_split_sizes
+
 
 def group_pow2(num_groups: int) -> int:
     """The power-of-two width (at least 2) of a kernel's vector over `num_groups` groups."""
@@ -16,11 +18,9 @@ def rows_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def device_splits(split_sizes: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Split sizes as an int tensor on x's device (a no-op for device splits)."""
-    if split_sizes.dim() != 1:
-        raise ValueError(f"split_sizes must be 1-D [G], got shape {tuple(split_sizes.shape)}")
-    if split_sizes.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"split_sizes must be int32 or int64, got {split_sizes.dtype}")
+    """Split sizes as an int tensor on x's device (a no-op for device splits); their values are the
+    caller's (qmoe.quant.GroupedTensor reads them where that costs no host sync)."""
+    check_split_sizes(split_sizes, device=x.device, read="never")
     return split_sizes.to(x.device) if split_sizes.device != x.device else split_sizes
 
 

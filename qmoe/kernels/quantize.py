@@ -173,7 +173,8 @@ def _fp8_tensorwise_kernel(
         # strides
         stride_xm,
         # meta
-        ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, FMT_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
+        ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, FMT_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr,
+        ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
         GROUPED: tl.constexpr, G_P2: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     """q = cast(x * scale[g]) in both orientations, and max|x| per group (for delayed scaling)."""
     g, row0, row_end, _, _ = tile_rows(splits_ptr, M, G, tl.program_id(0), BM, BM, G_P2, GROUPED)
@@ -204,7 +205,8 @@ def fp8_tensorwise_op(x: torch.Tensor, scale: torch.Tensor, splits: Optional[tor
         launch(_fp8_tensorwise_kernel, tile_grid(m, k, num_groups, grouped),
                (x, probs if probs is not None else x, scale.reshape(-1), row.view(torch.uint8), col.view(torch.uint8),
                 bits, splits if grouped else x, m, k, num_groups, x.stride(0)),
-               _SMALL_TILE, m * k, ACT=act, GLU_BLOCK=glu_block, FMT_MAX=fmt_max, OUT_DTYPE=_TL_FP8[out_dtype], ROWWISE=rowwise,
+               _SMALL_TILE, m * k, ACT=act, GLU_BLOCK=glu_block, FMT_MAX=fmt_max, OUT_DTYPE=_TL_FP8[out_dtype],
+               ROWWISE=rowwise,
                COLWISE=columnwise, GROUPED=grouped, G_P2=group_pow2(num_groups))
     return row, col, bits.view(torch.float32)
 
@@ -223,7 +225,8 @@ def quantize_fp8_tensorwise(x: torch.Tensor, scale: torch.Tensor, fmt: ElementFo
 
 # ---------------------------------------------------------------- FP8 blocks (1x128, 128x128)
 
-@triton.autotune(configs=_BLOCK128_CONFIGS, key=ORIENTED_KEY + ["BLOCK_2D"], prune_configs_by={"early_config_prune": prune_blocks})
+@triton.autotune(configs=_BLOCK128_CONFIGS, key=ORIENTED_KEY + ["BLOCK_2D"],
+                 prune_configs_by={"early_config_prune": prune_blocks})
 @triton.jit
 def _fp8_block_kernel(
         # pointers
@@ -308,7 +311,8 @@ def fp8_block_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: in
                (x, probs if probs is not None else x, row.view(torch.uint8), row_s, col.view(torch.uint8), col_s,
                 splits if grouped else x, m, k, num_groups, amax_epsilon,
                 x.stride(0), nkb, width),
-               small, m * k, ACT=act, GLU_BLOCK=glu_block, FMT_MAX=fmt_max, OUT_DTYPE=_TL_FP8[out_dtype], POW2=power_2_scale, B=b,
+               small, m * k, ACT=act, GLU_BLOCK=glu_block, FMT_MAX=fmt_max, OUT_DTYPE=_TL_FP8[out_dtype],
+               POW2=power_2_scale, B=b,
                BLOCK_2D=two_d, ROWWISE=rowwise, COLWISE=columnwise, GROUPED=grouped, G_P2=group_pow2(num_groups))
     return row, row_s, col, col_s
 
@@ -347,7 +351,8 @@ def _mxfp8_kernel(
         # strides
         stride_xm, stride_rs, stride_cs,
         # meta
-        ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, FMT_MAX: tl.constexpr, EMAX: tl.constexpr, ROUND_UP: tl.constexpr, OUT_DTYPE: tl.constexpr,
+        ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, FMT_MAX: tl.constexpr, EMAX: tl.constexpr, ROUND_UP: tl.constexpr,
+        OUT_DTYPE: tl.constexpr,
         B: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr, GROUPED: tl.constexpr,
         G_P2: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     """MXFP8: codes cast(x * 2^-b) with an E8M0 byte b + 127 per 1 x B run, in each orientation."""

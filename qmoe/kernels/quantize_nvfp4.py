@@ -157,7 +157,8 @@ def _nvfp4_amax_kernel(
         # strides
         stride_xm, stride_col,
         # meta
-        ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, RHT: tl.constexpr, ZERO_ODD: tl.constexpr, GROUPED: tl.constexpr, G_P2: tl.constexpr,
+        ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, RHT: tl.constexpr, ZERO_ODD: tl.constexpr, GROUPED: tl.constexpr,
+        G_P2: tl.constexpr,
         SIGN_MASK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     """Per group: max|x| ignoring NaN, the same after RHT along M; zero bytes of odd-start groups."""
     g, row0, row_end, _, gstart = tile_rows(splits_ptr, M, G, tl.program_id(0), BM, BM, G_P2, GROUPED)
@@ -187,7 +188,8 @@ def _nvfp4_kernel(
         # strides (packed data: K/2 and M/2 bytes per row; scales: row [*, stride_rs], columnwise [*, stride_cs])
         stride_xm, stride_row, stride_col, stride_rs, stride_cs,
         # meta
-        ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, B: tl.constexpr, BLOCK_2D: tl.constexpr, RHT: tl.constexpr, STOCHASTIC: tl.constexpr,
+        ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, B: tl.constexpr, BLOCK_2D: tl.constexpr, RHT: tl.constexpr,
+        STOCHASTIC: tl.constexpr,
         ROWWISE: tl.constexpr, COLWISE: tl.constexpr, GROUPED: tl.constexpr, G_P2: tl.constexpr,
         SIGN_MASK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     pid_k = tl.program_id(1)
@@ -284,13 +286,15 @@ def nvfp4_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, b
         dummy = splits if grouped else x
         p = probs if probs is not None else x
         launch(_nvfp4_amax_kernel, grid, (x, p, amax_bits, rht_bits, col, dummy, m, k, num_groups, x.stride(0), m // 2),
-               _SMALL, m * k, ACT=act, GLU_BLOCK=glu_block, RHT=rht_col, ZERO_ODD=grouped and columnwise, GROUPED=grouped,
+               _SMALL, m * k, ACT=act, GLU_BLOCK=glu_block, RHT=rht_col, ZERO_ODD=grouped and columnwise,
+               GROUPED=grouped,
                G_P2=group_pow2(num_groups), SIGN_MASK=RHT_SIGN_MASK)
         launch(_nvfp4_kernel, grid,
                (x, p, amax, rht_amax if rht_col else amax, seeds if seeds is not None else x, row,
                 row_s.view(torch.uint8), col, col_s.view(torch.uint8), dummy, m, k, num_groups, x.stride(0), k // 2,
                 m // 2, nkb, width),
-               _SMALL, m * k, ACT=act, GLU_BLOCK=glu_block, B=b, BLOCK_2D=block_2d, RHT=rht_col, STOCHASTIC=seeds is not None,
+               _SMALL, m * k, ACT=act, GLU_BLOCK=glu_block, B=b, BLOCK_2D=block_2d, RHT=rht_col,
+               STOCHASTIC=seeds is not None,
                ROWWISE=rowwise, COLWISE=columnwise, GROUPED=grouped, G_P2=group_pow2(num_groups),
                SIGN_MASK=RHT_SIGN_MASK)
     col_amax = rht_amax if rht and columnwise else amax

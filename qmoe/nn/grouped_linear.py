@@ -11,7 +11,7 @@ from qmoe.autocast import RecipeState, autocast_state
 from qmoe.ops.grouped_gemm import select_grouped_path
 from qmoe.ops.grouped_linear import grouped_linear
 from qmoe.contracts.carriers import is_glu
-from qmoe.contracts.validate import check_activation
+from qmoe.contracts.validate import check_activation, check_split_sizes
 
 _PER_EXPERT = re.compile(r"^(weight|bias)(\d+)$")
 
@@ -113,8 +113,9 @@ class GroupedLinear(nn.Module):
                                  f"keep one form")
             if per and sorted(per) != list(range(self.num_groups)):
                 missing = sorted(set(range(self.num_groups)) - set(per))
+                extra = sorted(set(per) - set(range(self.num_groups)))
                 raise ValueError(f"state_dict's per-expert {name}s are incomplete for {self.num_groups} experts "
-                                 f"(missing {prefix}{name}{missing[:4]}..., extra {sorted(set(per) - set(range(self.num_groups)))})")
+                                 f"(missing {prefix}{name}{missing[:4]}..., extra {extra})")
             if single and per:
                 state_dict[grouped_key] = torch.stack([state_dict.pop(per[g]) for g in range(self.num_groups)])
             elif not single and has_grouped:
@@ -162,12 +163,8 @@ class GroupedLinear(nn.Module):
         if x.shape[1] != width:
             what = f" (the {input_activation[0]} activation's input)" if input_activation is not None else ""
             raise ValueError(f"GroupedLinear expects x [R, {width}]{what}, got {tuple(x.shape)}")
-        if not isinstance(split_sizes, torch.Tensor) or split_sizes.dtype not in (torch.int32, torch.int64):
-            raise TypeError("split_sizes must be an int32/int64 tensor [E] on x's device")
-        if split_sizes.shape != (self.num_groups,):
-            raise ValueError(f"split_sizes must have shape [{self.num_groups}], got {tuple(split_sizes.shape)}")
-        if split_sizes.device != x.device:
-            raise ValueError(f"split_sizes is on {split_sizes.device}, x on {x.device}: keep them together")
+        # values are checked by the op where they can be read without a host sync
+        check_split_sizes(split_sizes, device=x.device, num_groups=self.num_groups, read="never", on_device=True)
         if self.scale_bias:
             if scales is None:
                 raise ValueError("scale_bias=True needs scales [R]")
@@ -194,7 +191,8 @@ class GroupedLinear(nn.Module):
                     p.grad = g
                 else:
                     p.grad += g
-                for hook in getattr(p, "_post_accumulate_grad_hooks", None) and p._post_accumulate_grad_hooks.values() or ():
+                hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+                for hook in hooks.values() if hooks else ():
                     hook(p)
 
     def extra_repr(self) -> str:

@@ -11,33 +11,19 @@ import torch
 from qmoe.backend import use_kernels
 from qmoe.contracts.carriers import ActivatedRows
 from qmoe.contracts.formats import pack_e2m1, unpack_e2m1
+from qmoe.contracts.validate import check_split_sizes
 from qmoe.dispatch import ACTIVATION
 from qmoe.quant.quantizer import NVFP4Quantizer, Quantizer, check_float_input
 from qmoe.quant.tensor import QuantizedTensor
 from qmoe.reference.grouped_quantize import group_scale_offsets
 
 
-def check_split_sizes(split_sizes, num_rows: int, device: torch.device, validate: bool = True) -> torch.Tensor:
-    """Split sizes as an int64 tensor on `device`; with `validate`, check sign and sum (syncs if on a GPU)."""
+def _device_splits(split_sizes, num_rows: int, device: torch.device, validate: bool = True) -> torch.Tensor:
+    """Checked split sizes as an int64 tensor on `device`; `validate` also reads their values (sign,
+    sum): a host sync for device splits, so callers with trusted splits pass validate=False."""
+    check_split_sizes(split_sizes, device=device, num_rows=num_rows, read="always" if validate else "never")
     if isinstance(split_sizes, (list, tuple)):
-        if not all(isinstance(s, int) and not isinstance(s, bool) for s in split_sizes):
-            raise TypeError(f"split_sizes must hold Python ints, got {split_sizes!r}")
         split_sizes = torch.tensor(split_sizes, dtype=torch.int64)
-    if not isinstance(split_sizes, torch.Tensor):
-        raise TypeError(f"split_sizes must be a list of ints or an integer tensor, got {type(split_sizes).__name__}")
-    if split_sizes.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"split_sizes must have dtype int32 or int64, got {split_sizes.dtype}")
-    if split_sizes.dim() != 1 or split_sizes.numel() == 0:
-        raise ValueError(f"split_sizes must be a non-empty 1-D tensor [G], got shape {tuple(split_sizes.shape)}")
-    if split_sizes.device.type != "cpu" and split_sizes.device != device:
-        raise ValueError(f"split_sizes is on {split_sizes.device} but the input is on {device}; "
-                         f"keep them on the same device")
-    if validate:
-        host = split_sizes.tolist()  # a host sync for device splits: callers with trusted splits pass validate=False
-        if any(s < 0 for s in host):
-            raise ValueError(f"split_sizes must be non-negative, got {host}")
-        if sum(host) != num_rows:
-            raise ValueError(f"split_sizes sum to {sum(host)} but the input has {num_rows} rows")
     return split_sizes.to(device=device, dtype=torch.int64)
 
 
@@ -102,7 +88,7 @@ class GroupedTensor:
             raise ValueError(f"GroupedTensor.quantize needs a 2-D input [sum M_g, K], got shape {tuple(x.shape)}")
         if not (rowwise or columnwise):
             raise ValueError("GroupedTensor.quantize needs rowwise=True, columnwise=True or both")
-        splits = check_split_sizes(split_sizes, x.shape[0], x.device, validate)
+        splits = _device_splits(split_sizes, x.shape[0], x.device, validate)
         quantizer.check_shape(x.shape[0], x.shape[1], rowwise, columnwise)
         if validate:  # the sizes were read on the host anyway: check each group's own needs
             for m in splits.tolist():
@@ -128,7 +114,7 @@ class GroupedTensor:
             raise ValueError(f"{q!r} rows do not stand alone (per-group amax or multi-row blocks); "
                              f"quantize them inside the GroupedTensor instead")
         m, k = qt.shape_2d
-        splits = check_split_sizes(split_sizes, m, qt.device, validate=False)
+        splits = _device_splits(split_sizes, m, qt.device, validate=False)
         scale = qt.rowwise_scale_inv
         if q.block is None:
             scale = scale.reshape(1).expand(splits.numel()).contiguous()

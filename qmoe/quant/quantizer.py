@@ -11,7 +11,8 @@ import torch
 
 from qmoe.contracts.carriers import ActivatedRows
 from qmoe.contracts.errors import refuse_compile
-from qmoe.contracts.formats import E2M1, FP8_BLOCK, MXFP8_BLOCK, NVFP4_BLOCK, RHT_SIZE, ElementFormat, ScaleMode, ceil_div
+from qmoe.contracts.formats import (E2M1, FP8_BLOCK, MXFP8_BLOCK, NVFP4_BLOCK, RHT_SIZE, ElementFormat, ScaleMode,
+                                   ceil_div)
 from qmoe.dispatch import GROUPED_QUANTIZE, QUANTIZE, QUANTIZE_NVFP4, Dispatch
 from qmoe.quant.delayed import (DelayedScalingState, all_reduce_amax, in_forward_region, register_backward,
                                 register_forward)

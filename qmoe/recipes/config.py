@@ -62,7 +62,8 @@ def recipe_from_config(config) -> Recipe:
     """Build a recipe from `{"name": ..., **fields}` given as a dict, JSON/YAML text or a file path.
 
     >>> recipe_from_config({"name": "nvfp4", "disable_rht": True})
-    NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding=False, disable_2d_quantization=False, align_size=128)
+    NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding=False, disable_2d_quantization=False,
+                      align_size=128)
     """
     cfg = load_config(config)
     if not isinstance(cfg, dict):

@@ -7,7 +7,7 @@ padded to (`align_size`); `quantizer(role)` builds the matching `qmoe.quant` qua
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 from qmoe.contracts.formats import E4M3, E5M2, ElementFormat, ScaleMode
 

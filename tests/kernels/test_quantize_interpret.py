@@ -5,7 +5,8 @@ codes are proven on the GPU (test_quantize_kernels.py). Here, against the refere
 bit: tensor and group amaxes, FP8 block scales (1x128, 128x128, power-of-two and fp32), E8M0
 exponents of both MX scale modes, grouped scale layouts with empty and odd groups, and NVFP4
 codes, E4M3 scales and amaxes on inputs whose block scales are exact and differ from block to
-block (each 16-run's amax is the tensor amax times its own power of two), including odd group boundaries in the packed columnwise data and the RHT (fp32).
+block (each 16-run's amax is the tensor amax times its own power of two), including odd group
+boundaries in the packed columnwise data and the RHT (fp32).
 The expert activation fused into the grouped quantizers (an ActivatedRows input) gives every
 output bit for bit as quantizing the activation kernel's output does (both interpreted).
 Runs in a subprocess so the interpreter switch never leaks into other tests.
@@ -21,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_kernels_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-W", "ignore", __file__], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -126,7 +126,8 @@ BLOCK_CASES = [  # (block_rows, power_2_scale, fmt, eps)
 @pytest.mark.parametrize("case", BLOCK_CASES, ids=lambda c: f"{c[0]}x128-p2{c[1]}-{c[2]}-eps{c[3]}")
 def test_fp8_block(case, orient):
     br, p2, fmt, eps = case
-    for i, (shape, dtype, kind) in enumerate((((300, 260), torch.bfloat16, "mixed"), ((129, 128), torch.float32, "wide"),
+    for i, (shape, dtype, kind) in enumerate((((300, 260), torch.bfloat16, "mixed"),
+                                              ((129, 128), torch.float32, "wide"),
                                               ((1, 7), torch.bfloat16, "normal"))):
         x = make_input(*shape, dtype, seed=3 + i, kind=kind)
         got = K.quantize_fp8_block(x, br, 128, fmt, p2, eps, *orient)

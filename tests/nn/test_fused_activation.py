@@ -26,7 +26,8 @@ from qmoe.recipes import recipe_from_config
 
 RECIPES = [None, "delayed", "current", "block", "mxfp8", "nvfp4"]
 # (activation, glu_interleave_size, h's dtype)
-ACTIVATIONS = [("swiglu", None, torch.bfloat16), ("swiglu", 32, torch.bfloat16), ("clamped_qgeglu", None, torch.float32),
+ACTIVATIONS = [("swiglu", None, torch.bfloat16), ("swiglu", 32, torch.bfloat16),
+               ("clamped_qgeglu", None, torch.float32),
                ("gelu", None, torch.bfloat16), ("relu2", None, torch.float32)]
 E, F, N = 4, 256, 128
 

@@ -164,7 +164,8 @@ def test_backward_twins_equal_autograd():
     (lambda: moe_permute(torch.randn(4, 2, 2), torch.ones(4, 3, dtype=torch.bool)), ValueError, "2-D"),
     (lambda: moe_permute(torch.randn(4, 2), torch.ones(4, 3)), TypeError, "bool"),
     (lambda: moe_permute(torch.randn(5, 2), torch.ones(4, 3, dtype=torch.bool)), ValueError, r"\[4, N\]"),
-    (lambda: moe_permute(torch.randn(4, 2), torch.ones(4, 3, dtype=torch.bool), align_size=0), ValueError, "align_size"),
+    (lambda: moe_permute(torch.randn(4, 2), torch.ones(4, 3, dtype=torch.bool), align_size=0), ValueError,
+     "align_size"),
     (lambda: moe_permute(torch.randn(4, 2), torch.ones(4, 3, dtype=torch.bool), top_k=4), ValueError, "top_k"),
     (lambda: moe_permute(torch.randn(4, 2), torch.ones(4, 3, dtype=torch.bool), torch.ones(4, 2)), ValueError, "probs"),
     (lambda: moe_permute(torch.randn(4, 2), torch.ones(4, 3, dtype=torch.bool), top_k=3,
@@ -196,7 +197,8 @@ GPU_CASES = [  # (T, E, K, H, align)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t,e,k,h,align", GPU_CASES, ids=[f"T{c[0]}-E{c[1]}-K{c[2]}-H{c[3]}-A{c[4]}" for c in GPU_CASES])
+@pytest.mark.parametrize("t,e,k,h,align", GPU_CASES,
+                         ids=[f"T{c[0]}-E{c[1]}-K{c[2]}-H{c[3]}-A{c[4]}" for c in GPU_CASES])
 def test_kernels_equal_reference(t, e, k, h, align):
     from qmoe.kernels import permute as kernels
     torch.manual_seed(t)

@@ -432,7 +432,8 @@ def test_expert_parallel_layer_on_gpus():
     the fixed-capacity layer captured in CUDA graphs."""
     if torch.cuda.device_count() < 2 or not dist.is_nccl_available():
         pytest.skip("needs 2 CUDA GPUs and NCCL")
-    verdicts = _spawn(2, "nccl", GPU_CASES, deadline_s=int(os.environ.get("EP_DEADLINE_S", 480)))  # first runs compile and autotune the kernels
+    # the first runs compile and autotune the kernels
+    verdicts = _spawn(2, "nccl", GPU_CASES, deadline_s=int(os.environ.get("EP_DEADLINE_S", 480)))
     failures = [f"{case} on rank {r}:\n{v[case]}" for r, v in enumerate(verdicts) for case in GPU_CASES if v[case]]
     assert not failures, "\n".join(failures)
 
