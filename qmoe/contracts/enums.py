@@ -62,11 +62,15 @@ class GemmRoute(enum.StrEnum):
 
 
 def _parse(cls: type[enum.StrEnum], value, name: str):
-    try:
-        return cls(value)
-    except ValueError:
+    member = _BY_VALUE[cls].get(value) if isinstance(value, str) else None
+    if member is None:
         choices = ", ".join(repr(m.value) for m in cls)
-        raise ValueError(f"{name}={value!r} is unknown; use one of {choices}") from None
+        raise ValueError(f"{name}={value!r} is unknown; use one of {choices}")
+    return member
+
+
+# value -> member (members hash as their strings, so a member finds itself): one dict lookup per call
+_BY_VALUE = {cls: {m.value: m for m in cls} for cls in (Scaling, ScoreFunction, Activation, GroupedPath, GemmRoute)}
 
 
 def parse_score_function(score_function) -> ScoreFunction:

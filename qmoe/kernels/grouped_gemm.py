@@ -37,7 +37,7 @@ from qmoe.contracts.formats import ceil_div, nvfp4_tensor_scale
 from qmoe.kernels import grouped_gemm_triton as jit
 from qmoe.kernels.launch import kernel_op, wrapped
 from qmoe.kernels.layout import group_pow2
-from qmoe.contracts.enums import Scaling, is_grouped, scaling_of
+from qmoe.contracts.enums import GemmRoute, Scaling, is_grouped, parse_gemm_route, scaling_of
 
 _CODE = {Scaling.NONE: 0, Scaling.TENSOR: 1, Scaling.BLOCK: 2, Scaling.MX: 3, Scaling.NVFP4: 4}
 # Rows per group from which the exact dequantize-then-bf16-GEMM route beats in-register
@@ -356,12 +356,13 @@ def m_grouped_gemm(a, b, split_sizes=None, *, b_columnwise: bool = False, out_dt
 def m_grouped_gemm_with(a, b, split_sizes=None, *, b_columnwise=False, out_dtype=torch.bfloat16,
                         route: str = "auto", config: TileConfig | None = None):
     """m_grouped_gemm with the route ("auto", "fused", "dequant") and tiles chosen by the caller."""
+    route = parse_gemm_route(route)
     if not is_grouped(a):
         offsets = _device_offsets(split_sizes, a.device)
         e, n, k = b.shape
         n_out, contraction = (k, n) if b_columnwise else (n, k)
         mat_b = b if b_columnwise else b.transpose(1, 2)
-        if route != "fused" and config is None and _torch_grouped_mm_ok(a, mat_b, out_dtype):
+        if route is not GemmRoute.FUSED and config is None and _torch_grouped_mm_ok(a, mat_b, out_dtype):
             return _torch_grouped_mm(a, mat_b, offsets, a.shape[0])
         bop = (_Operand(b, b.stride(2), b.stride(1), b.stride(0)) if b_columnwise
                else _Operand(b, b.stride(1), b.stride(2), b.stride(0)))
@@ -370,10 +371,10 @@ def m_grouped_gemm_with(a, b, split_sizes=None, *, b_columnwise=False, out_dtype
     scaling = scaling_of(a)
     a_op = activation_operand(a, scaling)
     b_op, n_out, contraction = weight_operand(b, scaling, b_columnwise)
-    if route == "auto":
+    if route is GemmRoute.AUTO:
         emulated = scaling in (Scaling.MX, Scaling.NVFP4)
-        route = "dequant" if emulated and a.shape[0] >= DEQUANT_MIN_ROWS * b.num_groups else "fused"
-    if route == "dequant" and scaling in (Scaling.MX, Scaling.NVFP4):
+        route = GemmRoute.DEQUANT if emulated and a.shape[0] >= DEQUANT_MIN_ROWS * b.num_groups else GemmRoute.FUSED
+    if route is GemmRoute.DEQUANT and scaling in (Scaling.MX, Scaling.NVFP4):
         return _m_dequant_route(a, b, a_op, b_op, scaling, b_columnwise, out_dtype, config)
     return _launch_m(a_op, b_op, a.offsets, a.shape[0], n_out, contraction, b.num_groups, scaling, out_dtype,
                      config)
@@ -461,6 +462,7 @@ def k_grouped_gemm(a, b, split_sizes=None, *, out_dtype=torch.bfloat16, out=None
 def k_grouped_gemm_with(a, b, split_sizes=None, *, out_dtype=torch.bfloat16, out=None, accumulate=False,
                         route: str = "auto", config: TileConfig | None = None):
     """k_grouped_gemm with the route ("auto", "fused", "dequant") and tiles chosen by the caller."""
+    route = parse_gemm_route(route)
     if accumulate and out is None:
         raise ValueError("k_grouped_gemm(accumulate=True) adds into `out`: pass out=[E, N, K] tensor")
     if not is_grouped(a):
@@ -472,10 +474,10 @@ def k_grouped_gemm_with(a, b, split_sizes=None, *, out_dtype=torch.bfloat16, out
     groups, total = a.num_groups, a.shape[0]
     n, k = a.shape[1], b.shape[1]
     a_op, b_op = tokens_operand(a, scaling), tokens_operand(b, scaling)
-    if route == "auto":
+    if route is GemmRoute.AUTO:
         emulated = scaling in (Scaling.MX, Scaling.NVFP4)
-        route = "dequant" if emulated and total >= DEQUANT_MIN_ROWS * groups else "fused"
-    if route == "dequant" and scaling in (Scaling.MX, Scaling.NVFP4) and total > 0:
+        route = GemmRoute.DEQUANT if emulated and total >= DEQUANT_MIN_ROWS * groups else GemmRoute.FUSED
+    if route is GemmRoute.DEQUANT and scaling in (Scaling.MX, Scaling.NVFP4) and total > 0:
         ops16 = []
         for x, op in ((a, a_op), (b, b_op)):
             x16 = _dequantized_tokens(x, op, scaling, tile=config.dq if config is not None else None)
