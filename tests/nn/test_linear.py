@@ -78,10 +78,11 @@ def test_backward_saves_quantized_copies_not_activations():
     with qmoe.autocast(recipe=Float8BlockScaling()):
         y = layer(x)
     ctx = y.grad_fn
-    while not hasattr(ctx, "xq"):  # through the reshape to the grouped linear's node
+    while not hasattr(ctx, "saved"):  # through the reshape to the grouped linear's node
         ctx = ctx.next_functions[0][0]
-    assert ctx.xq.rowwise_data is None and ctx.xq.columnwise_data.dtype == torch.float8_e4m3fn
-    assert ctx.wq.rowwise_data is None and ctx.wq.columnwise_data.dtype == torch.float8_e4m3fn
+    xq, wq = ctx.saved.x_operand, ctx.saved.w_operand
+    assert xq.rowwise_data is None and xq.columnwise_data.dtype == torch.float8_e4m3fn
+    assert wq.rowwise_data is None and wq.columnwise_data.dtype == torch.float8_e4m3fn
     assert not any(isinstance(t, torch.Tensor) and t.shape == x.shape for t in ctx.saved_tensors)
 
 
