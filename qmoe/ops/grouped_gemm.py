@@ -19,18 +19,15 @@ on sm90+ GPUs, the reference (qmoe/reference/grouped_gemm.py, the spec) elsewher
 """
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from qmoe.backend import backend_override
-from qmoe.contracts.enums import Scaling, scaling_of
+from qmoe.contracts.enums import GroupedPath, Scaling, parse_grouped_path, scaling_of
 from qmoe.contracts.errors import UnsupportedError
-from qmoe.contracts.validate import OUT_DTYPES
+from qmoe.contracts.validate import OUT_DTYPES, check_out_dtype, check_split_sizes, host_readable
 from qmoe.dispatch import GROUPED_GEMM
-from qmoe.quant import GroupedTensor, QuantizedTensor, Quantizer
+from qmoe.quant import GroupedTensor, Quantizer
 
-GROUPED_PATHS = ("auto", "grouped", "split")
 _PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -54,41 +51,11 @@ def quantize_weights(w: torch.Tensor, quantizer: Quantizer, rowwise: bool = True
 
 # ---------------------------------------------------------------- validation
 
-def host_readable(split_sizes: torch.Tensor) -> bool:
-    """Whether split sizes can be checked on the host for free: CPU tensors, except while
-    torch.compile traces (a read would break the graph; such sizes are trusted like device ones)."""
-    return split_sizes.device.type == "cpu" and not torch.compiler.is_compiling()
-
-
-def _check_out_dtype(out_dtype) -> None:
-    if out_dtype not in OUT_DTYPES:
-        raise TypeError(f"out_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
-
-
-def _check_host_splits(split_sizes, rows: int, groups: int, device: torch.device) -> None:
+def _check_plain_splits(split_sizes, rows: int, groups: int, device: torch.device) -> None:
     """Split sizes for plain tensors: [groups] ints; host values are checked, device ones trusted."""
     if split_sizes is None:
         raise ValueError("plain (unquantized) tensors need split_sizes: [E] ints, one per expert")
-    if isinstance(split_sizes, torch.Tensor):
-        if split_sizes.dtype not in (torch.int32, torch.int64) or split_sizes.dim() != 1:
-            raise TypeError(f"split_sizes must be a 1-D int32/int64 tensor, got {split_sizes.dtype} "
-                            f"of shape {tuple(split_sizes.shape)}")
-        if split_sizes.device.type != "cpu" and split_sizes.device != device:
-            raise ValueError(f"split_sizes is on {split_sizes.device} but the operands are on {device}")
-        n = split_sizes.numel()
-        host = split_sizes.tolist() if host_readable(split_sizes) else None
-    else:
-        if not isinstance(split_sizes, (list, tuple)) or not all(
-                isinstance(s, int) and not isinstance(s, bool) for s in split_sizes):
-            raise TypeError(f"split_sizes must be a list of ints or an integer tensor, got {split_sizes!r}")
-        n, host = len(split_sizes), list(split_sizes)
-    if n != groups:
-        raise ValueError(f"split_sizes has {n} entries but there are {groups} experts")
-    if host is not None:
-        if any(s < 0 for s in host):
-            raise ValueError(f"split_sizes must be non-negative, got {host}")
-        if sum(host) != rows:
-            raise ValueError(f"split_sizes sum to {sum(host)} but the tokens operand has {rows} rows")
+    check_split_sizes(split_sizes, device=device, num_rows=rows, num_groups=groups)
 
 
 def _check_plain(t, name: str, dims: int) -> None:
@@ -139,7 +106,7 @@ def m_grouped_gemm(a, b, split_sizes=None, *, b_columnwise: bool = False, out_dt
     split_sizes: [E] ints or int tensor, for plain tensors only.
     out_dtype: bf16 (default), fp16 or fp32. Returns [T, N] (fprop) or [T, K] (dgrad).
     """
-    _check_out_dtype(out_dtype)
+    check_out_dtype(out_dtype)
     if isinstance(a, GroupedTensor) or isinstance(b, GroupedTensor):
         scaling = _check_grouped_pair(a, b)
         if a.rowwise_data is None:
@@ -173,7 +140,7 @@ def m_grouped_gemm(a, b, split_sizes=None, *, b_columnwise: bool = False, out_dt
     contraction = b.shape[1] if b_columnwise else b.shape[2]
     if a.shape[1] != contraction:
         raise ValueError(f"a has {a.shape[1]} features but b contracts over {contraction}")
-    _check_host_splits(split_sizes, a.shape[0], b.shape[0], a.device)
+    _check_plain_splits(split_sizes, a.shape[0], b.shape[0], a.device)
     fn = GROUPED_GEMM.pick("m_grouped_gemm", a, b)
     return fn(a, b, split_sizes, b_columnwise=b_columnwise, out_dtype=out_dtype)
 
@@ -188,7 +155,7 @@ def k_grouped_gemm(a, b, split_sizes=None, *, out_dtype=torch.bfloat16, out: tor
        in fp32. Experts without tokens get exact zeros (accumulating: out is left as it was).
     """
     if out is None:
-        _check_out_dtype(out_dtype)
+        check_out_dtype(out_dtype)
     elif not isinstance(out, torch.Tensor) or out.dtype not in OUT_DTYPES:
         raise TypeError(f"out must be a bf16, fp16 or fp32 tensor, got {getattr(out, 'dtype', type(out).__name__)}")
     if accumulate and out is None:
@@ -209,7 +176,7 @@ def k_grouped_gemm(a, b, split_sizes=None, *, out_dtype=torch.bfloat16, out: tor
         if a.shape[0] != b.shape[0]:
             raise ValueError(f"dy has {a.shape[0]} rows but x has {b.shape[0]}: both must hold the same tokens")
         e = split_sizes.numel() if isinstance(split_sizes, torch.Tensor) else len(split_sizes or ())
-        _check_host_splits(split_sizes, a.shape[0], e, a.device)
+        _check_plain_splits(split_sizes, a.shape[0], e, a.device)
         n, k = a.shape[1], b.shape[1]
         tensors = [a, b]
     if out is not None:
@@ -223,111 +190,21 @@ def k_grouped_gemm(a, b, split_sizes=None, *, out_dtype=torch.bfloat16, out: tor
 
 # ---------------------------------------------------------------- grouped vs split path
 
-def select_grouped_path(grouped_path: str, device) -> str:
-    """Resolve "auto" | "grouped" | "split" for a device to "grouped" or "split".
+def select_grouped_path(grouped_path: GroupedPath | str, device) -> GroupedPath:
+    """Resolve "auto" | "grouped" | "split" for a device to GroupedPath.GROUPED or .SPLIT.
 
     grouped: one quantize and one GEMM launch for all experts, split sizes on the device
     (Triton kernels on sm90+; on the CPU the reference computes the same thing). CUDA GPUs
     below sm90 have no grouped kernels: "auto" falls back to "split" there and "grouped" raises.
     """
-    if grouped_path not in GROUPED_PATHS:
-        raise ValueError(f"grouped_path must be one of {', '.join(GROUPED_PATHS)}, got {grouped_path!r}")
+    grouped_path = parse_grouped_path(grouped_path)
     device = torch.device(device)
     supported = (device.type != "cuda" or backend_override() == "reference"
                  or torch.cuda.get_device_capability(device) >= (9, 0))
-    if grouped_path == "grouped" and not supported:
+    if grouped_path is GroupedPath.GROUPED and not supported:
         raise UnsupportedError("the grouped GEMM path", device=device,
                                why="qmoe's grouped kernels need a GPU of compute capability 9.0 or newer",
                                fix='grouped_path="split" (or "auto"), or QMOE_BACKEND=reference')
-    if grouped_path == "auto":
-        return "grouped" if supported else "split"
+    if grouped_path is GroupedPath.AUTO:
+        return GroupedPath.GROUPED if supported else GroupedPath.SPLIT
     return grouped_path
-
-
-def _host_sizes(split_sizes) -> list[int]:
-    return [int(s) for s in (split_sizes.tolist() if isinstance(split_sizes, torch.Tensor) else split_sizes)]
-
-
-def _group_quantizer(quantizer: Quantizer, g: int, num_groups: int, device) -> Quantizer:
-    """The quantizer for group g alone: stateful (delayed-scaling) quantizers read and record
-    group g's slot of the same per-group history the grouped path uses; others are shared."""
-    state = getattr(quantizer, "state", None)
-    if state is None or not hasattr(state, "slot"):
-        return quantizer
-    state.ensure(device, num_groups)
-    q = copy.copy(quantizer)
-    q.state = state.slot(g, num_groups)
-    return q
-
-
-def _one_group(qt: QuantizedTensor) -> GroupedTensor:
-    """A QuantizedTensor as a one-group GroupedTensor (same data; per-tensor values as [1])."""
-    def one(t):
-        return t.reshape(1) if t is not None and t.dim() == 0 else t
-
-    m = qt.shape_2d[0]
-    return GroupedTensor(qt.quantizer, torch.Size(qt.shape_2d), qt.dtype, torch.tensor([m], device=qt.device),
-                         rowwise_data=qt.rowwise_data, rowwise_scale_inv=one(qt.rowwise_scale_inv),
-                         columnwise_data=qt.columnwise_data, columnwise_scale_inv=one(qt.columnwise_scale_inv),
-                         amax=one(qt.amax), columnwise_amax=one(qt.columnwise_amax))
-
-
-def linear_m_grouped(x: torch.Tensor, split_sizes, w: torch.Tensor, x_quantizer: Quantizer, w_quantizer: Quantizer,
-                     *, b_columnwise: bool = False, out_dtype=torch.bfloat16, grouped_path: str = "auto"):
-    """Quantize x [T, K] and w [E, N, K] with the recipe's quantizers, then m_grouped_gemm.
-
-    grouped: one GroupedTensor each, split sizes may stay on the device. split: split sizes
-    read on the host, every expert quantized and multiplied on its own (the cross-check, and
-    what runs where grouped kernels do not). dgrad passes dy as x and b_columnwise=True.
-    """
-    path = select_grouped_path(grouped_path, x.device)
-    if path == "grouped":
-        xq = GroupedTensor.quantize(x, split_sizes, x_quantizer, rowwise=True, columnwise=False)
-        wq = quantize_weights(w, w_quantizer, rowwise=not b_columnwise, columnwise=b_columnwise)
-        return m_grouped_gemm(xq, wq, b_columnwise=b_columnwise, out_dtype=out_dtype)
-    sizes = _host_sizes(split_sizes)
-    e = w.shape[0]
-    _check_host_splits(sizes, x.shape[0], e, x.device)
-    n_out = w.shape[2] if b_columnwise else w.shape[1]
-    parts, start = [], 0
-    for g, m in enumerate(sizes):
-        wg = _group_quantizer(w_quantizer, g, e, w.device).quantize(w[g], rowwise=not b_columnwise,
-                                                                     columnwise=b_columnwise)
-        if m == 0:
-            parts.append(x.new_zeros((0, n_out), dtype=out_dtype))
-            continue
-        xg = _group_quantizer(x_quantizer, g, e, x.device).quantize(x[start:start + m], rowwise=True,
-                                                                     columnwise=False)
-        parts.append(m_grouped_gemm(_one_group(xg), _one_group(wg), b_columnwise=b_columnwise, out_dtype=out_dtype))
-        start += m
-    return torch.cat(parts, 0)
-
-
-def linear_k_grouped(dy: torch.Tensor, x: torch.Tensor, split_sizes, dy_quantizer: Quantizer,
-                     x_quantizer: Quantizer, *, out_dtype=torch.bfloat16, out: torch.Tensor | None = None,
-                     accumulate: bool = False, grouped_path: str = "auto"):
-    """Quantize dy [T, N] and x [T, K] columnwise, then k_grouped_gemm -> dW [E, N, K] (see above)."""
-    path = select_grouped_path(grouped_path, x.device)
-    if path == "grouped":
-        dyq = GroupedTensor.quantize(dy, split_sizes, dy_quantizer, rowwise=False, columnwise=True)
-        xq = GroupedTensor.quantize(x, split_sizes, x_quantizer, rowwise=False, columnwise=True)
-        return k_grouped_gemm(dyq, xq, out_dtype=out_dtype, out=out, accumulate=accumulate)
-    sizes = _host_sizes(split_sizes)
-    e, n, k = len(sizes), dy.shape[1], x.shape[1]
-    _check_host_splits(sizes, x.shape[0], e, x.device)
-    if accumulate and out is None:
-        raise ValueError("accumulate=True adds into `out`: pass out=[E, N, K] (e.g. the fp32 main_grad)")
-    res = out if out is not None else torch.empty((e, n, k), dtype=out_dtype, device=x.device)
-    start = 0
-    for g, m in enumerate(sizes):
-        if m == 0:
-            if not accumulate:
-                res[g].zero_()
-            continue
-        dyg = _group_quantizer(dy_quantizer, g, e, dy.device).quantize(dy[start:start + m], rowwise=False,
-                                                                        columnwise=True)
-        xg = _group_quantizer(x_quantizer, g, e, x.device).quantize(x[start:start + m], rowwise=False,
-                                                                     columnwise=True)
-        k_grouped_gemm(_one_group(dyg), _one_group(xg), out=res[g:g + 1], accumulate=accumulate)
-        start += m
-    return res

@@ -1,14 +1,15 @@
 """Grouped GEMMs (qmoe.ops.grouped_gemm): the reference against fp64 products of the dequantized
-operands, validation, grouped == split; on sm90+ the kernels against the reference, with no
-host sync and under CUDA-graph replay with new split sizes."""
+operands, validation, grouped_linear's grouped path == its split path; on sm90+ the kernels
+against the reference, with no host sync and under CUDA-graph replay with new split sizes."""
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from qmoe.contracts.errors import UnsupportedError
-from qmoe.ops.grouped_gemm import (k_grouped_gemm, linear_k_grouped, linear_m_grouped, m_grouped_gemm,
-                                   quantize_weights, select_grouped_path)
+from qmoe.contracts.enums import GroupedPath
+from qmoe.ops.grouped_gemm import k_grouped_gemm, m_grouped_gemm, quantize_weights, select_grouped_path
+from qmoe.ops.grouped_linear import grouped_linear
 from qmoe.quant import GroupedTensor
 from qmoe.recipes import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling,
                           NVFP4BlockScaling)
@@ -176,24 +177,33 @@ def test_jagged_splits(data, recipe_i, layout, n, k):
     assert _rel(out, _fp64_oracle(layout, a, b, splits)) < 1e-5
 
 
+def _linear_both_paths(recipe, splits, x, w, dy):
+    """{path: (y, dx, dW)} of grouped_linear on the grouped and the split path."""
+    got = {}
+    for path in ("grouped", "split"):
+        # fresh quantizers per path: a delayed-scaling quantizer's scale moves after each use
+        q = {role: recipe.quantizer(role) for role in ("input", "weight", "grad_output")}
+        xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        y = grouped_linear(xi, torch.tensor(splits, device=x.device), wi, quantizers=q, path=path)
+        y.backward(dy)
+        got[path] = (y.detach(), xi.grad, wi.grad)
+    return got
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_grouped_path_equals_split_path(recipe):
+    """The grouped path (one GroupedTensor and one grouped GEMM per step) and the split path
+    (every group quantized with its own for_group quantizer, multiplied on its own) agree bit for
+    bit in fprop, dgrad and wgrad."""
     splits, n, k = [32, 0, 16, 48], 64, 96
-    x, w, dy = _data(splits, n, k)
-    # fresh quantizers per path: a delayed-scaling quantizer's scale moves after each use
-    for b_columnwise, a in ((False, x), (True, dy)):
-        role = "grad_output" if b_columnwise else "input"
-        got = {path: linear_m_grouped(a, splits, w, recipe.quantizer(role), recipe.quantizer("weight"),
-                                      b_columnwise=b_columnwise, grouped_path=path) for path in ("grouped", "split")}
-        assert torch.equal(got["grouped"], got["split"])
-    got = {path: linear_k_grouped(dy, x, splits, recipe.quantizer("grad_output"), recipe.quantizer("input"),
-                                  out_dtype=torch.float32, grouped_path=path) for path in ("grouped", "split")}
-    assert torch.equal(got["grouped"], got["split"])
+    got = _linear_both_paths(recipe, splits, *_data(splits, n, k))
+    for name, a, b in zip(("y", "dx", "dW"), got["grouped"], got["split"]):
+        assert torch.equal(a, b), name
 
 
 def test_select_grouped_path():
-    assert select_grouped_path("auto", "cpu") == "grouped"
-    assert select_grouped_path("split", "cpu") == "split"
+    assert select_grouped_path("auto", "cpu") is GroupedPath.GROUPED
+    assert select_grouped_path("split", "cpu") is GroupedPath.SPLIT
     with pytest.raises(ValueError, match="grouped_path"):
         select_grouped_path("fastest", "cpu")
 
@@ -367,7 +377,7 @@ def test_plain_kernels_match(layout):
 
 
 @pytest.mark.gpu
-def test_gpu_wgrad_accumulate_and_grouped_equals_split():
+def test_gpu_wgrad_accumulate():
     r = MXFP8BlockScaling()
     splits, (a, b) = _gpu_case(r, "wgrad")
     main_grad = torch.randn(len(splits), 328, 448, device="cuda")
@@ -375,18 +385,22 @@ def test_gpu_wgrad_accumulate_and_grouped_equals_split():
     k_grouped_gemm(a, b, out=main_grad, accumulate=True)
     assert torch.equal(main_grad[0], before[0])
     assert _rel(main_grad - before, k_grouped_gemm(a, b, out_dtype=torch.float32)) < 1e-5
-    x, w, dy = _data(GPU_SPLITS, 328, 448, "cuda")
-    for path_kw in ({}, {"b_columnwise": True}):
-        a_in = dy if path_kw else x
-        role = "grad_output" if path_kw else "input"
-        got = [linear_m_grouped(a_in, GPU_SPLITS, w, r.quantizer(role), r.quantizer("weight"), grouped_path=p,
-                                **path_kw) for p in ("grouped", "split")]
-        assert_within_tolerance(got[0], got[1], *recipe_tolerance(r))
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_path_equals_split_path():
+    """The kernels' grouped path against the split path (fp32 products of the per-group
+    dequantized operands): fprop, dgrad and wgrad within the recipe's tolerance."""
+    r = MXFP8BlockScaling()
+    got = _linear_both_paths(r, GPU_SPLITS, *_data(GPU_SPLITS, 328, 448, "cuda"))
+    for name, a, b in zip(("y", "dx", "dW"), got["grouped"], got["split"]):
+        assert_within_tolerance(a, b, *recipe_tolerance(r), name)
 
 
 def _copy_into(static, fresh):
     for name in ("split_sizes", "offsets", "rowwise_data", "rowwise_scale_inv", "columnwise_data",
-                 "columnwise_scale_inv", "amax", "columnwise_amax", "rowwise_scale_offsets", "columnwise_scale_offsets"):
+                 "columnwise_scale_inv", "amax", "columnwise_amax", "rowwise_scale_offsets",
+                 "columnwise_scale_offsets"):
         s = getattr(static, name)
         if s is not None:
             s.copy_(getattr(fresh, name))
