@@ -217,7 +217,8 @@ def grouped_linear(x: torch.Tensor, split_sizes: torch.Tensor, weight: torch.Ten
     """
     path = parse_grouped_path(path)
     if path not in PATHS:
-        raise ValueError(f"path must be 'grouped' or 'split' (resolve 'auto' with select_grouped_path), got {path!r}")
+        raise ValueError(f"path must be 'grouped' or 'split' (resolve 'auto' with select_grouped_path), "
+                         f"got {path.value!r}")
     strategy = PATHS[path]
     # the split path reads the sizes anyway; device sizes on the grouped path stay unread (no host
     # sync) and are trusted
