@@ -20,6 +20,9 @@ from qmoe.recipes import NVFP4BlockScaling
 
 END_TO_END = {"bf16": (1.6e-2, 1e-5), "fp8": (0.125, 0.0675), "nvfp4": (0.25, 0.125)}
 GEMM_RTOL = {torch.bfloat16: 1e-2, torch.float32: 1e-3}
+# An MoE layer's quantities and the quantized GEMMs in series in front of each (FC1, then FC2;
+# backward: FC2's dgrad, then FC1's dgrad / wgrad): the n of recipe_tolerance.
+MOE_GEMM_DEPTH = {"y": 2, "dx": 3, "router": 2, "w1": 3, "b1": 2, "w2": 2, "b2": 1}
 
 
 def recipe_tolerance(recipe, gemms_in_series: int = 1) -> tuple[float, float]:

@@ -5,8 +5,7 @@ import torch
 import qmoe
 from qmoe.recipes import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling,
                           NVFP4BlockScaling)
-from tests.nn.test_moe_layer import GEMM_DEPTH
-from tests.tolerances import assert_within_tolerance, recipe_tolerance
+from tests.tolerances import MOE_GEMM_DEPTH, assert_within_tolerance, recipe_tolerance
 
 DEPTH_NAMES = {"router.weight": "router", "experts.fc1.weight": "w1", "experts.fc2.weight": "w2",
                "experts.fc1.bias": "b1", "experts.fc2.bias": "b2"}
@@ -58,8 +57,8 @@ def test_layer_within_tolerance_of_fp32_on_gpu(recipe):
     y, g = _step(layer, x, recipe)
     names = ["dx"] + [DEPTH_NAMES[n] for n, _ in layer.named_parameters()]
     for name, a, b in zip(["y"] + names, [y] + g, [y_ref] + g_ref):
-        # the GEMMs chained in front of each quantity (tests/nn/test_moe_layer.py), bf16 included
-        assert_within_tolerance(a, b, *recipe_tolerance(recipe, GEMM_DEPTH[name]), name)
+        # the GEMMs chained in front of each quantity, bf16 included
+        assert_within_tolerance(a, b, *recipe_tolerance(recipe, MOE_GEMM_DEPTH[name]), name)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

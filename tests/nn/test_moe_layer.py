@@ -16,7 +16,7 @@ from qmoe.recipes import (DelayedScaling, Float8BlockScaling, Float8CurrentScali
 from qmoe.contracts.carriers import deinterleave_glu
 from tests.nn.plain_moe import balance_scores, params_of, plain_moe, plain_route
 from tests.nn.recipe_cases import DETERMINISTIC, QUANTIZED
-from tests.tolerances import assert_within_tolerance, recipe_tolerance
+from tests.tolerances import MOE_GEMM_DEPTH, assert_within_tolerance, recipe_tolerance
 
 H, F, E = 32, 16, 8
 PARAM_NAMES = ("router", "w1", "b1", "w2", "b2")
@@ -328,9 +328,6 @@ def test_capacity_factor_drops_the_lowest_probabilities(factor):
 # ------------------------------------------------------------------ recipes
 
 RECIPES = QUANTIZED
-# How many quantized GEMMs in series each quantity depends on: NUMERICS.md's chained-GEMM rule
-# (tests/tolerances.py's recipe_tolerance) widens the tolerance by sqrt(n) for it.
-GEMM_DEPTH = {"y": 2, "dx": 3, "router": 2, "w1": 3, "b1": 2, "w2": 2, "b2": 1}
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -343,7 +340,7 @@ def test_recipe_within_numerics_tolerance_of_fp32(recipe):
     got = _run_layer(layer, x, g, recipe)
     _assert_fp32_close(got["aux"], want["aux"], "aux")  # the router is fp32 under every recipe
     for k in ("y", "dx") + PARAM_NAMES:
-        assert_within_tolerance(got[k], want[k], *recipe_tolerance(recipe, GEMM_DEPTH[k]), k)
+        assert_within_tolerance(got[k], want[k], *recipe_tolerance(recipe, MOE_GEMM_DEPTH[k]), k)
     assert not torch.equal(got["y"], want["y"])  # it did quantize
     # the output, and for FP8 every gradient too, meets NUMERICS.md's tolerance as it stands
     flat = ("y", "b2") if isinstance(recipe, NVFP4BlockScaling) else ("y", "dx") + PARAM_NAMES
