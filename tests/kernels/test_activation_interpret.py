@@ -176,11 +176,13 @@ def test_op_and_grouped_mlp_use_the_kernels_and_match_reference(monkeypatch):
     """expert_activation (QMOE_BACKEND=triton here) runs the kernels forward and backward and equals
     the reference backend, alone and inside GroupedMLP."""
     import qmoe
-    from qmoe.kernels import activation as kernels
+    from qmoe.dispatch import ACTIVATION
     from qmoe.ops import expert_activation
     calls = []
-    for name in ("scaled_activation_forward", "scaled_activation_backward"):
-        monkeypatch.setattr(kernels, name, lambda *a, f=getattr(kernels, name), n=name: calls.append(n) or f(*a))
+    for name in ("scaled_activation_forward", "scaled_activation_backward"):  # log the kernels the table hands out
+        kernel, reference = ACTIVATION.table[name]
+        monkeypatch.setitem(ACTIVATION.table, name,
+                            (lambda *a, f=kernel, n=name: calls.append(n) or f(*a), reference))
 
     def run():
         torch.manual_seed(0)

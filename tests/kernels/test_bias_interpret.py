@@ -178,10 +178,11 @@ def test_forward_kernel_reads_row_strided_input():
 def test_grouped_linear_uses_the_kernel_and_matches_reference(monkeypatch):
     """GroupedLinear's scaled-bias backward through the kernel (QMOE_BACKEND=triton) == reference."""
     import qmoe
-    from qmoe.kernels import bias as kernel
+    from qmoe.dispatch import BIAS
     calls = []
-    for name in ("grouped_bias_forward", "grouped_bias_backward"):
-        monkeypatch.setattr(kernel, name, lambda *a, f=getattr(kernel, name), name=name: calls.append(name) or f(*a))
+    for name in ("grouped_bias_forward", "grouped_bias_backward"):  # log the kernels the table hands out
+        kernel, reference = BIAS.table[name]
+        monkeypatch.setitem(BIAS.table, name, (lambda *a, f=kernel, n=name: calls.append(n) or f(*a), reference))
     torch.manual_seed(0)
     layer = qmoe.nn.GroupedLinear(3, 16, 8, scale_bias=True, grouped_path="split")
     x, scales = torch.randn(20, 16), torch.rand(20, requires_grad=True)
