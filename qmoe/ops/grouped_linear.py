@@ -21,6 +21,7 @@ activation runs first (qmoe.ops.expert_activation): the results are the same.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,30 @@ from qmoe.dispatch import BIAS
 from qmoe.ops.activation import activation_backward, expert_activation
 from qmoe.ops.grouped_linear_paths import PATHS, Groups, LinearPath, drop_rowwise
 from qmoe.quant import QuantizedTensor
+
+
+# Test-only observer of the plan's steps (`observe_steps`); None, the default: one test per step.
+_observer = None
+
+
+@contextlib.contextmanager
+def observe_steps(callback):
+    """Test-only: inside the block, after each quantize and GEMM step of every grouped linear, call
+    `callback(plan, step, inputs, output)`, so a test can check which operands each GEMM was
+    handed (tests/ops/test_grouped_linear_wiring.py).
+
+    step and inputs: "quantize_input" (x, or its ActivatedRows; Groups), "quantize_weight"
+    (weight,), "quantize_grad" (dy, Groups), "fprop" (x operand, w operand), "dgrad" (dy
+    operand, w operand), "wgrad" (dy operand, x operand); output: the quantized operand, or the
+    GEMM's result. Quantize steps report under a recipe only. One module-level slot: not for
+    threads or compiled regions.
+    """
+    global _observer
+    previous, _observer = _observer, callback
+    try:
+        yield
+    finally:
+        _observer = previous
 
 
 @dataclass
@@ -58,29 +83,47 @@ class GroupedLinearPlan:
             return x
         if self.activation is not None:
             x = ActivatedRows(x, probs, self.activation.value, self.glu_interleave_size)
-        return self.path.quantize_input(x, groups, self.quantizers["input"], wgrad, self.quantized_input)
+        out = self.path.quantize_input(x, groups, self.quantizers["input"], wgrad, self.quantized_input)
+        if _observer is not None:
+            _observer(self, "quantize_input", (x, groups), out)
+        return out
 
     def quantize_weight(self, weight: torch.Tensor, dtype: torch.dtype, dgrad: bool):
         if self.quantizers is None:
             return weight.to(dtype)
-        return self.path.quantize_weight(weight, self.quantizers["weight"], dgrad)
+        out = self.path.quantize_weight(weight, self.quantizers["weight"], dgrad)
+        if _observer is not None:
+            _observer(self, "quantize_weight", (weight,), out)
+        return out
 
     def quantize_grad(self, dy: torch.Tensor, groups: Groups, dtype: torch.dtype, dgrad: bool, wgrad: bool):
         if self.quantizers is None:
             return dy.to(dtype)
         if not (dgrad or wgrad):  # only the bias and scales take gradients: they read dy itself
             return None
-        return self.path.quantize_grad(dy, groups, self.quantizers["grad_output"], dgrad, wgrad)
+        out = self.path.quantize_grad(dy, groups, self.quantizers["grad_output"], dgrad, wgrad)
+        if _observer is not None:
+            _observer(self, "quantize_grad", (dy, groups), out)
+        return out
 
     # ---- GEMM steps: the one place where (quantized) operands reach the GEMMs
     def fprop(self, x, w, groups: Groups, out_dtype: torch.dtype) -> torch.Tensor:
-        return self.path.fprop(x, w, groups, out_dtype)
+        y = self.path.fprop(x, w, groups, out_dtype)
+        if _observer is not None:
+            _observer(self, "fprop", (x, w), y)
+        return y
 
     def dgrad(self, dy, w, groups: Groups, x_shape: torch.Size, out_dtype: torch.dtype) -> torch.Tensor:
-        return self.path.dgrad(dy, w, groups, x_shape, out_dtype)
+        dx = self.path.dgrad(dy, w, groups, x_shape, out_dtype)
+        if _observer is not None:
+            _observer(self, "dgrad", (dy, w), dx)
+        return dx
 
     def wgrad(self, dy, x, groups: Groups, shape: tuple[int, int, int], w_dtype: torch.dtype) -> torch.Tensor:
-        return self.path.wgrad(dy, x, groups, shape, w_dtype)
+        dw = self.path.wgrad(dy, x, groups, shape, w_dtype)
+        if _observer is not None:
+            _observer(self, "wgrad", (dy, x), dw)
+        return dw
 
 
 @dataclass
