@@ -37,7 +37,8 @@ class _Observer:
 
     def see(self, state, forward: bool) -> None:
         if id(state) not in self.snapshots and state.scale is not None:
-            self.snapshots[id(state)] = (state, state.scale.clone(), state.amax_history.clone())
+            self.snapshots[id(state)] = (state, state.scale.clone(), state.amax_history.clone(),
+                                         state.nonfinite_steps.clone())
         if forward:
             self.forward_states[id(state)] = state
 
@@ -50,9 +51,10 @@ class _Observer:
         return False
 
     def restore(self) -> None:
-        for state, scale, hist in self.snapshots.values():
+        for state, scale, hist, nonfinite in self.snapshots.values():
             state.scale.copy_(scale)
             state.amax_history.copy_(hist)
+            state.nonfinite_steps.copy_(nonfinite)
 
 
 class _WithAuxLoss(nn.Module):

@@ -133,13 +133,35 @@ def test_fresh_state_and_non_finite_amax_keep_the_scale():
     q.update_scale()
     scale = q.scale.item()
     assert scale == F32(448) / F32(10.0)
-    for bad in (float("inf"), float("nan")):
-        q2 = DelayedScaling(amax_history_len=1).quantizer("input")
-        q2.quantize(with_amax(2.0))
-        q2.update_scale()
-        q2.quantize(torch.full((2, 4), bad))
-        q2.update_scale()
-        assert q2.scale.item() == F32(448) / F32(2.0), f"amax {bad} must keep the old scale"
+    for length in (1, 4):
+        for bad in (float("inf"), -float("inf"), float("nan")):
+            q2 = DelayedScaling(amax_history_len=length).quantizer("input")
+            q2.quantize(with_amax(2.0))
+            q2.update_scale()
+            hist = q2.amax_history.clone()
+            x = with_amax(1.0)
+            x[0, 0] = bad
+            q2.quantize(x)
+            q2.update_scale()  # not recorded: counted, and nothing else changes
+            case = (length, bad)
+            assert q2.scale.item() == F32(448) / F32(2.0), case
+            assert torch.equal(q2.amax_history, hist), case
+            assert q2.nonfinite_steps.item() == 1, case
+            q2.quantize(with_amax(8.0))  # the next finite step recovers at once
+            q2.update_scale()
+            assert q2.scale.item() == F32(448) / F32(8.0), case
+            assert q2.nonfinite_steps.item() == 1, case
+
+
+def test_one_non_finite_step_does_not_freeze_the_window():
+    """Issue 22 item 2: after one inf step the scale follows the finite amaxes, not the inf."""
+    q = DelayedScaling(amax_history_len=16, amax_compute_algo="max").quantizer("input")
+    for a in (10.0, float("inf"), 10.0, 12.0):
+        q.quantize(torch.full((4, 8), a))
+        q.update_scale()
+    assert q.scale.item() == F32(448) / F32(12.0)
+    assert q.nonfinite_steps.item() == 1
+    assert torch.isfinite(q.amax_history).all()
 
 
 class _QuantizeGrad(torch.autograd.Function):

@@ -30,12 +30,19 @@ def bits_to_float(b):
 
 
 @triton.jit
-def max_abs_bits(x, IGNORE_NAN: tl.constexpr):
-    """max|x| of a 2-D fp32 tile as int32 bits (NaN propagates unless IGNORE_NAN)."""
+def max_abs_bits(x, FINITE_ONLY: tl.constexpr):
+    """max|x| of a 2-D fp32 tile as int32 bits: over finite values only with FINITE_ONLY (a per-tensor
+    amax, NUMERICS.md "Non-finite values"), else with inf and NaN (NaN wins)."""
     b = abs_bits(x)
-    if IGNORE_NAN:
-        b = tl.where(b > INF_BITS, 0, b)
+    if FINITE_ONLY:
+        b = tl.where(b >= INF_BITS, 0, b)
     return tl.max(tl.max(b, 1), 0)
+
+
+@triton.jit
+def saturate(y, DMAX: tl.constexpr):
+    """Clamp fp32 y to +-DMAX (the output dtype's largest finite value), NaN kept: finite in, finite out."""
+    return clamp_nan(y, -DMAX, DMAX)
 
 
 @triton.jit

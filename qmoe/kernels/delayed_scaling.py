@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from qmoe.contracts.formats import FLT_MAX
-from qmoe.kernels.arith import abs_bits
+from qmoe.kernels.arith import INF_BITS, abs_bits
 from qmoe.kernels.launch import wrapped
 
 _FLT_MAX = tl.constexpr(FLT_MAX)
@@ -25,19 +25,21 @@ _BLOCK_G = 32  # slots per program
 @triton.jit
 def _update_amax_history_kernel(
         # pointers
-        hist_ptr, new_ptr, scale_ptr,
+        hist_ptr, new_ptr, scale_ptr, count_ptr,
         # sizes
         L, G,
         # strides (the window's rows and slots; the new buffer is contiguous)
         stride_l, stride_g,
         # meta
-        FMT_MAX: tl.constexpr, MARGIN_DIV: tl.constexpr, MOST_RECENT: tl.constexpr,
+        FMT_MAX: tl.constexpr, MARGIN_DIV: tl.constexpr, MOST_RECENT: tl.constexpr, COUNT: tl.constexpr,
         BL: tl.constexpr, BG: tl.constexpr):
-    """new = the rolled window of active slots (others copied), scale updated (see the reference)."""
+    """new = the rolled window of active slots (others copied, a non-finite newest amax cleared), scale
+    updated, non-finite steps counted (see the reference)."""
     cols = tl.program_id(0) * BG + tl.arange(0, BG)
     c_ok = cols < G
     newest = tl.load(hist_ptr + cols * stride_g, mask=c_ok, other=0.0)
-    active = newest != 0
+    finite = abs_bits(newest) < INF_BITS
+    active = (newest != 0) & finite
     amax_bits = abs_bits(newest)  # amaxes are >= 0, and NaN's bits exceed every number's: max of bits == amax
     for r0 in range(0, L, BL):
         rows = r0 + tl.arange(0, BL)
@@ -48,7 +50,8 @@ def _update_amax_history_kernel(
         src = tl.where(rows == L - 1, 0, rows + 1)  # rolled up by one: the newest moves to the last row
         shifted = tl.load(hist_ptr + src[:, None] * stride_l + cols[None, :] * stride_g, mask=m, other=0.0)
         shifted = tl.where(rows[:, None] == 0, 0.0, shifted)  # row 0 cleared for the next step
-        tl.store(new_ptr + rows[:, None] * G + cols[None, :], tl.where(active[None, :], shifted, h), mask=m)
+        kept = tl.where(finite[None, :] | (rows[:, None] != 0), h, 0.0)  # a non-finite newest is not recorded
+        tl.store(new_ptr + rows[:, None] * G + cols[None, :], tl.where(active[None, :], shifted, kept), mask=m)
     amax = amax_bits.to(tl.float32, bitcast=True)
     new_scale = tl.math.div_rn(tl.full(amax.shape, FMT_MAX, tl.float32), amax)
     new_scale = tl.where(new_scale == float("inf"), _FLT_MAX, new_scale)
@@ -56,10 +59,13 @@ def _update_amax_history_kernel(
     ok = active & (amax_bits < 0x7F800000) & (amax > 0)
     old = tl.load(scale_ptr + cols, mask=c_ok, other=1.0)
     tl.store(scale_ptr + cols, tl.where(ok, new_scale, old), mask=c_ok)
+    if COUNT:
+        count = tl.load(count_ptr + cols, mask=c_ok, other=0)
+        tl.store(count_ptr + cols, count + (~finite).to(tl.int32), mask=c_ok)
 
 
 def update_amax_history(amax_history: torch.Tensor, scale: torch.Tensor, fmt_max: float, margin: int,
-                        algo: str) -> None:
+                        algo: str, nonfinite_steps: torch.Tensor | None = None) -> None:
     """Kernel twin of qmoe.reference.delayed_scaling.update_amax_history (in place, same bits)."""
     length = amax_history.shape[0]
     slots = amax_history[0].numel()
@@ -69,10 +75,15 @@ def update_amax_history(amax_history: torch.Tensor, scale: torch.Tensor, fmt_max
     s_l = amax_history.stride(0)
     s_g = amax_history.stride(1) if amax_history.dim() == 2 else 1
     dense_scale = scale if scale.is_contiguous() else scale.contiguous()
+    count = nonfinite_steps
+    if count is not None and (count.dtype != torch.int32 or not count.is_contiguous()):
+        count = count.to(torch.int32).contiguous()
     wrapped(_update_amax_history_kernel)[(triton.cdiv(slots, _BLOCK_G),)](
-        amax_history, new, dense_scale, length, slots, s_l, s_g,
+        amax_history, new, dense_scale, count if count is not None else dense_scale, length, slots, s_l, s_g,
         FMT_MAX=float(fmt_max), MARGIN_DIV=float(2.0 ** margin), MOST_RECENT=algo == "most_recent",
-        BL=_BLOCK_L, BG=_BLOCK_G)
+        COUNT=count is not None, BL=_BLOCK_L, BG=_BLOCK_G)
     amax_history.copy_(new)
     if dense_scale is not scale:
         scale.copy_(dense_scale)
+    if count is not None and count is not nonfinite_steps:
+        nonfinite_steps.copy_(count)

@@ -28,7 +28,7 @@ from qmoe.contracts.errors import UnsupportedError
 from qmoe.contracts.formats import ElementFormat, ScaleMode, ceil_div
 from qmoe.kernels.activation import NO_ACTIVATION, input_width, load_rows
 from qmoe.kernels.arith import (atomic_max_bits, cast_bits, exp2_int, fp8_scale_from_amax, max_abs_bits, mx_exponent,
-                                reciprocal)
+                                reciprocal, saturate)
 from qmoe.kernels.launch import kernel_op, launch, prune_oversized, tile_configs, wrapped
 from qmoe.kernels.layout import as_rows, group_pow2
 from qmoe.kernels.tiles import (block_amax_2d, block_amax_first, block_amax_last, scale_2d, scale_last, store8,
@@ -80,13 +80,13 @@ def _amax_kernel(
         # meta
         ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, GROUPED: tl.constexpr, G_P2: tl.constexpr, BM: tl.constexpr,
         BK: tl.constexpr):
-    """max|x| per group into amax_ptr (int32 bits of non-negative floats, so atomic_max orders them)."""
+    """max|x| over finite values per group into amax_ptr (int32 bits of non-negative floats, so atomic_max orders them)."""
     g, row0, row_end, _, _ = tile_rows(splits_ptr, M, G, tl.program_id(0), BM, BM, G_P2, GROUPED)
     if g >= G:
         return
     rows, _, cols, m_ok, k_ok = tile_span(row0, row_end, K, BM, BK)
     x = load_rows(x_ptr, probs_ptr, rows, cols, m_ok, k_ok, stride_xm, K, ACT, GLU_BLOCK)
-    atomic_max_bits(amax_ptr + g, max_abs_bits(x.to(tl.float32), False))
+    atomic_max_bits(amax_ptr + g, max_abs_bits(x.to(tl.float32), True))
 
 
 def tile_grid(m: int, k: int, groups: int, grouped: bool):
@@ -100,7 +100,7 @@ _SMALL_TILE = triton.Config({"BM": 32, "BK": 64}, num_warps=4, num_stages=1)
 @kernel_op("qmoe::quantize_amax")
 def amax_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, probs: Optional[torch.Tensor] = None,
             act: int = NO_ACTIVATION, glu_block: int = 0) -> torch.Tensor:
-    """max|x| per group -> [G] fp32 (G = 1 without splits); NaN if a group holds one.
+    """max|x| over finite values per group -> [G] fp32 (G = 1 without splits; 0 if none is finite).
 
     probs, act, glu_block (here and in every quantize op): x is h and the input is
     act(h) * probs (kernels.activation.load_rows); probs [R] contiguous fp32 when act is set.
@@ -122,7 +122,7 @@ def _as_2d(x: torch.Tensor) -> torch.Tensor:
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
-    """max|x| of a whole tensor as a 0-dim fp32 tensor (NaN if any element is NaN; 0 if empty)."""
+    """max|x| over the finite values of a tensor, 0-dim fp32 (0 if empty or none is finite)."""
     return amax_op(as_rows(_as_2d(x)), None, 1).reshape(())
 
 
@@ -176,7 +176,8 @@ def _fp8_tensorwise_kernel(
         ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, FMT_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr,
         ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
         GROUPED: tl.constexpr, G_P2: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    """q = cast(x * scale[g]) in both orientations, and max|x| per group (for delayed scaling)."""
+    """q = cast(x * scale[g]) in both orientations, and max|x| per group with inf and NaN (what
+    delayed scaling records: a non-finite step is left out of its history)."""
     g, row0, row_end, _, _ = tile_rows(splits_ptr, M, G, tl.program_id(0), BM, BM, G_P2, GROUPED)
     if g >= G:
         return
@@ -437,8 +438,10 @@ def _dequantize_kernel(
         # strides
         stride_dr, stride_dc, stride_sr, stride_sc,
         # meta
-        BR: tl.constexpr, BC: tl.constexpr, E8M0: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    """out [R, C] = float(data) * scale[r // BR, c // BC] (fp32 scale, or E8M0 bytes 2^(b-127))."""
+        BR: tl.constexpr, BC: tl.constexpr, E8M0: tl.constexpr, DMAX: tl.constexpr, BM: tl.constexpr,
+        BK: tl.constexpr):
+    """out [R, C] = float(data) * scale[r // BR, c // BC] (fp32 scale, or E8M0 bytes 2^(b-127)),
+    saturated to the output dtype's range (DMAX)."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BK + tl.arange(0, BK)
     mask = (rows < R)[:, None] & (cols < C)[None, :]
@@ -450,7 +453,7 @@ def _dequantize_kernel(
         s = tl.where(b == 255, nan, exp2_int(b - 127))  # E8M0: 2^(byte - 127)
     else:
         s = tl.load(s_ptr + s_off, mask=mask, other=1.0)
-    y = d.to(tl.float32) * s
+    y = saturate(d.to(tl.float32) * s, DMAX)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -465,7 +468,8 @@ def dequantize_op(data: torch.Tensor, scale: torch.Tensor, block_rows: int, bloc
         ssr, ssc = (0, 0) if s.dim() == 0 else (s.stride(0), s.stride(1))
         grid = lambda meta: (triton.cdiv(r, meta["BM"]), triton.cdiv(c, meta["BK"]))  # noqa: E731
         launch(_dequantize_kernel, grid, (data, s, out, r, c, data.stride(0), data.stride(1), ssr, ssc),
-               _SMALL_TILE, data.numel(), BR=block_rows, BC=block_cols, E8M0=e8m0)
+               _SMALL_TILE, data.numel(), BR=block_rows, BC=block_cols, E8M0=e8m0,
+               DMAX=torch.finfo(out_dtype).max)
     return out
 
 

@@ -1,7 +1,7 @@
 """Triton NVFP4 quantization: E2M1 codes, E4M3 block scales, fp32 tensor amax (NUMERICS.md).
 
 Twin of `qmoe/reference/quantize_nvfp4.py`. Two launches, because every code depends on the
-tensor amax: `_nvfp4_amax_kernel` (max|x| ignoring NaN, and the amax of the Hadamard-transformed
+tensor amax: `_nvfp4_amax_kernel` (max|x| over finite values, and the amax of the Hadamard-transformed
 columnwise copy when RHT is on), then `_nvfp4_kernel`, which reads each [BM, BK] tile of x once
 and writes the rowwise codes [M, K/2] and the columnwise codes [K, M/2] (the transpose, packed
 along M) with their E4M3 block scales.
@@ -26,7 +26,8 @@ import triton.language as tl
 
 from qmoe.contracts.formats import E2M1, E4M3, FLT_MAX, NVFP4_BLOCK, NVFP4_TENSOR_MAX, RHT_SIZE, ceil_div
 from qmoe.kernels.activation import NO_ACTIVATION, input_width, load_rows
-from qmoe.kernels.arith import atomic_max_bits, cast_satfinite, clamp_nan, is_nan, max_abs_bits, reciprocal, trans8
+from qmoe.kernels.arith import (atomic_max_bits, cast_satfinite, clamp_nan, is_nan, max_abs_bits, reciprocal, saturate,
+                                trans8)
 from qmoe.kernels.launch import kernel_op, launch, prune_oversized, tile_configs
 from qmoe.kernels.layout import as_rows, group_pow2
 from qmoe.kernels.quantize import ORIENTED_KEY, prune_blocks, scale_width, tile_grid
@@ -160,7 +161,7 @@ def _nvfp4_amax_kernel(
         ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, RHT: tl.constexpr, ZERO_ODD: tl.constexpr, GROUPED: tl.constexpr,
         G_P2: tl.constexpr,
         SIGN_MASK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    """Per group: max|x| ignoring NaN, the same after RHT along M; zero bytes of odd-start groups."""
+    """Per group: max|x| over finite values, the same after RHT along M; zero bytes of odd-start groups."""
     g, row0, row_end, _, gstart = tile_rows(splits_ptr, M, G, tl.program_id(0), BM, BM, G_P2, GROUPED)
     if g >= G:
         return
@@ -344,8 +345,8 @@ def _dequantize_nvfp4_kernel(
         # strides
         stride_dr, stride_sr, stride_sc,
         # meta
-        BR: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    """out [R, C] = e2m1(code) * float(s_b) * S_dec for packed codes [R, C/2]."""
+        BR: tl.constexpr, DMAX: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """out [R, C] = e2m1(code) * float(s_b) * S_dec for packed codes [R, C/2], saturated to +-DMAX."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BK + tl.arange(0, BK)
     mask = (rows < R)[:, None] & (cols < C)[None, :]
@@ -356,7 +357,7 @@ def _dequantize_nvfp4_kernel(
     sb = tl.load(s_ptr + (rows // BR)[:, None].to(tl.int64) * stride_sr + (cols // 16)[None, :] * stride_sc,
                  mask=mask, other=0.0).to(tl.float32)
     s_dec = reciprocal(tensor_scale(tl.load(amax_ptr)))
-    y = v * sb * s_dec
+    y = saturate(v * sb * s_dec, DMAX)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -369,7 +370,7 @@ def dequantize_nvfp4_op(data: torch.Tensor, scale: torch.Tensor, amax: torch.Ten
         grid = lambda meta: (triton.cdiv(r, meta["BM"]), triton.cdiv(c, meta["BK"]))  # noqa: E731
         launch(_dequantize_nvfp4_kernel, grid,
                (data, scale, amax.float().reshape(1), out, r, c, data.stride(0), scale.stride(0), scale.stride(1)),
-               _SMALL, out.numel(), BR=block_rows)
+               _SMALL, out.numel(), BR=block_rows, DMAX=torch.finfo(out_dtype).max)
     return out
 
 

@@ -28,13 +28,15 @@ def _observe(state: "DelayedScalingState", forward: bool = False) -> None:
 
 
 class DelayedScalingState:
-    """History [L] (or [L, G] for a grouped slot) and scale [] (or [G]) of one quantizer slot."""
+    """History [L] (or [L, G] for a grouped slot), scale [] (or [G]) and nonfinite_steps [] (or [G],
+    int32: steps whose amax was inf or NaN, which the update leaves out) of one quantizer slot."""
 
     def __init__(self, fmt_max: float, history_len: int, margin: int, algo: str, reduce_amax: bool):
         self.fmt_max, self.history_len, self.margin = fmt_max, history_len, margin
         self.algo, self.reduce_amax = algo, reduce_amax
         self.scale: torch.Tensor | None = None
         self.amax_history: torch.Tensor | None = None
+        self.nonfinite_steps: torch.Tensor | None = None
 
     parent: "DelayedScalingState | None" = None
 
@@ -48,6 +50,7 @@ class DelayedScalingState:
         if self.scale is None:
             self.scale = torch.ones(shape, dtype=torch.float32, device=device)
             self.amax_history = torch.zeros((self.history_len, *shape), dtype=torch.float32, device=device)
+            self.nonfinite_steps = torch.zeros(shape, dtype=torch.int32, device=device)
         elif tuple(self.scale.shape) != shape:
             have = "one tensor" if self.scale.dim() == 0 else f"{self.scale.shape[0]} groups"
             want = "one tensor" if num_groups is None else f"{num_groups} groups"
@@ -56,6 +59,7 @@ class DelayedScalingState:
         elif self.scale.device != device:
             self.scale = self.scale.to(device)
             self.amax_history = self.amax_history.to(device)
+            self.nonfinite_steps = self.nonfinite_steps.to(device)
 
     def slot(self, g: int, num_groups: int) -> "DelayedScalingState":
         """Group g's slot of a grouped state, as a state whose tensors are views into this one.
@@ -66,18 +70,21 @@ class DelayedScalingState:
         child = DelayedScalingState(self.fmt_max, self.history_len, self.margin, self.algo, self.reduce_amax)
         child.parent = self
         child.scale, child.amax_history = self.scale[g], self.amax_history[:, g]
+        child.nonfinite_steps = self.nonfinite_steps[g]
         return child
 
     def record(self, amax: torch.Tensor) -> None:
-        """Fold this call's amax into the newest history entry (max over calls in one step)."""
+        """Fold this call's amax into the newest history entry (max over calls in one step; inf and
+        NaN are kept, so the update knows the step was not finite)."""
         _observe(self)
         self.amax_history[0] = torch.maximum(self.amax_history[0], amax.to(self.amax_history.dtype))
 
     def update(self) -> None:
-        """Roll the window and recompute the scale; slots whose newest amax is 0 stay as they are."""
+        """Roll the window and recompute the scale; slots whose newest amax is 0 stay as they are,
+        slots whose newest amax is not finite only count it (NUMERICS.md "Delayed scaling")."""
         _observe(self)
         DELAYED_SCALING.pick("update_amax_history", self.amax_history)(
-            self.amax_history, self.scale, self.fmt_max, self.margin, self.algo)
+            self.amax_history, self.scale, self.fmt_max, self.margin, self.algo, self.nonfinite_steps)
 
 
 def _world_size(group) -> int:

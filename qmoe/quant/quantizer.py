@@ -187,6 +187,11 @@ class Float8DelayedQuantizer(Float8CurrentQuantizer):
     def amax_history(self) -> torch.Tensor | None:
         return self.state.amax_history
 
+    @property
+    def nonfinite_steps(self) -> torch.Tensor | None:
+        """Steps whose amax was inf or NaN, left out of the history (int32, [] or [G]; None before use)."""
+        return self.state.nonfinite_steps
+
     def _scale_for(self, x):
         self._refuse_compile()
         self.state.ensure(x.device, None)

@@ -42,10 +42,38 @@ def expand_blocks(s: torch.Tensor, block: tuple[int, int], shape: tuple[int, int
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
-    """max|x| of a whole tensor as a 0-dim fp32 tensor (NaN if any element is NaN; 0 if empty)."""
+    """max|x| over the finite values of a tensor, 0-dim fp32 (0 if empty or none is finite).
+
+    The per-tensor amax that sets a scale (NUMERICS.md "Non-finite values"): one inf or NaN must
+    not push every other value's scale to 1 and flush it to zero.
+    """
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    a = x.abs().float()
+    return torch.where(torch.isfinite(a), a, torch.zeros_like(a)).amax()
+
+
+def observed_amax(x: torch.Tensor) -> torch.Tensor:
+    """max|x| of a whole tensor, 0-dim fp32, non-finite values included (NaN wins; 0 if empty).
+
+    What delayed scaling records: a step that saw inf or NaN must be known as one, so the
+    update can leave it out of the history (NUMERICS.md "Delayed scaling").
+    """
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
     return x.abs().amax().float()
+
+
+def saturate_to(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 y cast to `dtype`, values beyond its range clamped to its largest finite value (NaN kept).
+
+    Finite in, finite out: a power-of-two scale times the largest code can exceed the range
+    even though the input was finite (NUMERICS.md "Non-finite values").
+    """
+    if dtype.is_floating_point:
+        big = torch.finfo(dtype).max
+        y = y.clamp(-big, big)
+    return y.to(dtype)
 
 
 def compute_fp8_scale(amax: torch.Tensor, fmt_max: float, power_2_scale: bool = False,
@@ -70,16 +98,16 @@ def quantize_fp8_tensorwise(x: torch.Tensor, scale: torch.Tensor, fmt: ElementFo
 
     Returns (rowwise_data [M, K] | None, columnwise_data [K, M] | None, amax 0-dim fp32).
     Current scaling passes `compute_fp8_scale(tensor_amax(x), ...)`; delayed scaling passes
-    the slot's scale and keeps the returned amax for its history.
+    the slot's scale and keeps the returned amax (`observed_amax`: inf/NaN included) for its history.
     """
     xs = x.float() * scale.float()
     row = cast_satfinite(xs, fmt) if rowwise else None
     col = cast_satfinite(xs.t(), fmt).contiguous() if columnwise else None
-    return row, col, tensor_amax(x)
+    return row, col, observed_amax(x)
 
 
 def dequantize_fp8_tensorwise(data: torch.Tensor, scale_inv: torch.Tensor, dtype=torch.float32):
-    return (data.float() * scale_inv.float()).to(dtype)
+    return saturate_to(data.float() * scale_inv.float(), dtype)
 
 
 # ---------------------------------------------------------------- FP8 blocks (1x128, 128x128)
@@ -121,7 +149,7 @@ def quantize_fp8_block(x: torch.Tensor, block_rows: int, block_cols: int, fmt: E
 def dequantize_fp8_block(data: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, block_cols: int,
                          dtype=torch.float32):
     s = expand_blocks(scale_inv.float(), (block_rows, block_cols), tuple(data.shape))
-    return (data.float() * s).to(dtype)
+    return saturate_to(data.float() * s, dtype)
 
 
 # ---------------------------------------------------------------- MXFP8 (1x32, E8M0 scales)
@@ -173,4 +201,4 @@ def dequantize_mxfp8(data: torch.Tensor, scale: torch.Tensor, dtype=torch.float3
     from qmoe.contracts.formats import e8m0_to_float
 
     s = expand_blocks(e8m0_to_float(scale), (1, block), tuple(data.shape))
-    return (data.float() * s).to(dtype)
+    return saturate_to(data.float() * s, dtype)

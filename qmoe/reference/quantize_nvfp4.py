@@ -9,7 +9,7 @@ import torch
 
 from qmoe.contracts.formats import E2M1, E2M1_GRID, E4M3, FLT_MAX, NVFP4_BLOCK, RHT_SIGNS, RHT_SIZE, \
     e2m1_decode, nvfp4_tensor_scale, pack_e2m1, unpack_e2m1
-from qmoe.reference.quantize import block_amax, cast_satfinite, expand_blocks
+from qmoe.reference.quantize import block_amax, cast_satfinite, expand_blocks, saturate_to
 
 _GRID = torch.tensor(E2M1_GRID, dtype=torch.float32)
 _ONE_SIXTH = torch.tensor(1.0 / 6.0, dtype=torch.float32).item()  # fp32(1/6), as kernels use it
@@ -19,10 +19,10 @@ _UPPER = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _TIES_DOWN = (True, False, True, False, True, False, True)
 
 
-def nan_amax(x: torch.Tensor) -> torch.Tensor:
-    """max|x| ignoring NaN (0-dim fp32): a NaN then stays inside its own block."""
+def finite_amax(x: torch.Tensor) -> torch.Tensor:
+    """max|x| over finite values (0-dim fp32): an inf or NaN then affects its own block only."""
     a = x.abs().float()
-    a = torch.where(torch.isnan(a), torch.zeros_like(a), a)
+    a = torch.where(torch.isfinite(a), a, torch.zeros_like(a))
     return a.amax() if a.numel() else torch.zeros((), dtype=torch.float32, device=x.device)
 
 
@@ -107,7 +107,7 @@ def quantize_nvfp4(x: torch.Tensor, block_2d: bool = False, rowwise: bool = True
         return torch.rand(t.shape, generator=generator, dtype=torch.float32, device=t.device)
 
     row = row_s = row_amax = col = col_s = col_amax = None
-    amax = row_amax = nan_amax(xf)  # the tensor amax, kept whichever copies are made
+    amax = row_amax = finite_amax(xf)  # the tensor amax, kept whichever copies are made
     if rowwise:
         codes, row_s = _quantize_1d_or_2d(xf, nvfp4_tensor_scale(amax), block, rand_like(xf))
         row = pack_e2m1(codes)
@@ -120,7 +120,7 @@ def quantize_nvfp4(x: torch.Tensor, block_2d: bool = False, rowwise: bool = True
         else:
             if rht:
                 xt = random_hadamard_transform(xt)
-            col_amax = nan_amax(xt)
+            col_amax = finite_amax(xt)
             codes, col_s = _quantize_1d_or_2d(xt, nvfp4_tensor_scale(col_amax), block, rand_like(xt))
         col = pack_e2m1(codes.contiguous())
     return row, row_s, row_amax, col, col_s, col_amax
@@ -133,4 +133,4 @@ def dequantize_nvfp4(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor
     block = (NVFP4_BLOCK, NVFP4_BLOCK) if block_2d else (1, NVFP4_BLOCK)
     s_dec = 1.0 / nvfp4_tensor_scale(amax)
     sb = expand_blocks(scale.float(), block, tuple(codes.shape))
-    return (e2m1_decode(codes) * sb * s_dec).to(dtype)
+    return saturate_to(e2m1_decode(codes) * sb * s_dec, dtype)

@@ -4,8 +4,9 @@ on the GPU (marked gpu).
 
 Windows of 1 to 1024 rows (the kernel walks 128 at a time) and 1 to 40 slots (32 a program),
 per-tensor [L] and grouped [L, G] histories and a group slot's strided view; slots that recorded
-nothing (newest 0), NaN and inf amaxes in the newest row and deeper in the window, margins and
-both amax algorithms.
+nothing (newest 0), NaN and inf amaxes in the newest row (not recorded: row 0 cleared, window and
+scale kept, `nonfinite_steps` counted) and deeper in the window (a state loaded from elsewhere),
+margins and both amax algorithms.
 """
 import re
 
@@ -27,12 +28,17 @@ def _state(length, slots, seed, device):
     hist[torch.rand(shape, generator=g) < 0.2] = 0.0  # steps a slot skipped
     if slots is not None and slots >= 3:
         hist[0, 0] = 0.0  # recorded nothing this step: kept as it is
-        hist[0, 1] = float("nan")  # newest NaN: rolled, scale kept
+        hist[0, 1] = float("nan")  # newest NaN: not recorded, counted, scale kept
         hist[-1, 2] = float("inf") if length > 1 else hist[-1, 2]  # inf deeper in the window
+    if slots is not None and slots >= 4:
+        hist[0, 3] = float("inf")  # newest inf: the same
+    if slots is None and length == 129:
+        hist[0] = float("inf")
     if slots is not None and slots >= 5 and length > 1:
         hist[1:, 4] = float("nan")  # NaN in an older row: the window's max is NaN
     scale = torch.rand(shape[1:], generator=g) + 0.5
-    return hist.to(device), scale.to(device)
+    count = torch.randint(0, 5, shape[1:], generator=g, dtype=torch.int32)
+    return hist.to(device), scale.to(device), count.to(device)
 
 
 def _bits(t):
@@ -45,19 +51,26 @@ def check_update(device):
 
     for i, (length, slots, margin, algo) in enumerate(CASES):
         for fmt_max in (448.0, 57344.0):
-            hist, scale = _state(length, slots, i, device)
-            want_h, want_s = hist.clone(), scale.clone()
-            reference(want_h, want_s, fmt_max, margin, algo)
-            kernel(hist, scale, fmt_max, margin, algo)
+            hist, scale, count = _state(length, slots, i, device)
+            want_h, want_s, want_c = hist.clone(), scale.clone(), count.clone()
+            before, counted = hist.clone(), count.clone()
+            reference(want_h, want_s, fmt_max, margin, algo, want_c)
+            kernel(hist, scale, fmt_max, margin, algo, count)
             case = (length, slots, margin, algo, fmt_max)
             assert torch.equal(_bits(hist), _bits(want_h)), case
             assert torch.equal(_bits(scale), _bits(want_s)), case
+            assert torch.equal(count, want_c), case
+            bad = ~torch.isfinite(before[0])
+            assert torch.equal(want_c, counted + bad.int()), case
+            assert torch.isfinite(want_h[0]).all() and (want_h[0][bad] == 0).all(), case
+            kernel(hist, scale, fmt_max, margin, algo)  # without a counter: the same update, nothing counted
     # a group slot's view (strided window, 0-dim scale), as a for_group quantizer updates it
-    hist, scale = _state(9, 6, 99, device)
-    want_h, want_s = hist.clone(), scale.clone()
-    reference(want_h[:, 3], want_s[3], 448.0, 0, "max")
-    kernel(hist[:, 3], scale[3], 448.0, 0, "max")
+    hist, scale, count = _state(9, 6, 99, device)
+    want_h, want_s, want_c, counted = hist.clone(), scale.clone(), count.clone(), count.clone()
+    reference(want_h[:, 3], want_s[3], 448.0, 0, "max", want_c[3])
+    kernel(hist[:, 3], scale[3], 448.0, 0, "max", count[3])
     assert torch.equal(_bits(hist), _bits(want_h)) and torch.equal(_bits(scale), _bits(want_s))
+    assert torch.equal(count, want_c) and want_c[3] == counted[3] + 1
 
 
 @launcher

@@ -183,8 +183,50 @@ def check_fused_activation():
                     _same(x, y, f"fused {activation} k={k} {dtype} {name} output {i}")
 
 
+def check_non_finite():
+    """NUMERICS.md "Non-finite values" in the kernels: per-tensor amaxes over finite values (the
+    amax delayed scaling records keeps inf/NaN), and dequantize saturates at the output's range."""
+    import torch
+    from qmoe.contracts.formats import E4M3
+    from qmoe.kernels import grouped_quantize as KG
+    from qmoe.kernels import quantize as K
+    from qmoe.kernels import quantize_nvfp4 as K4
+    from qmoe.reference import quantize as R
+    from qmoe.reference import quantize_nvfp4 as R4
+    x = _inputs()
+    def finite_max(t):
+        return t.abs()[torch.isfinite(t)].max()
+
+    assert K.tensor_amax(x) == finite_max(x)
+    assert torch.equal(KG.grouped_tensor_amax(x, torch.tensor([4, 36])),  # NaN in row 3, +-inf in 10 and 20
+                       torch.stack([finite_max(x[:4]), finite_max(x[4:])]))
+    assert torch.isnan(K.quantize_fp8_tensorwise(x, torch.ones(()), E4M3)[2])  # what delayed scaling records
+    k4 = K4.quantize_nvfp4(x[:32, :64], False, True, True, True)  # NaN at [3, 5], inf at [10, 150]
+    _same(k4[2], R4.quantize_nvfp4(x[:32, :64], False, True, False)[2], "nvfp4 tensor amax")
+    assert torch.isfinite(k4[2]) and torch.isfinite(k4[5])  # the RHT copy's (its fp32 sums: checked above)
+    top = torch.full((4, 64), 0x7E, dtype=torch.uint8).view(torch.float8_e4m3fn)  # 448
+    top[1] = torch.tensor(0xFE, dtype=torch.uint8).view(torch.float8_e4m3fn)  # -448
+    e8m0 = torch.full((4, 2), 254, dtype=torch.uint8).view(torch.float8_e8m0fnu)  # 2^127
+    codes = torch.full((4, 32), 0x77, dtype=torch.uint8)  # E2M1 6.0 twice
+    sb = torch.full((4, 4), 0x7E, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        big = torch.finfo(dtype).max
+        pairs = ((K.dequantize_fp8_tensorwise(top, torch.tensor(2.0 ** 120), dtype),
+                  R.dequantize_fp8_tensorwise(top, torch.tensor(2.0 ** 120), dtype)),
+                 (K.dequantize_fp8_block(top, torch.full((4, 1), 2.0 ** 120), 1, 128, dtype),
+                  R.dequantize_fp8_block(top, torch.full((4, 1), 2.0 ** 120), 1, 128, dtype)),
+                 (K.dequantize_mxfp8(top, e8m0, dtype), R.dequantize_mxfp8(top, e8m0, dtype)),
+                 (K4.dequantize_nvfp4(codes, sb, torch.tensor(3.4e38), False, dtype),
+                  R4.dequantize_nvfp4(codes, sb, torch.tensor(3.4e38), False, dtype)))
+        for i, (k, r) in enumerate(pairs):
+            assert torch.equal(k, r), (i, dtype)
+            assert torch.isfinite(k).all(), (i, dtype)
+            assert k.abs().max() == big or (i == 3 and dtype == torch.float32), (i, dtype)  # NVFP4: ~amax
+
+
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
+    check_non_finite()
     check_fp8_scales()
     check_nvfp4()
     check_fused_activation()

@@ -147,8 +147,15 @@ def expand(per_block: np.ndarray, rows: int, cols: int, shape: tuple[int, int]) 
 
 
 def amax(a: np.ndarray) -> F32:
-    """max|a| (NaN if any NaN; 0 for an empty array), float32."""
+    """max|a| of one block (NaN if any NaN; 0 for an empty array), float32."""
     return F32(np.max(np.abs(a))) if a.size else F32(0)
+
+
+def tensor_amax(a: np.ndarray) -> F32:
+    """A per-tensor amax (current scaling, NVFP4's amax_tensor): max|a| over the finite values,
+    0 if there is none (NUMERICS.md "Non-finite values")."""
+    finite = np.abs(a[np.isfinite(a)])
+    return F32(np.max(finite)) if finite.size else F32(0)
 
 
 # ---------------------------------------------------------------- FP8 scales (per tensor and per block)
@@ -178,7 +185,7 @@ def fp8_quantize_with_scale(x: np.ndarray, scale: F32, name: str) -> np.ndarray:
 
 def fp8_tensorwise(x: np.ndarray, name: str, power_2_scale=False, amax_epsilon=0.0):
     """Current scaling: (codes [M, K], scale_inv) for rowwise; columnwise is the same of x.T."""
-    s = fp8_scale(amax(x), FP8_MAX[name], power_2_scale, amax_epsilon)
+    s = fp8_scale(tensor_amax(x), FP8_MAX[name], power_2_scale, amax_epsilon)
     return fp8_quantize_with_scale(x, s, name), F32(F32(1) / s)
 
 
@@ -250,7 +257,7 @@ def nvfp4(x: np.ndarray, block_2d: bool = False, amax_tensor: F32 | None = None)
     Returns (packed bytes [M, K/2], E4M3 scale codes [ceil(M/b), ceil(K/16)] uint8, amax_tensor).
     """
     if amax_tensor is None:
-        amax_tensor = amax(x)
+        amax_tensor = tensor_amax(x)
     s_enc = nvfp4_tensor_scale(amax_tensor)
     s_dec = F32(F32(1) / s_enc)
     one_sixth = F32(1.0 / 6.0)
