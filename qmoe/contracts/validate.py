@@ -213,8 +213,8 @@ def check_moe_aux_loss_args(probs, tokens_per_expert, num_tokens, num_experts, t
         if num_tokens.dim() != 0 or num_tokens.device != probs.device:
             raise ValueError("num_tokens as a tensor must be 0-dim and on the device of probs, got "
                              f"shape {tuple(num_tokens.shape)} on {num_tokens.device}")
-    else:
-        check_positive_int("num_tokens", num_tokens)
+    elif not (num_tokens == 0 and probs.shape[0] == 0 and not isinstance(num_tokens, bool)):
+        check_positive_int("num_tokens", num_tokens)  # 0 only for an empty batch, whose loss is 0
     check_positive_int("num_experts", num_experts)
     check_positive_int("top_k", top_k)
     check_coeff(coeff)

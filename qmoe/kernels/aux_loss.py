@@ -479,8 +479,9 @@ def z_loss_forward(logits, coeff):
     """(loss, lse): coeff * mean_t(lse^2), 0-dim fp32, and lse [T] fp32 (for `z_loss_grad`).
     Unchecked."""
     t, e = logits.shape
-    if t == 0 or e == 0:  # the mean of nothing, as the reference says
-        return torch.full((), float("nan"), dtype=torch.float32, device=logits.device), None
+    if t == 0 or e == 0:  # no tokens, no loss (NUMERICS.md "Non-finite values": empty batches)
+        return torch.zeros((), dtype=torch.float32, device=logits.device), \
+            torch.zeros(t, dtype=torch.float32, device=logits.device)
     logits = rows_contiguous(logits)
     programs, _, block_t, block_e = _z_geometry(t, e, logits.device)
     out = torch.empty((), dtype=torch.float32, device=logits.device)
@@ -508,11 +509,13 @@ def z_loss_grad(grad_loss, logits, coeff, lse=None):
 
 
 def moe_aux_constants(num_tokens, num_experts, top_k, coeff):
-    """(scale, num_tokens tensor or None): an int num_tokens is folded into the scale."""
+    """(scale, num_tokens tensor or None): an int num_tokens is folded into the scale (0 tokens, which
+    only an empty batch may have, divides by 1: the loss of no tokens is 0)."""
     scale = num_experts * coeff / top_k
     if isinstance(num_tokens, torch.Tensor):
         return scale, num_tokens
-    return scale / (float(num_tokens) * float(num_tokens)), None
+    n = float(num_tokens) or 1.0
+    return scale / (n * n), None
 
 
 def seq_aux_scale(t, e, seq_length, top_k, coeff):

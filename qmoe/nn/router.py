@@ -81,7 +81,7 @@ class TopKRouter(nn.Module):
             loss = loss + ops.moe_aux_loss(scores, tokens_per_expert, num_tokens, self.num_experts, self.top_k,
                                            self.aux_loss_coeff)
         if self.seq_aux_loss_coeff:
-            loss = loss + ops.seq_aux_loss(scores, routing_map, seq_length or num_tokens, self.top_k,
+            loss = loss + ops.seq_aux_loss(scores, routing_map, seq_length or max(num_tokens, 1), self.top_k,
                                            self.seq_aux_loss_coeff)
         if self.z_loss_coeff:
             loss = loss + ops.z_loss(logits, self.z_loss_coeff)

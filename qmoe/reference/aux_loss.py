@@ -40,7 +40,10 @@ def moe_aux_loss(probs, tokens_per_expert, num_tokens, num_experts, top_k, coeff
     check_moe_aux_loss_args(probs, tokens_per_expert, num_tokens, num_experts, top_k, coeff)
     acc = _acc(probs)
     per_expert = probs.to(acc).sum(dim=0) * tokens_per_expert.to(acc)
-    n = num_tokens.to(acc) if isinstance(num_tokens, torch.Tensor) else float(num_tokens)
+    if isinstance(num_tokens, torch.Tensor):  # 0 tokens (an empty batch): the loss of nothing is 0
+        n = torch.where(num_tokens == 0, torch.ones_like(num_tokens), num_tokens).to(acc)
+    else:
+        n = float(num_tokens) or 1.0
     return per_expert.sum() * (num_experts * coeff / top_k) / (n * n)
 
 
@@ -67,9 +70,11 @@ def seq_aux_loss(probs, routing_map, seq_length, top_k, coeff):
 
 
 def z_loss(logits, coeff):
-    """Router z-loss: coeff * mean_t(logsumexp(logits[t, :])^2). logits: [T, E] float."""
+    """Router z-loss: coeff * mean_t(logsumexp(logits[t, :])^2). logits: [T, E] float; 0 for T = 0."""
     check_scores("logits", logits)
     check_coeff(coeff)
+    if logits.shape[0] == 0 or logits.shape[1] == 0:  # no tokens, no loss (and a gradient of zeros)
+        return logits.to(_acc(logits)).sum() * coeff
     return torch.logsumexp(logits.to(_acc(logits)), dim=-1).square().mean() * coeff
 
 

@@ -102,6 +102,32 @@ def test_reference_losses_are_nonnegative_and_scale_with_coeff(b, e, k, coeff):
                                reference.moe_aux_loss(probs, routing_map.sum(0), b * 3, e, k, 1.0) * coeff)
 
 
+def check_empty_batch_losses(device):
+    """No tokens, no loss: every loss of a [0, E] batch is exactly 0 with an empty gradient
+    (NUMERICS.md "Non-finite values"); a count of 0 tokens is valid for an empty batch only."""
+    probs = torch.zeros(0, 4, device=device, requires_grad=True)
+    routing_map = torch.zeros(0, 4, dtype=torch.bool, device=device)
+    counts = routing_map.sum(0)
+    losses = [moe_aux_loss(probs, counts, 0, 4, 2, 1e-2),
+              moe_aux_loss(probs, counts, torch.tensor(0, device=device), 4, 2, 1e-2),
+              seq_aux_loss(probs, routing_map, 3, 2, 1e-2), z_loss(probs, 1e-3)]
+    for i, loss in enumerate(losses):
+        assert loss.dtype == torch.float32 and loss.item() == 0.0, i
+        (grad,) = torch.autograd.grad(loss, probs)
+        assert grad.shape == (0, 4), i
+    with pytest.raises(ValueError, match="num_tokens"):
+        moe_aux_loss(torch.rand(4, 3, device=device), torch.ones(3, device=device), 0, 3, 1, 1.0)
+
+
+def test_empty_batch_losses_are_zero():
+    check_empty_batch_losses("cpu")
+
+
+@pytest.mark.gpu
+def test_empty_batch_losses_are_zero_on_gpu():
+    check_empty_batch_losses("cuda")
+
+
 @pytest.mark.parametrize("call,err,match", [
     (lambda: moe_aux_loss(torch.rand(4, 3), torch.ones(4), 4, 3, 1, 1.0), ValueError, "tokens_per_expert"),
     (lambda: moe_aux_loss(torch.rand(4, 3), torch.ones(3), 0, 3, 1, 1.0), ValueError, "num_tokens"),
