@@ -142,7 +142,8 @@ def check_scaled_activation_args(h, probs, activation, glu_interleave_size, da=N
 # ---------------------------------------------------------------- routing
 
 def check_topk_route_args(logits, top_k, score_function, pre_softmax, num_groups, group_topk,
-                          scaling_factor, expert_bias) -> ScoreFunction:
+                          scaling_factor, expert_bias, group_score_topk=None,
+                          normalize_topk_probs=None) -> ScoreFunction:
     """Validate `topk_route` arguments (shapes and dtypes only: never reads values)."""
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
         raise TypeError(f"logits must be a floating-point tensor [T, E], got "
@@ -165,12 +166,26 @@ def check_topk_route_args(logits, top_k, score_function, pre_softmax, num_groups
                              f"num_experts={num_experts}")
         if not isinstance(group_topk, int) or not 1 <= group_topk <= num_groups:
             raise ValueError(f"group_topk={group_topk!r} must be an int in [1, num_groups={num_groups}]")
-        if top_k % group_topk:
+        per_group = num_experts // num_groups
+        if group_score_topk is None and top_k % group_topk:
             raise ValueError(f"top_k={top_k} must be a multiple of group_topk={group_topk}: a group's "
-                             "score is the sum of its top (top_k // group_topk) experts")
-        if group_topk * (num_experts // num_groups) < top_k:
-            raise ValueError(f"group_topk={group_topk} groups of {num_experts // num_groups} experts "
+                             "score is the sum of its top (top_k // group_topk) experts; or set "
+                             "group_score_topk")
+        if group_score_topk is not None and (isinstance(group_score_topk, bool) or not isinstance(
+                group_score_topk, int) or not 1 <= group_score_topk <= per_group):
+            raise ValueError(f"group_score_topk={group_score_topk!r} must be an int in [1, experts per "
+                             f"group={per_group}] (or None for top_k // group_topk)")
+        if group_topk * per_group < top_k:
+            raise ValueError(f"group_topk={group_topk} groups of {per_group} experts "
                              f"hold fewer than top_k={top_k} experts; raise group_topk")
+    elif group_score_topk is not None:
+        raise ValueError(f"group_score_topk={group_score_topk!r} applies to group-limited routing only; "
+                         "set num_groups and group_topk too, or leave it None")
+    if normalize_topk_probs is not None and not isinstance(normalize_topk_probs, bool):
+        raise TypeError(f"normalize_topk_probs must be True, False or None, got {normalize_topk_probs!r}")
+    if normalize_topk_probs is False and fn is ScoreFunction.SOFTMAX and not pre_softmax:
+        raise ValueError("normalize_topk_probs=False needs pre_softmax=True with score_function='softmax': "
+                         "a softmax over the chosen experts sums to 1 by construction")
     if scaling_factor is not None and not isinstance(scaling_factor, (int, float)):
         raise TypeError(f"scaling_factor must be a Python number or None, got {type(scaling_factor).__name__}")
     if expert_bias is not None:
@@ -182,6 +197,27 @@ def check_topk_route_args(logits, top_k, score_function, pre_softmax, num_groups
             raise ValueError(f"expert_bias is on {expert_bias.device} but logits on {logits.device}; "
                              "move them to the same device")
     return fn
+
+
+def resolve_normalize(fn: ScoreFunction, pre_softmax: bool, top_k: int, normalize_topk_probs) -> bool:
+    """Whether the chosen experts' probabilities are divided by their sum (before scaling_factor).
+
+    None keeps each score function's rule: softmax after top-k is normalised by construction
+    (True), a full softmax before top-k is not, sigmoid and sqrtsoftplus are when top_k > 1.
+    """
+    if fn is ScoreFunction.SOFTMAX and not pre_softmax:
+        return True
+    if normalize_topk_probs is None:
+        return fn is not ScoreFunction.SOFTMAX and top_k > 1
+    return bool(normalize_topk_probs)
+
+
+def group_score_count(top_k: int, group_topk: int | None, group_score_topk: int | None) -> int:
+    """How many of a group's highest scores make its score: `group_score_topk`, or Megatron's
+    top_k // group_topk when None (DeepSeek-V3 and Hugging Face use 2)."""
+    if group_score_topk is not None:
+        return group_score_topk
+    return top_k // group_topk if group_topk else 1
 
 
 def check_capacity_factor(capacity_factor) -> None:

@@ -20,7 +20,7 @@ from qmoe.kernels.launch import kernel_op, wrapped
 from qmoe.kernels.layout import rows_contiguous
 from qmoe.contracts.carriers import NORMALIZE_EPS
 from qmoe.contracts.enums import ScoreFunction, parse_score_function
-from qmoe.contracts.validate import check_topk_route_args
+from qmoe.contracts.validate import check_topk_route_args, group_score_count, resolve_normalize
 
 # Kernel constants for `ScoreFunction`: the one place the enum becomes a number.
 _SCORE_CODE = {ScoreFunction.SOFTMAX: 0, ScoreFunction.SIGMOID: 1, ScoreFunction.SQRTSOFTPLUS: 2}
@@ -78,7 +78,8 @@ def _topk_mask(key, valid, cols, K: tl.constexpr, BLOCK: tl.constexpr):
 def _mask_to_best_groups(sel, cols, NUM_GROUPS: tl.constexpr, GROUP_TOPK: tl.constexpr,
                          PER_GROUP_K: tl.constexpr, EXPERTS_PER_GROUP: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr):
-    """-inf outside each row's best GROUP_TOPK groups (group score: sum of its top PER_GROUP_K)."""
+    """-inf outside each row's best GROUP_TOPK groups (group score: sum of its top PER_GROUP_K,
+    `group_score_count`)."""
     gcols = tl.arange(0, BLOCK_G)
     group = cols // EXPERTS_PER_GROUP
     group_score = tl.full([BLOCK_T, BLOCK_G], float("-inf"), tl.float32)
@@ -115,9 +116,9 @@ def _topk_route_kernel(
     # scalars
     scaling,
     # meta
-    TOP_K: tl.constexpr, SCORE_FN: tl.constexpr, PRE_SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
-    NUM_GROUPS: tl.constexpr, GROUP_TOPK: tl.constexpr, EXPERTS_PER_GROUP: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
+    TOP_K: tl.constexpr, SCORE_FN: tl.constexpr, PRE_SOFTMAX: tl.constexpr, NORMALIZE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUP_TOPK: tl.constexpr, PER_GROUP_K: tl.constexpr,
+    EXPERTS_PER_GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
@@ -133,7 +134,7 @@ def _topk_route_kernel(
         sel = sel + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     sel = tl.where(col_ok[None, :], sel, float("-inf"))
     if NUM_GROUPS > 1:
-        sel = _mask_to_best_groups(sel, cols, NUM_GROUPS, GROUP_TOPK, TOP_K // GROUP_TOPK,
+        sel = _mask_to_best_groups(sel, cols, NUM_GROUPS, GROUP_TOPK, PER_GROUP_K,
                                    EXPERTS_PER_GROUP, BLOCK_T, BLOCK_G)
     chosen = _topk_mask(sel, col_ok, cols, TOP_K, BLOCK_E)
 
@@ -144,7 +145,7 @@ def _topk_route_kernel(
         p = ex / tl.sum(ex, axis=1)[:, None]
     else:
         p = tl.where(chosen, scores, 0.0)
-        if SCORE_FN != 0 and TOP_K > 1:
+        if NORMALIZE:
             p = p / (tl.sum(p, axis=1)[:, None] + NORM_EPS)
     p = p * scaling
     tl.store(probs_ptr + rows64[:, None] * stride_probs + cols[None, :], p, mask=mask)
@@ -163,7 +164,7 @@ def _topk_route_bwd_kernel(
     # scalars
     scaling,
     # meta
-    TOP_K: tl.constexpr, SCORE_FN: tl.constexpr, PRE_SOFTMAX: tl.constexpr,
+    TOP_K: tl.constexpr, SCORE_FN: tl.constexpr, PRE_SOFTMAX: tl.constexpr, NORMALIZE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -176,37 +177,37 @@ def _topk_route_bwd_kernel(
     g = tl.load(grad_ptr + rows64[:, None] * stride_grad + cols[None, :], mask=mask, other=0.0)
     g = tl.where(chosen, g.to(tl.float32), 0.0) * scaling
 
-    if SCORE_FN == 0:
-        if PRE_SOFTMAX:
-            s = _scores(x, SCORE_FN, PRE_SOFTMAX)
-            dx = s * (g - tl.sum(g * s, axis=1)[:, None])
-        else:
-            m = tl.max(tl.where(chosen, x, float("-inf")), axis=1)
-            ex = tl.where(chosen, tl.exp(x - m[:, None]), 0.0)
-            p = ex / tl.sum(ex, axis=1)[:, None]
-            dx = tl.where(chosen, p * (g - tl.sum(g * p, axis=1)[:, None]), 0.0)
+    if SCORE_FN == 0 and not PRE_SOFTMAX:
+        m = tl.max(tl.where(chosen, x, float("-inf")), axis=1)
+        ex = tl.where(chosen, tl.exp(x - m[:, None]), 0.0)
+        p = ex / tl.sum(ex, axis=1)[:, None]
+        dx = tl.where(chosen, p * (g - tl.sum(g * p, axis=1)[:, None]), 0.0)
     else:
         s = _scores(x, SCORE_FN, PRE_SOFTMAX)
-        if TOP_K > 1:
+        if NORMALIZE:
             # p = s / S with S = sum of chosen s + eps: dL/ds_j = (g_j - sum_i g_i p_i) / S
             total = tl.sum(tl.where(chosen, s, 0.0), axis=1)[:, None] + NORM_EPS
-            ds = (g - tl.sum(g * tl.where(chosen, s, 0.0) / total, axis=1)[:, None]) / total
+            ds = tl.where(chosen, (g - tl.sum(g * tl.where(chosen, s, 0.0) / total, axis=1)[:, None]) / total, 0.0)
         else:
             ds = g
-        sig = 1.0 / (1.0 + tl.exp(-x))
-        if SCORE_FN == 1:
-            dsdx = sig * (1.0 - sig)
+        if SCORE_FN == 0:
+            # s is the softmax over all experts (pre_softmax): every logit gets a gradient
+            dx = s * (ds - tl.sum(ds * s, axis=1)[:, None])
         else:
-            # d sqrt(softplus(x)) / dx = sigmoid(x) / (2 s); s == 0 only where softplus underflows
-            dsdx = tl.where(s > 0.0, sig / (2.0 * s), 0.0)
-        dx = tl.where(chosen, ds * dsdx, 0.0)
+            sig = 1.0 / (1.0 + tl.exp(-x))
+            if SCORE_FN == 1:
+                dsdx = sig * (1.0 - sig)
+            else:
+                # d sqrt(softplus(x)) / dx = sigmoid(x) / (2 s); s == 0 only where softplus underflows
+                dsdx = tl.where(s > 0.0, sig / (2.0 * s), 0.0)
+            dx = tl.where(chosen, ds * dsdx, 0.0)
     tl.store(dlogits_ptr + rows64[:, None] * stride_dlogits + cols[None, :],
              dx.to(dlogits_ptr.dtype.element_ty), mask=mask)
 
 
 @functools.lru_cache(maxsize=4096)
 def _route_launch(t: int, e: int, top_k: int, fn: ScoreFunction, pre_softmax: bool,
-                  num_groups, group_topk, has_bias: bool):
+                  num_groups, group_topk, has_bias: bool, per_group_k: int, normalize: bool):
     """(grid, forward meta, backward meta) of one routing configuration.
 
     Memoised: the router runs every step with the same shapes and options, so a launch costs
@@ -216,14 +217,15 @@ def _route_launch(t: int, e: int, top_k: int, fn: ScoreFunction, pre_softmax: bo
     block_t = max(1, min(triton.next_power_of_2(max(t, 1)), _ELEMENTS_PER_PROGRAM // block_e))
     num_warps = 4 if block_t * block_e <= 2048 else 8
     groups = num_groups or 1
-    shared = dict(TOP_K=top_k, SCORE_FN=_SCORE_CODE[fn], PRE_SOFTMAX=bool(pre_softmax),
+    shared = dict(TOP_K=top_k, SCORE_FN=_SCORE_CODE[fn], PRE_SOFTMAX=bool(pre_softmax), NORMALIZE=normalize,
                   BLOCK_T=block_t, BLOCK_E=block_e, num_warps=num_warps)
-    fwd = dict(shared, HAS_BIAS=has_bias, NUM_GROUPS=groups, GROUP_TOPK=group_topk or 1,
+    fwd = dict(shared, HAS_BIAS=has_bias, NUM_GROUPS=groups, GROUP_TOPK=group_topk or 1, PER_GROUP_K=per_group_k,
                EXPERTS_PER_GROUP=e // groups, BLOCK_G=triton.next_power_of_2(groups))
     return (triton.cdiv(t, block_t),), fwd, shared
 
 
-def route_forward(logits, top_k, fn, pre_softmax, num_groups, group_topk, scaling_factor, expert_bias):
+def route_forward(logits, top_k, fn, pre_softmax, num_groups, group_topk, scaling_factor, expert_bias,
+                  group_score_topk=None, normalize_topk_probs=None):
     """(probs [T, E] fp32, routing_map [T, E] bool) for validated arguments (`fn` parsed).
 
     Unchecked: `qmoe.ops.topk_route` validates once per call, `topk_route` below for callers
@@ -231,13 +233,15 @@ def route_forward(logits, top_k, fn, pre_softmax, num_groups, group_topk, scalin
     """
     return _route_forward_op(
         rows_contiguous(logits), expert_bias.contiguous() if expert_bias is not None else None, top_k, fn.value,
-        bool(pre_softmax), num_groups, group_topk, 1.0 if scaling_factor is None else float(scaling_factor))
+        bool(pre_softmax), num_groups, group_topk, 1.0 if scaling_factor is None else float(scaling_factor),
+        group_score_count(top_k, group_topk, group_score_topk),
+        resolve_normalize(fn, pre_softmax, top_k, normalize_topk_probs))
 
 
 @kernel_op("qmoe::route_forward")
 def _route_forward_op(logits: torch.Tensor, expert_bias: Optional[torch.Tensor], top_k: int, score_function: str,
                       pre_softmax: bool, num_groups: Optional[int], group_topk: Optional[int],
-                      scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+                      scaling_factor: float, per_group_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One opaque op (kernels/launch.KernelOp): (probs, routing map).
 
     The kernel stores the map's 0/1 bytes through a uint8 view of the bool tensor. The view
@@ -249,7 +253,7 @@ def _route_forward_op(logits: torch.Tensor, expert_bias: Optional[torch.Tensor],
     routing_map = torch.empty(t, e, dtype=torch.bool, device=logits.device)
     if t:
         grid, meta, _ = _route_launch(t, e, top_k, ScoreFunction(score_function), pre_softmax, num_groups,
-                                      group_topk, expert_bias is not None)
+                                      group_topk, expert_bias is not None, per_group_k, normalize)
         wrapped(_topk_route_kernel)[grid](
             logits, expert_bias if expert_bias is not None else probs, probs,  # probs: never read as bias
             routing_map.view(torch.uint8),
@@ -261,23 +265,26 @@ def _route_forward_op(logits: torch.Tensor, expert_bias: Optional[torch.Tensor],
     return probs, routing_map
 
 
-def route_backward(grad_probs, logits, routing_map, top_k, fn, pre_softmax, scaling_factor):
+def route_backward(grad_probs, logits, routing_map, top_k, fn, pre_softmax, scaling_factor,
+                   normalize_topk_probs=None):
     """d probs / d logits [T, E] in the logits' dtype, for validated arguments. Unchecked."""
     return _route_backward_op(rows_contiguous(grad_probs), rows_contiguous(logits), rows_contiguous(routing_map),
                               top_k, fn.value, bool(pre_softmax),
-                              1.0 if scaling_factor is None else float(scaling_factor))
+                              1.0 if scaling_factor is None else float(scaling_factor),
+                              resolve_normalize(fn, pre_softmax, top_k, normalize_topk_probs))
 
 
 @kernel_op("qmoe::route_backward")
 def _route_backward_op(grad_probs: torch.Tensor, logits: torch.Tensor, routing_map: torch.Tensor, top_k: int,
-                       score_function: str, pre_softmax: bool, scaling_factor: float) -> torch.Tensor:
+                       score_function: str, pre_softmax: bool, scaling_factor: float, normalize: bool) -> torch.Tensor:
     # routing_map (bool) is read through a uint8 view, made here inside the opaque op (see
     # `_route_forward_op`): no copy.
     t, e = logits.shape
     dlogits = torch.empty(t, e, dtype=logits.dtype, device=logits.device)
     if t == 0:
         return dlogits
-    grid, _, meta = _route_launch(t, e, top_k, ScoreFunction(score_function), pre_softmax, None, None, False)
+    grid, _, meta = _route_launch(t, e, top_k, ScoreFunction(score_function), pre_softmax, None, None, False, 1,
+                                  normalize)
     wrapped(_topk_route_bwd_kernel)[grid](
         grad_probs, logits, routing_map.view(torch.uint8), dlogits,
         t, e,
@@ -289,19 +296,21 @@ def _route_backward_op(grad_probs: torch.Tensor, logits: torch.Tensor, routing_m
 
 
 def topk_route(logits, top_k, *, score_function="softmax", pre_softmax=False, num_groups=None,
-               group_topk=None, scaling_factor=None, expert_bias=None):
+               group_topk=None, scaling_factor=None, expert_bias=None, group_score_topk=None,
+               normalize_topk_probs=None):
     """Triton twin of `qmoe.reference.router.topk_route` (same arguments and results)."""
     fn = check_topk_route_args(logits, top_k, score_function, pre_softmax, num_groups, group_topk,
-                               scaling_factor, expert_bias)
+                               scaling_factor, expert_bias, group_score_topk, normalize_topk_probs)
     return route_forward(logits, top_k, fn, pre_softmax, num_groups, group_topk, scaling_factor,
-                         expert_bias)
+                         expert_bias, group_score_topk, normalize_topk_probs)
 
 
 def topk_route_backward(grad_probs, logits, routing_map, top_k, *, score_function="softmax",
-                        pre_softmax=False, scaling_factor=None):
+                        pre_softmax=False, scaling_factor=None, normalize_topk_probs=None):
     """Triton twin of `qmoe.reference.router.topk_route_backward`: d probs / d logits."""
     fn = parse_score_function(score_function)
     if grad_probs.shape != logits.shape or routing_map.shape != logits.shape:
         raise ValueError(f"grad_probs {tuple(grad_probs.shape)}, logits {tuple(logits.shape)} and "
                          f"routing_map {tuple(routing_map.shape)} must all be [T, E]")
-    return route_backward(grad_probs, logits, routing_map, top_k, fn, pre_softmax, scaling_factor)
+    return route_backward(grad_probs, logits, routing_map, top_k, fn, pre_softmax, scaling_factor,
+                          normalize_topk_probs)

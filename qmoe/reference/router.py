@@ -14,7 +14,8 @@ import torch
 
 from qmoe.contracts.carriers import NORMALIZE_EPS
 from qmoe.contracts.enums import ScoreFunction, parse_score_function
-from qmoe.contracts.validate import check_capacity_factor, check_topk_route_args
+from qmoe.contracts.validate import (check_capacity_factor, check_topk_route_args, group_score_count,
+                                    resolve_normalize)
 
 def compute_dtype(t: torch.Tensor) -> torch.dtype:
     """float32, or float64 for float64 inputs (gradcheck)."""
@@ -37,15 +38,15 @@ def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
 
 
-def mask_to_best_groups(scores: torch.Tensor, num_groups: int, group_topk: int, top_k: int) -> torch.Tensor:
+def mask_to_best_groups(scores: torch.Tensor, num_groups: int, group_topk: int, score_count: int) -> torch.Tensor:
     """Set to -inf the scores of experts outside each token's best `group_topk` groups.
 
-    A group's score is the sum of its top (top_k // group_topk) scores, added largest first
-    (the kernel adds in the same order, so both pick the same groups bit for bit).
+    A group's score is the sum of its top `score_count` scores (`group_score_count`), added
+    largest first (the kernel adds in the same order, so both pick the same groups bit for bit).
     """
     t, e = scores.shape
     per_group = scores.view(t, num_groups, e // num_groups)
-    best = torch.sort(per_group, dim=-1, descending=True).values[..., : top_k // group_topk]
+    best = torch.sort(per_group, dim=-1, descending=True).values[..., :score_count]
     group_score = best[..., 0]
     for i in range(1, best.shape[-1]):
         group_score = group_score + best[..., i]
@@ -57,25 +58,27 @@ def mask_to_best_groups(scores: torch.Tensor, num_groups: int, group_topk: int, 
 
 
 def probs_of_chosen(logits: torch.Tensor, idx: torch.Tensor, fn: ScoreFunction, pre_softmax: bool,
-                    top_k: int) -> torch.Tensor:
+                    top_k: int, normalize_topk_probs: bool | None = None) -> torch.Tensor:
     """Probabilities [T, K] fp32 of the chosen experts `idx`, differentiable to the logits.
 
     Recomputed from the gathered logits (not gathered scores) so experts that were not chosen
     get an exact zero gradient, even where a score's derivative is infinite (sqrt at 0).
     """
     x = logits.to(compute_dtype(logits))
-    if fn is ScoreFunction.SOFTMAX:
-        if pre_softmax:
-            return torch.softmax(x, dim=-1).gather(1, idx)
+    if fn is ScoreFunction.SOFTMAX and not pre_softmax:
         return torch.softmax(x.gather(1, idx), dim=-1)
-    chosen = compute_scores(x.gather(1, idx), fn, pre_softmax)
-    if top_k > 1:
+    if fn is ScoreFunction.SOFTMAX:
+        chosen = torch.softmax(x, dim=-1).gather(1, idx)
+    else:
+        chosen = compute_scores(x.gather(1, idx), fn, pre_softmax)
+    if resolve_normalize(fn, pre_softmax, top_k, normalize_topk_probs):
         chosen = chosen / (chosen.sum(dim=-1, keepdim=True) + NORMALIZE_EPS)
     return chosen
 
 
 def topk_route(logits, top_k, *, score_function="softmax", pre_softmax=False, num_groups=None,
-               group_topk=None, scaling_factor=None, expert_bias=None):
+               group_topk=None, scaling_factor=None, expert_bias=None, group_score_topk=None,
+               normalize_topk_probs=None):
     """Choose `top_k` experts per token.
 
     Args:
@@ -87,6 +90,9 @@ def topk_route(logits, top_k, *, score_function="softmax", pre_softmax=False, nu
         num_groups, group_topk: group-limited routing (both or neither).
         scaling_factor: multiplies the returned probs.
         expert_bias: [E] float, added to the scores for selection only.
+        group_score_topk: a group's score is the sum of its top `group_score_topk` scores;
+            None: top_k // group_topk.
+        normalize_topk_probs: divide the chosen probs by their sum; None: `resolve_normalize`.
 
     Returns:
         probs: [T, E] fp32 (fp64 for fp64 logits), zero where not chosen; routing_map: [T, E] bool.
@@ -97,15 +103,16 @@ def topk_route(logits, top_k, *, score_function="softmax", pre_softmax=False, nu
         [2, 2, 2, 2]
     """
     fn = check_topk_route_args(logits, top_k, score_function, pre_softmax, num_groups, group_topk,
-                               scaling_factor, expert_bias)
+                               scaling_factor, expert_bias, group_score_topk, normalize_topk_probs)
     t, e = logits.shape
     scores = compute_scores(logits.detach(), fn, pre_softmax)
     if expert_bias is not None:
         scores = scores + expert_bias.to(scores.dtype)
     if num_groups is not None:
-        scores = mask_to_best_groups(scores, num_groups, group_topk, top_k)
+        scores = mask_to_best_groups(scores, num_groups, group_topk,
+                                     group_score_count(top_k, group_topk, group_score_topk))
     idx = topk_lowest_index(scores, top_k)
-    chosen = probs_of_chosen(logits, idx, fn, pre_softmax, top_k)
+    chosen = probs_of_chosen(logits, idx, fn, pre_softmax, top_k, normalize_topk_probs)
     if scaling_factor is not None:
         chosen = chosen * scaling_factor
     probs = torch.zeros(t, e, dtype=chosen.dtype, device=logits.device).scatter(1, idx, chosen)
@@ -114,7 +121,7 @@ def topk_route(logits, top_k, *, score_function="softmax", pre_softmax=False, nu
 
 
 def topk_route_backward(grad_probs, logits, routing_map, top_k, *, score_function="softmax",
-                        pre_softmax=False, scaling_factor=None):
+                        pre_softmax=False, scaling_factor=None, normalize_topk_probs=None):
     """Gradient [T, E] (logits dtype) of `topk_route`'s probs with respect to the logits.
 
     The twin of the kernel's backward; it is autograd of the forward above, given the same
@@ -125,7 +132,7 @@ def topk_route_backward(grad_probs, logits, routing_map, top_k, *, score_functio
     idx = topk_lowest_index(routing_map.to(torch.int8), top_k)
     with torch.enable_grad():
         x = logits.detach().requires_grad_(True)
-        chosen = probs_of_chosen(x, idx, fn, pre_softmax, top_k)
+        chosen = probs_of_chosen(x, idx, fn, pre_softmax, top_k, normalize_topk_probs)
         if scaling_factor is not None:
             chosen = chosen * scaling_factor
         (grad,) = torch.autograd.grad(chosen, x, grad_probs.to(chosen.dtype).gather(1, idx))

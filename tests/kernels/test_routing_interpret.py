@@ -35,6 +35,10 @@ ROUTER_CASES = [
     (6, 8, 2, dict(score_function="sigmoid", num_groups=4, group_topk=2, bias=True)),
     (4, 12, 4, dict(score_function="sqrtsoftplus", num_groups=3, group_topk=2)),
     (5, 6, 1, dict(score_function="sigmoid", bias=True)),
+    (6, 8, 3, dict(score_function="sigmoid", num_groups=4, group_topk=2, group_score_topk=2, bias=True,
+                   normalize_topk_probs=False, scaling_factor=2.5)),
+    (5, 8, 3, dict(pre_softmax=True, normalize_topk_probs=True)),
+    (4, 12, 1, dict(score_function="sqrtsoftplus", normalize_topk_probs=True)),
 ]
 
 

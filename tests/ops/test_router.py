@@ -10,6 +10,7 @@ from qmoe.ops import apply_capacity, topk_route
 from qmoe.reference import router as reference
 
 INF = float("inf")
+BACKWARD_ARGS = ("score_function", "pre_softmax", "scaling_factor", "normalize_topk_probs")
 
 
 def _route(logits, k, **kw):
@@ -88,6 +89,39 @@ def test_group_limited_routing_picks_from_the_best_groups():
     assert routing_map.tolist() == [[False, False, True, True, True, True, False, False]]
 
 
+def test_group_score_topk_sums_that_many_of_a_groups_scores():
+    # 4 groups of 2, group_topk=2, top_k=2: Megatron's rule scores a group by its top 1
+    # (g0 wins with s(9)); with group_score_topk=2 (DeepSeek-V3) g1 and g2 beat g0's s(9)+s(-9).
+    logits = torch.tensor([[9.0, -9.0, 1.0, 1.0, 3.0, 3.0, 0.0, 0.0]])
+    kw = dict(score_function="sigmoid", num_groups=4, group_topk=2)
+    _, megatron = _route(logits, 2, **kw)
+    assert megatron.tolist() == [[True, False, False, False, True, False, False, False]]
+    _, top2 = _route(logits, 2, group_score_topk=2, **kw)
+    assert top2.tolist() == [[False, False, False, False, True, True, False, False]]
+    # top_k need not be a multiple of group_topk when group_score_topk is set
+    _, m3 = _route(logits, 3, group_score_topk=2, **kw)
+    assert m3.tolist() == [[False, False, True, False, True, True, False, False]]
+
+
+@pytest.mark.parametrize("fn", ["sigmoid", "sqrtsoftplus"])
+def test_normalize_topk_probs_false_keeps_the_raw_scores(fn):
+    logits = torch.randn(16, 8, generator=torch.Generator().manual_seed(5))
+    probs, routing_map = _route(logits, 3, score_function=fn, normalize_topk_probs=False, scaling_factor=2.5)
+    score = torch.sigmoid(logits) if fn == "sigmoid" else torch.nn.functional.softplus(logits).sqrt()
+    torch.testing.assert_close(probs[routing_map], 2.5 * score[routing_map], rtol=1e-6, atol=0)
+    # and True normalises even for top_k = 1
+    probs1, _ = _route(logits, 1, score_function=fn, normalize_topk_probs=True)
+    torch.testing.assert_close(probs1.sum(1), torch.ones(16), rtol=1e-6, atol=0)
+
+
+def test_pre_softmax_normalised_equals_softmax_after_topk():
+    logits = torch.randn(32, 8, generator=torch.Generator().manual_seed(6))
+    p_after, m_after = _route(logits, 3)
+    p_pre, m_pre = _route(logits, 3, pre_softmax=True, normalize_topk_probs=True)
+    assert torch.equal(m_after, m_pre)
+    torch.testing.assert_close(p_pre, p_after, rtol=1e-6, atol=1e-7)
+
+
 def test_scaling_factor_multiplies_probs():
     logits = torch.randn(8, 6, generator=torch.Generator().manual_seed(3))
     p1, m1 = _route(logits, 2)
@@ -104,13 +138,16 @@ def router_cases(draw):
     fn = draw(st.sampled_from(["softmax", "sigmoid", "sqrtsoftplus"]))
     pre = fn == "softmax" and draw(st.booleans())
     kw = dict(score_function=fn, pre_softmax=pre)
+    if fn != "softmax" or pre:
+        kw["normalize_topk_probs"] = draw(st.sampled_from([None, True, False]))
     groups = [g for g in (2, 4) if e % g == 0 and draw(st.booleans())]
     if groups:
         g = groups[0]
-        gk = draw(st.sampled_from([d for d in range(1, g + 1) if k % d == 0 and d * (e // g) >= k]
-                                  or [None]))
+        score_topk = draw(st.sampled_from([None] + list(range(1, e // g + 1))))
+        gk = draw(st.sampled_from([d for d in range(1, g + 1)
+                                   if (score_topk is not None or k % d == 0) and d * (e // g) >= k] or [None]))
         if gk is not None:
-            kw.update(num_groups=g, group_topk=gk)
+            kw.update(num_groups=g, group_topk=gk, group_score_topk=score_topk)
     if draw(st.booleans()):
         kw["expert_bias"] = torch.tensor(draw(st.lists(st.floats(-2, 2), min_size=e, max_size=e)))
     if draw(st.booleans()):
@@ -144,7 +181,11 @@ def test_reference_invariants(case):
     dict(), dict(pre_softmax=True), dict(score_function="sigmoid", scaling_factor=2.0),
     dict(score_function="sqrtsoftplus"), dict(score_function="sigmoid", num_groups=2, group_topk=1),
     dict(score_function="sigmoid", top_k=1),
-], ids=["softmax", "pre_softmax", "sigmoid_scaled", "sqrtsoftplus", "groups", "sigmoid_k1"])
+    dict(score_function="sigmoid", normalize_topk_probs=False, scaling_factor=2.0),
+    dict(pre_softmax=True, normalize_topk_probs=True),
+    dict(score_function="sqrtsoftplus", top_k=1, normalize_topk_probs=True),
+], ids=["softmax", "pre_softmax", "sigmoid_scaled", "sqrtsoftplus", "groups", "sigmoid_k1", "sigmoid_unnormalised",
+        "pre_softmax_normalised", "sqrtsoftplus_k1_normalised"])
 def test_gradcheck_fp64_reference(kw):
     kw = dict(kw)
     k = kw.pop("top_k", 2)
@@ -157,7 +198,7 @@ def test_gradcheck_fp64_reference(kw):
     (auto,) = torch.autograd.grad(probs, logits, g)
     twin = reference.topk_route_backward(
         g, logits.detach(), routing_map, k,
-        **{n: v for n, v in kw.items() if n in ("score_function", "pre_softmax", "scaling_factor")})
+        **{n: v for n, v in kw.items() if n in BACKWARD_ARGS})
     torch.testing.assert_close(auto, twin)
 
 
@@ -199,8 +240,13 @@ def test_topk_route_capacity_factor_is_dropless_when_large():
     ((torch.randn(4, 8, 2), 2), {}, ValueError, "2-D"),
     ((torch.zeros(4, 8, dtype=torch.int32), 2), {}, TypeError, "floating"),
     ((torch.randn(4, 8), 2), dict(capacity_factor=0.0), ValueError, "capacity_factor"),
+    ((torch.randn(4, 8), 2), dict(group_score_topk=2), ValueError, "group_score_topk"),
+    ((torch.randn(4, 8), 2), dict(num_groups=4, group_topk=2, group_score_topk=3), ValueError, "group_score_topk"),
+    ((torch.randn(4, 8), 2), dict(normalize_topk_probs=False), ValueError, "pre_softmax"),
+    ((torch.randn(4, 8), 2), dict(normalize_topk_probs=1), TypeError, "normalize_topk_probs"),
 ], ids=["top_k", "score_fn", "pre_softmax", "groups_divide", "groups_both", "groups_multiple",
-        "bias_shape", "rank", "dtype", "capacity"])
+        "bias_shape", "rank", "dtype", "capacity", "score_topk_no_groups", "score_topk_too_big",
+        "unnormalised_softmax", "normalize_type"])
 def test_bad_arguments_raise_clear_errors(args, kw, err, match):
     with pytest.raises(err, match=match):
         topk_route(*args, **kw)
@@ -219,6 +265,10 @@ GPU_CASES = [
     (300, 60, 4, dict(score_function="sqrtsoftplus")),
     (64, 160, 6, dict(num_groups=8, group_topk=3)),
     (17, 4096, 8, dict(pre_softmax=True)),
+    (512, 256, 8, dict(score_function="sigmoid", num_groups=8, group_topk=4, group_score_topk=2,
+                       normalize_topk_probs=False, scaling_factor=2.5, expert_bias=True)),  # HF DeepSeek-V3
+    (100, 64, 6, dict(pre_softmax=True, normalize_topk_probs=True)),  # Qwen, norm_topk_prob
+    (77, 64, 6, dict(num_groups=8, group_topk=4, group_score_topk=3)),
 ]
 
 
@@ -236,7 +286,7 @@ def _compare_on_gpu(logits, k, kw):
     assert torch.equal(m_k, m_ref)
     torch.testing.assert_close(p_k, p_ref, rtol=1e-5, atol=1e-7, equal_nan=True)
     g = torch.randn_like(p_ref)
-    bkw = {n: v for n, v in kw.items() if n in ("score_function", "pre_softmax", "scaling_factor")}
+    bkw = {n: v for n, v in kw.items() if n in BACKWARD_ARGS}
     d_ref = reference.topk_route_backward(g, logits, m_ref, k, **bkw)
     d_k = kernels.topk_route_backward(g, logits, m_ref, k, **bkw)
     torch.testing.assert_close(d_k, d_ref, rtol=1e-5, atol=1e-6, equal_nan=True)
@@ -277,6 +327,8 @@ OP_CASES = [
     (16384, 128, 8, dict()),  # Qwen3
     (1000, 64, 6, dict(pre_softmax=True, scaling_factor=2.0)),
     (777, 160, 6, dict(score_function="sqrtsoftplus", num_groups=8, group_topk=3, expert_bias=True)),
+    (999, 256, 6, dict(score_function="sigmoid", num_groups=8, group_topk=4, group_score_topk=2,
+                       normalize_topk_probs=False, expert_bias=True)),
 ]
 
 
@@ -325,6 +377,22 @@ def test_router_logits_keep_no_fp32_copy_of_a_bf16_input():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, tuple(t.shape))) or t, lambda t: t):
         ops.router_logits(x, w)
     assert sorted(saved, key=str) == sorted([(torch.bfloat16, (16, 8)), (torch.float32, (4, 8))], key=str)
+
+
+def test_router_logits_bias_adds_to_the_logits_and_gets_its_gradient():
+    x = torch.randn(6, 8, requires_grad=True)
+    w = torch.randn(4, 8, requires_grad=True)
+    b = torch.randn(4, requires_grad=True)
+    g = torch.randn(6, 4)
+    got = ops.router_logits(x, w, b)
+    want = x @ w.t() + b
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    grads = torch.autograd.grad(got, (x, w, b), g)
+    ref = torch.autograd.grad(want, (x, w, b), g)
+    for a, r in zip(grads, ref):
+        torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="bias"):
+        ops.router_logits(x, w, torch.zeros(5))
 
 
 def test_router_logits_reject_mismatched_shapes():
