@@ -13,6 +13,7 @@ from torch import nn
 from qmoe import ops
 from qmoe.autocast import RecipeState, autocast_state
 from qmoe.nn.grouped_mlp import GroupedMLP
+from qmoe.nn.mlp import MLP
 from qmoe.nn.router import TopKRouter
 from qmoe.contracts.carriers import num_permuted_rows
 
@@ -37,11 +38,20 @@ class MoELayer(nn.Module):
     For the sequence-level loss a 3-D input is read as [B, S, H] (batch-major).
 
     Parameters: `router.weight [E, H]` (fp32), `experts.fc1.weight [E, 2F, H]` for GLU activations
-    (gate rows first), `experts.fc2.weight [E, H, F]`, biases `[E, 2F]` / `[E, H]` with bias=True.
+    (gate rows first), `experts.fc2.weight [E, H, F]`, biases `[E, 2F]` / `[E, H]` with bias=True;
+    `router.bias [E]` with router_bias=True.
+
+    Routing options (`qmoe.ops.topk_route`): group_score_topk, normalize_topk_probs, router_bias.
+    Shared experts (`shared_expert_ffn_hidden_size=Fs`): `shared_experts`, a dense `qmoe.nn.mlp.MLP`
+    with the layer's activation (`shared_experts.fc1.weight [2Fs, H]`, `shared_experts.fc2.weight
+    [H, Fs]`), quantized under the active recipe, runs on every token and adds to the routed output;
+    with `shared_expert_gate=True` its output is scaled by `sigmoid(x @ shared_expert_gate.weight.T)`
+    (`shared_expert_gate.weight [1, H]`, Qwen2-MoE), computed in fp32 and never quantized.
 
     Expert parallelism (`ep_group`, a torch.distributed group of ep ranks; `qmoe.parallel`): each
     rank holds L = E / ep experts, rank r the global experts r*L .. r*L+L-1, and exchanges tokens
-    with all-to-all. `experts` then holds the local slice only: parameter and state_dict names
+    with all-to-all (shared experts are replicated and run on the rank's own tokens). `experts` then
+    holds the local slice only: parameter and state_dict names
     are as above with E replaced by L (`experts.fc1.weight [L, 2F, H]`; per-expert keys numbered
     0..L-1 locally); `qmoe.parallel.shard_expert_state_dict` cuts a full state_dict into a rank's.
     The router is replicated and routes (and computes the auxiliary losses of) this rank's own
@@ -60,9 +70,12 @@ class MoELayer(nn.Module):
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int,
                  activation: str = "swiglu", score_function: str = "softmax", pre_softmax: bool = False,
-                 num_groups: int | None = None, group_topk: int | None = None, scaling_factor: float | None = None,
+                 num_groups: int | None = None, group_topk: int | None = None, group_score_topk: int | None = None,
+                 normalize_topk_probs: bool | None = None, router_bias: bool = False,
+                 scaling_factor: float | None = None,
                  expert_bias: bool = False, aux_loss_coeff: float = 0.0, seq_aux_loss_coeff: float = 0.0,
                  z_loss_coeff: float = 0.0, capacity_factor: float | None = None, bias: bool = False,
+                 shared_expert_ffn_hidden_size: int | None = None, shared_expert_gate: bool = False,
                  params_dtype=None, device=None, glu_interleave_size: int | None = None,
                  grouped_path: str = "auto", delay_wgrad_compute: bool = False, ep_group=None,
                  quantized_dispatch: bool = True):
@@ -72,7 +85,9 @@ class MoELayer(nn.Module):
                                  pre_softmax=pre_softmax, num_groups=num_groups, group_topk=group_topk,
                                  scaling_factor=scaling_factor, expert_bias=expert_bias,
                                  aux_loss_coeff=aux_loss_coeff, seq_aux_loss_coeff=seq_aux_loss_coeff,
-                                 z_loss_coeff=z_loss_coeff, capacity_factor=capacity_factor, device=device)
+                                 z_loss_coeff=z_loss_coeff, capacity_factor=capacity_factor,
+                                 group_score_topk=group_score_topk, normalize_topk_probs=normalize_topk_probs,
+                                 router_bias=router_bias, device=device)
         self.dispatcher = None
         if ep_group is not None:
             if _expert_parallel_dispatcher is None:
@@ -87,6 +102,18 @@ class MoELayer(nn.Module):
         if self.dispatcher is not None:
             for fc in (self.experts.fc1, self.experts.fc2):
                 fc.recipe_state = RecipeState(local_amax=True)  # local slot g is a different expert on each rank
+        self.shared_experts = self.shared_expert_gate = None
+        if shared_expert_ffn_hidden_size is not None:
+            if isinstance(shared_expert_ffn_hidden_size, bool) or not isinstance(shared_expert_ffn_hidden_size, int) \
+                    or shared_expert_ffn_hidden_size < 1:
+                raise ValueError(f"shared_expert_ffn_hidden_size must be a positive int or None, got "
+                                 f"{shared_expert_ffn_hidden_size!r}")
+            self.shared_experts = MLP(hidden_size, shared_expert_ffn_hidden_size, activation=activation, bias=bias,
+                                      params_dtype=params_dtype, device=device)
+            if shared_expert_gate:
+                self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, dtype=torch.float32, device=device)
+        elif shared_expert_gate:
+            raise ValueError("shared_expert_gate=True needs shared experts: set shared_expert_ffn_hidden_size")
         self.aux_loss: torch.Tensor = torch.zeros(())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,12 +125,13 @@ class MoELayer(nn.Module):
         tokens = x.reshape(-1, self.hidden_size)
         seq_length = shape[-2] if x.dim() >= 3 else None
         probs, routing_map = self.router(tokens, seq_length=seq_length)
+        shared = self._shared_experts(tokens) if self.shared_experts is not None else None
         recipe = autocast_state().active_recipe
         align = recipe.align_size if recipe is not None else 1
         if self.dispatcher is not None:
             out = self.dispatcher(tokens, probs, routing_map, self.experts, align)
             self.aux_loss = self.router.aux_loss
-            return out.reshape(shape)
+            return (out if shared is None else out + shared).reshape(shape)
         # R rounded up to whole blocks: the zero tail joins the last expert's group (absorb_tail)
         # without breaking any block a recipe needs (NVFP4's 16-row Hadamard runs, say)
         rows = -(-num_permuted_rows(tokens.shape[0], self.top_k, self.num_experts, align) // align) * align
@@ -112,7 +140,15 @@ class MoELayer(nn.Module):
         y = self.experts(permuted, split_sizes.to(torch.int64), row_probs)
         out = ops.moe_unpermute(y, row_id_map)
         self.aux_loss = self.router.aux_loss
-        return out.reshape(shape)
+        return (out if shared is None else out + shared).reshape(shape)
+
+    def _shared_experts(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Shared experts' output [T, H] in the tokens' dtype, times the sigmoid gate if there is one."""
+        out = self.shared_experts(tokens)
+        if self.shared_expert_gate is not None:
+            gate = torch.sigmoid(tokens.float() @ self.shared_expert_gate.weight.float().t())
+            out = (out.float() * gate).to(out.dtype)
+        return out.to(tokens.dtype)
 
     def backward_dw(self) -> None:
         """Deferred expert weight gradients (with delay_wgrad_compute=True)."""

@@ -6,6 +6,7 @@ from torch import nn
 
 from qmoe import ops
 from qmoe.contracts.enums import parse_score_function
+from qmoe.contracts.validate import check_topk_route_args
 from qmoe.ops.router import balance_scores
 
 
@@ -15,9 +16,14 @@ class TopKRouter(nn.Module):
     forward(x [T, H]) -> (probs [T, E] fp32, zero where not chosen; routing_map [T, E] bool).
     The router runs in fp32 whatever the input dtype (`weight [E, H]` is kept in fp32), so
     selection does not flip with the activation precision. After a forward, `self.aux_loss`
-    holds the sum of the enabled auxiliary losses (0 when all coefficients are 0) and
-    `self.tokens_per_expert` the counts. With `expert_bias=True` the bias shifts selection only
+    holds the sum of the enabled auxiliary losses (0 when all coefficients are 0),
+    `self.tokens_per_expert` the counts and `self.logits` the fp32 logits [T, E] (with autograd,
+    for losses computed outside, such as Hugging Face's load-balancing loss). With `expert_bias=True` the bias shifts selection only
     and is updated in place after every training forward (aux-loss-free balancing).
+
+    Routing options of real models (see `qmoe.ops.topk_route`): `group_score_topk` (DeepSeek-V3
+    scores a group by its top 2), `normalize_topk_probs` (Qwen's and DeepSeek's norm_topk_prob),
+    `router_bias=True`: a learned `bias [E]` (fp32) added to the logits (gpt-oss).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, score_function="softmax",
@@ -25,7 +31,8 @@ class TopKRouter(nn.Module):
                  scaling_factor: float | None = None, expert_bias: bool = False,
                  expert_bias_update_rate: float = 1e-3, aux_loss_coeff: float = 0.0,
                  seq_aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
-                 capacity_factor: float | None = None, device=None):
+                 capacity_factor: float | None = None, group_score_topk: int | None = None,
+                 normalize_topk_probs: bool | None = None, router_bias: bool = False, device=None):
         super().__init__()
         for name, v in (("hidden_size", hidden_size), ("num_experts", num_experts), ("top_k", top_k)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -38,6 +45,10 @@ class TopKRouter(nn.Module):
                 raise ValueError(f"TopKRouter {name} must be a number >= 0, got {v!r}")
         self.num_experts, self.top_k = num_experts, top_k
         self.score_function = parse_score_function(score_function)
+        # the routing options are checked here, so a bad combination fails at construction
+        check_topk_route_args(torch.empty(0, num_experts, device="meta"), top_k, score_function, pre_softmax,
+                              num_groups, group_topk, scaling_factor, None, group_score_topk, normalize_topk_probs)
+        self.group_score_topk, self.normalize_topk_probs = group_score_topk, normalize_topk_probs
         self.pre_softmax, self.num_groups, self.group_topk = pre_softmax, num_groups, group_topk
         self.scaling_factor, self.capacity_factor = scaling_factor, capacity_factor
         self.aux_loss_coeff, self.seq_aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, seq_aux_loss_coeff, \
@@ -45,25 +56,29 @@ class TopKRouter(nn.Module):
         self.expert_bias_update_rate = expert_bias_update_rate
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32, device=device))
         nn.init.normal_(self.weight, std=hidden_size ** -0.5)
+        self.bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32, device=device)) if router_bias else None
         if expert_bias:
             self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=device))
         else:
             self.expert_bias = None
         self.aux_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
+        self.logits: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, seq_length: int | None = None):
         """x: [T, H] any float dtype; seq_length: tokens per sequence for the sequence-level loss
         (T must be a multiple; default: all T tokens form one sequence)."""
-        logits = ops.router_logits(x, self.weight)
+        logits = ops.router_logits(x, self.weight, self.bias)
         probs, routing_map = ops.topk_route(
             logits, self.top_k, score_function=self.score_function.value, pre_softmax=self.pre_softmax,
             num_groups=self.num_groups, group_topk=self.group_topk, scaling_factor=self.scaling_factor,
-            expert_bias=self.expert_bias)
+            expert_bias=self.expert_bias, group_score_topk=self.group_score_topk,
+            normalize_topk_probs=self.normalize_topk_probs)
         if self.capacity_factor is not None:
             probs, routing_map = ops.apply_capacity(probs, routing_map, self.capacity_factor)
         tokens_per_expert = routing_map.sum(dim=0)
         self.tokens_per_expert = tokens_per_expert
+        self.logits = logits
         self.aux_loss = self._aux_losses(logits, routing_map, tokens_per_expert, seq_length)
         if self.expert_bias is not None and self.training:
             ops.update_expert_bias(self.expert_bias, tokens_per_expert, self.expert_bias_update_rate)

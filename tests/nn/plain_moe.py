@@ -41,14 +41,15 @@ def _best(values: list[float], k: int) -> list[int]:
 
 
 def plain_route(logits, top_k, score_function="softmax", pre_softmax=False, num_groups=None, group_topk=None,
-                scaling_factor=None, expert_bias=None):
+                scaling_factor=None, expert_bias=None, group_score_topk=None, normalize_topk_probs=None):
     """(probs [T, E] fp32 differentiable in logits, zero where not chosen; chosen [T, E] bool).
 
     softmax: rank the logits, softmax over the K chosen (pre_softmax: softmax over all E, rank
     that, keep those values). sigmoid / sqrtsoftplus: rank the scores, normalise the chosen to
-    sum 1 when K > 1. expert_bias is added to the ranked values for selection only. Group-limited
-    routing ranks groups by the sum of their top K // group_topk (biased) values and only
-    chooses inside the best group_topk groups.
+    sum 1 when K > 1. normalize_topk_probs=True / False overrides that rule (and normalises a
+    pre_softmax selection when True). expert_bias is added to the ranked values for selection
+    only. Group-limited routing ranks groups by the sum of their top group_score_topk (default
+    K // group_topk) biased values and only chooses inside the best group_topk groups.
     """
     t, e = logits.shape
     full_softmax = score_function == "softmax" and pre_softmax
@@ -63,7 +64,7 @@ def plain_route(logits, top_k, score_function="softmax", pre_softmax=False, num_
         row = ranked[i]
         allowed = list(range(e))
         if num_groups is not None:
-            size, per_group = e // num_groups, top_k // group_topk
+            size, per_group = e // num_groups, group_score_topk or top_k // group_topk
             group_scores = []
             for g in range(num_groups):
                 top = sorted(row[g * size:(g + 1) * size].tolist(), reverse=True)[:per_group]
@@ -81,6 +82,8 @@ def plain_route(logits, top_k, score_function="softmax", pre_softmax=False, num_
     if score_function == "softmax":
         if full_softmax:
             probs = _scores(x, "softmax") * chosen
+            if normalize_topk_probs:
+                probs = probs / probs.sum(dim=-1, keepdim=True)
         else:
             masked = x.masked_fill(~chosen, float("-inf"))
             probs = torch.exp(masked - masked.max(dim=-1, keepdim=True).values)
@@ -89,7 +92,8 @@ def plain_route(logits, top_k, score_function="softmax", pre_softmax=False, num_
     else:
         s = torch.where(chosen, _scores(torch.where(chosen, x, torch.zeros_like(x)), score_function),
                         torch.zeros_like(x))
-        probs = s / s.sum(dim=-1, keepdim=True) if top_k > 1 else s
+        normalize = top_k > 1 if normalize_topk_probs is None else normalize_topk_probs
+        probs = s / s.sum(dim=-1, keepdim=True) if normalize else s
     if scaling_factor is not None:
         probs = probs * scaling_factor
     return probs, chosen
@@ -191,22 +195,33 @@ def plain_z_loss(logits, coeff):
 
 def plain_moe(x, params, top_k, activation="swiglu", score_function="softmax", pre_softmax=False,
               num_groups=None, group_topk=None, scaling_factor=None, expert_bias=None, aux_loss_coeff=0.0,
-              seq_aux_loss_coeff=0.0, z_loss_coeff=0.0, capacity_factor=None, record=None):
+              seq_aux_loss_coeff=0.0, z_loss_coeff=0.0, capacity_factor=None, record=None,
+              group_score_topk=None, normalize_topk_probs=None):
     """x [..., H] -> (y [..., H], aux loss scalar, chosen [T, E] bool after capacity).
 
     params: {"router": [E, H], "w1": [E, 2F or F, H], "w2": [E, H, F], "b1"/"b2" or None}, in
-    the logical layout (gate rows first). A 3-D x is [B, S, H]: S tokens a sequence.
+    the logical layout (gate rows first), and optionally "router_bias" [E] (added to the logits),
+    "shared_w1" [2Fs or Fs, H] / "shared_w2" [H, Fs] (a dense MLP on every token, added to the
+    output) and "shared_gate" [1, H] (the shared MLP's output times sigmoid(x @ gate^T)).
+    A 3-D x is [B, S, H]: S tokens a sequence.
     record: an optional dict that receives the intermediate "logits" and "probs" [T, E].
     """
     shape = x.shape
     tokens = x.reshape(-1, shape[-1])
     logits = tokens.float() @ params["router"].t()
+    if params.get("router_bias") is not None:
+        logits = logits + params["router_bias"]
     probs, chosen = plain_route(logits, top_k, score_function, pre_softmax, num_groups, group_topk,
-                                scaling_factor, expert_bias)
+                                scaling_factor, expert_bias, group_score_topk, normalize_topk_probs)
     if capacity_factor is not None:
         probs, chosen = plain_capacity(probs, chosen, capacity_factor)
     y = plain_experts(tokens, probs, chosen, params["w1"], params["w2"], params.get("b1"), params.get("b2"),
                       activation)
+    if params.get("shared_w1") is not None:
+        shared = plain_activation(tokens @ params["shared_w1"].t(), activation) @ params["shared_w2"].t()
+        if params.get("shared_gate") is not None:
+            shared = shared / (1 + torch.exp(-(tokens @ params["shared_gate"].t())))
+        y = y + shared
     aux = logits.new_zeros(())
     if aux_loss_coeff or seq_aux_loss_coeff:
         scores = balance_scores(logits, score_function)
@@ -238,5 +253,10 @@ def params_of(layer, requires_grad=True) -> dict:
             return leaf(torch.stack([sd[f"experts.{name}{g}"] for g in range(e)]))
         return None
 
+    def optional(key):
+        return leaf(sd[key]) if key in sd else None
+
     return {"router": leaf(sd["router.weight"]), "w1": stacked("fc1.weight"), "w2": stacked("fc2.weight"),
-            "b1": stacked("fc1.bias"), "b2": stacked("fc2.bias")}
+            "b1": stacked("fc1.bias"), "b2": stacked("fc2.bias"), "router_bias": optional("router.bias"),
+            "shared_w1": optional("shared_experts.fc1.weight"), "shared_w2": optional("shared_experts.fc2.weight"),
+            "shared_gate": optional("shared_expert_gate.weight")}

@@ -58,7 +58,7 @@ def _run_plain(layer, x, g, **options):
     record["probs"].retain_grad()
     ((y * g).sum() + aux).backward()
     out = {"y": y.detach(), "dx": x.grad, "aux": aux.detach(), "chosen": chosen}
-    out.update({k: None if params[k] is None else params[k].grad for k in PARAM_NAMES})
+    out.update({k: None if v is None else v.grad for k, v in params.items()})
     # The router gradient sums x_t * dlogits_t over tokens, and dlogits cancels (p * (dp - <p, dp>)):
     # fp32 rounding leaves an error of about eps * |x_t| * |dprobs_t| per token, which is the
     # scale its tolerance is measured against (saturated routers have tiny true gradients).
@@ -109,12 +109,20 @@ ROUTER_CASES = [
                                          expert_bias=True)),
     ("softmax-bias", 2, dict(expert_bias=True)),
     ("pre_softmax-bias-scaling", 2, dict(pre_softmax=True, expert_bias=True, scaling_factor=0.5)),
+    ("deepseek-v3-hf", 3, dict(score_function="sigmoid", num_groups=4, group_topk=2, group_score_topk=2,
+                               normalize_topk_probs=False, scaling_factor=2.5, expert_bias=True)),
+    ("pre_softmax-normalised", 2, dict(pre_softmax=True, normalize_topk_probs=True)),
+    ("sigmoid-k1-normalised", 1, dict(score_function="sigmoid", normalize_topk_probs=True)),
+    ("router-bias", 2, dict(router_bias=True)),
 ]
 
 
 def _with_bias(layer, options, seed=2):
     """Give the expert-bias buffer values that change selection; returns plain_moe's options."""
     options = dict(options)
+    if options.pop("router_bias", False):  # zero at construction: give it values that matter
+        with torch.no_grad():
+            layer.router.bias.copy_(torch.randn(E, generator=torch.Generator().manual_seed(seed)) * 3)
     if options.pop("expert_bias", False):
         bias = torch.randn(E, generator=torch.Generator().manual_seed(seed))
         with torch.no_grad():
@@ -137,6 +145,39 @@ def test_fp32_matches_plain_moe_for_every_router_option(name, top_k, options):
         unbiased = dict(plain_options, expert_bias=None)
         _, chosen_unbiased = plain_route(x @ layer.router.weight.detach().t(), top_k, **unbiased)
         assert not torch.equal(chosen_unbiased, want["chosen"])
+
+
+SHARED_NAMES = ("router_bias", "shared_w1", "shared_w2", "shared_gate")
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "relu2"])
+@pytest.mark.parametrize("gate", [False, True], ids=["ungated", "gated"])
+def test_shared_experts_match_plain_moe(activation, gate):
+    layer = _make(2, activation=activation, shared_expert_ffn_hidden_size=24, shared_expert_gate=gate,
+                  router_bias=True)
+    options = _with_bias(layer, dict(router_bias=True))
+    assert layer.state_dict()["shared_experts.fc1.weight"].shape == ((2 if activation == "swiglu" else 1) * 24, H)
+    assert ("shared_expert_gate.weight" in layer.state_dict()) == gate
+    x, g = _data((3, 7))
+    got = _run_layer(layer, x, g)
+    sh = layer.shared_experts
+    got.update(router_bias=layer.router.bias.grad, shared_w1=sh.fc1.weight.grad, shared_w2=sh.fc2.weight.grad,
+               shared_gate=layer.shared_expert_gate.weight.grad if gate else None)
+    want = _run_plain(layer, x, g, activation=activation, **options)
+    _compare(got, want, ("y", "dx") + PARAM_NAMES + SHARED_NAMES)
+
+
+@pytest.mark.parametrize("recipe", QUANTIZED)
+def test_shared_experts_under_recipes(recipe):
+    layer = _make(2, shared_expert_ffn_hidden_size=32, shared_expert_gate=True)
+    x, g = _data((64,))
+    ref = _run_layer(layer, x, g)
+    got = _run_layer(layer, x, g, recipe)
+    if isinstance(recipe, DelayedScaling):
+        got = _run_layer(layer, x, g, recipe)
+    rtol, atol = recipe_tolerance(recipe)
+    for k, n in (("y", 2), ("dx", 3)):
+        assert_within_tolerance(got[k], ref[k], rtol * math.sqrt(n), atol * math.sqrt(n), k)
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "geglu", "clamped_qgeglu", "relu2", "gelu"])
@@ -503,8 +544,13 @@ def test_glu_interleave_gives_the_same_layer():
     (lambda: _make(2, num_groups=3, group_topk=1), lambda m: m(torch.randn(4, H)), ValueError),
     (lambda: _make(2, num_groups=4), lambda m: m(torch.randn(4, H)), ValueError),
     (lambda: _make(2, capacity_factor=0.0), lambda m: m(torch.randn(4, H)), ValueError),
+    (lambda: _make(2, group_score_topk=2), None, ValueError),
+    (lambda: _make(2, normalize_topk_probs=False), None, ValueError),
+    (lambda: _make(2, shared_expert_gate=True), None, ValueError),
+    (lambda: _make(2, shared_expert_ffn_hidden_size=0), None, ValueError),
 ], ids=["hidden", "int-input", "0-d", "list", "top_k", "activation", "score_function", "coeff",
-        "pre_softmax-sigmoid", "groups-not-dividing", "groups-without-topk", "capacity"])
+        "pre_softmax-sigmoid", "groups-not-dividing", "groups-without-topk", "capacity", "score-topk-no-groups",
+        "unnormalised-softmax", "gate-without-shared", "shared-size"])
 def test_bad_input_raises(build, call, exc):
     with pytest.raises(exc):
         layer = build()

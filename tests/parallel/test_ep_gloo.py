@@ -48,7 +48,8 @@ _DEVICE = torch.device("cpu")  # a worker's device: cuda:rank under NCCL (test_e
 # all of them to expert 0), tokens ("uneven": 9 + 4r per rank | "equal": 12), quantized (dispatch),
 # expect ("fp32" | "identical" | "tolerance" | "error": a ValueError on every rank), requantized
 # (expectation for w1, whose wgrad copy quantized dispatch quantizes from dequantized rows),
-# reference ("per-rank" | "concat"; default per-rank for fp32, concat otherwise).
+# reference ("per-rank" | "concat"; default per-rank for fp32, concat otherwise), layer (more
+# MoELayer options).
 CASES = {
     "fp32-k2": (2, dict()),
     "fp32-k1-bias-aux": (2, dict(top_k=1, bias=True, aux=0.1)),
@@ -72,6 +73,10 @@ CASES = {
     "fp32-capacity-cuda-graph": (2, dict(kind="graph", capacity=1.0, gpu_only=True)),
     "fp32-k2-4ranks": (4, dict(top_k=2, bias=True, aux=0.1)),
     "fp32-skew-4ranks": (4, dict(skew="one-rank")),
+    # HF DeepSeek-V3 / gpt-oss / Qwen2-MoE routing options and a gated shared expert (replicated)
+    "fp32-routing-options-shared-experts": (2, dict(layer=dict(
+        score_function="sigmoid", num_groups=4, group_topk=2, group_score_topk=2, normalize_topk_probs=False,
+        scaling_factor=2.5, router_bias=True, shared_expert_ffn_hidden_size=16, shared_expert_gate=True))),
     "fp32-capacity-4ranks": (4, dict(capacity=1.5, tokens="equal")),
     "block-quantized-4ranks": (4, dict(recipe="block", expect="identical", requantized="tolerance")),
     "current-quantized-skew-4ranks": (4, dict(recipe="current", skew="one-rank", expect="tolerance")),
@@ -104,10 +109,13 @@ def _build(spec, world, group=None):
     layer = qmoe.nn.MoELayer(H, F, E, spec.get("top_k", 2), bias=spec.get("bias", False),
                              aux_loss_coeff=spec.get("aux", 0.0), capacity_factor=spec.get("capacity"),
                              expert_bias=spec.get("skew") == "one-rank", params_dtype=dtype, device=_DEVICE,
-                             ep_group=group, quantized_dispatch=spec.get("quantized", True))
+                             ep_group=group, quantized_dispatch=spec.get("quantized", True),
+                             **spec.get("layer", {}))
     if group is None:
         with torch.no_grad():
             layer.router.weight.mul_(4)  # clear-cut selections, varied probabilities
+            if layer.router.bias is not None:
+                layer.router.bias.copy_(torch.randn(E, generator=torch.Generator().manual_seed(3)))
             if spec.get("skew") == "one-rank":  # selection only: rank 0's experts, expert 0 always
                 first_rank = torch.full((E,), -50.0)
                 first_rank[:E // world] = 0.0
@@ -131,7 +139,17 @@ def _grads(layer):
     out = {"router": layer.router.weight.grad, "w1": fc1.weight.grad, "w2": fc2.weight.grad}
     if fc1.use_bias:
         out.update(b1=fc1.bias.grad, b2=fc2.bias.grad)
+    if layer.router.bias is not None:
+        out["router_bias"] = layer.router.bias.grad
+    if layer.shared_experts is not None:
+        out.update(shared_w1=layer.shared_experts.fc1.weight.grad, shared_w2=layer.shared_experts.fc2.weight.grad)
+    if layer.shared_expert_gate is not None:
+        out["shared_gate"] = layer.shared_expert_gate.weight.grad
     return {k: v.detach().clone() for k, v in out.items()}
+
+
+# replicated parameters: their gradients are summed over the ranks, as data parallelism would
+REPLICATED = ("router", "router_bias", "shared_w1", "shared_w2", "shared_gate")
 
 
 def _step(layer, x, g, recipe, steps):
@@ -296,14 +314,15 @@ def _run_case(spec, rank, world):
     if quantized:  # a row on the wire: 1 byte per element, its scales, its fp32 prob
         scale_bytes = {"current": 0, "block": 4 * -(-H // 128), "mxfp8": -(-H // 32)}[spec["recipe"]]
         assert stats["dispatch_bytes"] == stats["rows_sent"] * (H + scale_bytes + 4), stats
-    dist.all_reduce(got["router"])  # the replicated router's gradient, summed as data parallelism would
     lo, hi = rank * E // world, (rank + 1) * E // world
     _check("y", got["y"], want["y"][rank], expect, recipe)
     _check("dx", got["dx"], want["dx"][rank], expect, recipe)
     for k in got:
-        if k not in ("y", "dx", "router"):
+        if k in REPLICATED:
+            dist.all_reduce(got[k])
+            _check("router" if k.startswith("router") else k, got[k], want[k], expect, recipe)
+        elif k not in ("y", "dx"):
             _check(k, got[k], want[k][lo:hi], spec.get("requantized", expect) if k == "w1" else expect, recipe)
-    _check("router", got["router"], want["router"], expect, recipe)
     if spec.get("skew") == "one-rank":
         assert ep.router.tokens_per_expert[0] == xs[rank].shape[0], "expert 0 should receive every token"
         received = ep.dispatcher.last_stats["rows_received"]
