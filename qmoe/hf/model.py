@@ -1,0 +1,147 @@
+"""Whole Hugging Face models: swap every supported MoE block for a qmoe layer, and back.
+
+`convert` keeps what the decoder layer expects from the block it replaces (found by calling the
+original block once on a one-token input): a tensor (transformers 5.x; and DeepSeek-V3 in 4.x)
+or a pair (4.x Mixtral / Qwen: the router logits, which the decoder collects for the
+load-balancing loss; gpt-oss: router scores, which its decoder discards, so None). In 5.x the
+model records router logits with a forward hook on the router class; the wrapper keeps a
+`RouterLogitsTap` registered as an instance of that class, called with the qmoe router's logits,
+so `output_router_logits=True` and the HF auxiliary loss work unchanged.
+
+The original block stays attached to its wrapper, its tensors moved to the meta device (no
+memory); `restore` rebuilds it on the layer's device and writes the trained weights into it.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from qmoe.hf.blocks import FAMILIES, family_of, from_hf, router_of, to_hf, unsupported
+from qmoe.nn.moe import MoELayer
+
+
+class RouterLogitsTap(nn.Module):
+    """Returns its input (the router logits [T, E]) at every index of a tuple shaped like the HF
+    router's output, so that transformers' output-recording hook on the router class sees them."""
+
+    def __init__(self, width: int):
+        nn.Module.__init__(self)  # never the HF router's __init__: no parameters of its own
+        self.width = width
+
+    def forward(self, logits: torch.Tensor):
+        return (logits,) * self.width
+
+
+@functools.cache
+def _tap_class(router_cls: type) -> type:
+    # A subclass of the HF router class (isinstance matches), with the tap's methods first.
+    return type(f"{router_cls.__name__}LogitsTap", (RouterLogitsTap, router_cls), {})
+
+
+class HFMoEBlock(nn.Module):
+    """A qmoe `MoELayer` in an HF decoder layer's place: `layer` holds the weights, `forward`
+    returns what the original block returned (see the module docstring)."""
+
+    def __init__(self, layer: MoELayer, block: nn.Module, returns: str):
+        super().__init__()
+        self.layer = layer
+        self.family = family_of(block)
+        self.returns = returns  # "tensor" | "logits" (pair with router logits) | "none" (pair with None)
+        router_cls = type(router_of(block))
+        self.gate = _tap_class(router_cls)(3) if router_cls is not nn.Linear else None
+        # kept outside the module tree: not a parameter holder, not in state_dict
+        self.__dict__["hf_block"] = block
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        y = self.layer(hidden_states)
+        logits = self.layer.router.logits
+        if self.gate is not None:
+            self.gate(logits)
+        if self.returns == "tensor":
+            return y
+        return y, (logits if self.returns == "logits" else None)
+
+
+def _return_kind(block: nn.Module) -> str:
+    """How the block's forward returns: "tensor", or a pair ("logits" or "none")."""
+    family = family_of(block)
+    param = next(block.parameters())
+    with torch.no_grad():
+        out = block(torch.zeros(1, 1, router_of(block).weight.shape[1], dtype=param.dtype, device=param.device))
+    if isinstance(out, torch.Tensor):
+        return "tensor"
+    return "none" if family == "gpt_oss" else "logits"
+
+
+def _owner_recording_logits(model: nn.Module, name: str):
+    """The innermost module above `name` that declares `_can_record_outputs` (an HF PreTrainedModel)."""
+    owner = None
+    for prefix, module in model.named_modules():
+        if getattr(type(module), "_can_record_outputs", None) and (name.startswith(prefix + ".") or not prefix):
+            owner = module
+    return owner
+
+
+def _hooks_installed(owner) -> bool:
+    return owner is not None and bool(getattr(owner, "_output_capturing_hooks_installed", False))
+
+
+def _install_router_logits_hook(owner, router: nn.Module | None) -> None:
+    """transformers 5.x installs its recording hooks once, on the first forward: a router that joins
+    the model later (the tap at convert, the HF router at restore) gets its hook here."""
+    if router is None or not _hooks_installed(owner):
+        return
+    from transformers.utils.output_capturing import install_output_capuring_hook
+
+    for key, specs in type(owner)._can_record_outputs.items():
+        for spec in specs if isinstance(specs, list) else [specs]:
+            target = getattr(spec, "target_class", spec)
+            if isinstance(target, type) and isinstance(router, target) and key == "router_logits":
+                install_output_capuring_hook(router, key, getattr(spec, "index", 0))
+
+
+def convert(model: nn.Module) -> nn.Module:
+    """Replace every supported MoE block of `model` (a transformers `PreTrainedModel`) in place.
+
+    Each block becomes an `HFMoEBlock` wrapping `qmoe.hf.from_hf(block)`; the model's outputs
+    (logits, loss, router logits and the HF auxiliary loss) are those of the original, now
+    computed by qmoe, so `qmoe.autocast(recipe=...)` around the forward quantizes the experts.
+    Returns the model. Raises `qmoe.UnsupportedError` if it holds no supported block.
+
+    >>> model = qmoe.hf.convert(AutoModelForCausalLM.from_pretrained(path))
+    >>> with qmoe.autocast(recipe=MXFP8BlockScaling()):
+    ...     loss = model(input_ids, labels=input_ids).loss
+    """
+    targets = [(name, m) for name, m in model.named_modules() if type(m).__name__ in FAMILIES]
+    if not targets:
+        raise unsupported(type(model).__name__, "the model has no supported MoE block",
+                          f"qmoe.hf converts {', '.join(FAMILIES)}")
+    for name, block in targets:
+        wrapper = HFMoEBlock(from_hf(block), block, _return_kind(block))
+        owner = _owner_recording_logits(model, name)
+        _install_router_logits_hook(owner, wrapper.gate)
+        wrapper.__dict__["hf_router_hooked"] = _hooks_installed(owner)  # the HF router has its hook
+        block.to("meta")
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, wrapper)
+    return model
+
+
+def restore(model: nn.Module) -> nn.Module:
+    """Put the original HF blocks back, holding the qmoe layers' (trained) weights. Returns the model.
+
+    Afterwards the model is a plain transformers model again: `save_pretrained`, generation and
+    HF tooling see the trained weights.
+    """
+    for name, wrapper in [(n, m) for n, m in model.named_modules() if isinstance(m, HFMoEBlock)]:
+        block = wrapper.hf_block
+        block.to_empty(device=wrapper.layer.router.weight.device)
+        to_hf(wrapper.layer, block)
+        block.train(wrapper.training)
+        if not wrapper.hf_router_hooked:
+            _install_router_logits_hook(_owner_recording_logits(model, name), router_of(block))
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, block)
+    return model
