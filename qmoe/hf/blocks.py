@@ -16,6 +16,8 @@ Routing rules per family (transformers' own code is the spec):
     gpt-oss                        logits + router bias, top-k on the logits, softmax over the chosen;
                                    clamped swiglu (alpha 1.702, limit 7): qmoe's "clamped_qgeglu"
 Qwen2-MoE's shared expert is gated by sigmoid(x @ shared_expert_gate^T); DeepSeek-V3's is not.
+transformers 4.x DeepSeek-V3 masks the scores of other groups with 0 where 5.x (and qmoe) use -inf:
+the two agree whenever every sigmoid score + e_score_correction_bias is positive.
 """
 from __future__ import annotations
 
@@ -174,6 +176,8 @@ def _hf_tensors(block) -> dict:
 def _read(spec, grad: bool = False) -> torch.Tensor:
     """The logical-layout tensor of `spec` (or of its gradients with grad=True)."""
     if isinstance(spec, torch.Tensor):
+        if grad and spec.grad is None:  # a 4.x expert that got no token
+            return torch.zeros_like(spec)
         return (spec.grad if grad else spec).detach()
     if isinstance(spec[0], torch.Tensor):  # (gate, up)
         return torch.cat([_read(t, grad) for t in spec], dim=0)

@@ -3,10 +3,11 @@
 `convert` keeps what the decoder layer expects from the block it replaces (found by calling the
 original block once on a one-token input): a tensor (transformers 5.x; and DeepSeek-V3 in 4.x)
 or a pair (4.x Mixtral / Qwen: the router logits, which the decoder collects for the
-load-balancing loss; gpt-oss: router scores, which its decoder discards, so None). In 5.x the
-model records router logits with a forward hook on the router class; the wrapper keeps a
-`RouterLogitsTap` registered as an instance of that class, called with the qmoe router's logits,
-so `output_router_logits=True` and the HF auxiliary loss work unchanged.
+load-balancing loss; gpt-oss: router scores, which its decoder discards, so None). Recent
+transformers record router logits with a forward hook on the class named in the model's
+`_can_record_outputs["router_logits"]` (the router class in 5.x, the block class in late 4.x);
+the wrapper keeps a `RouterLogitsTap` that is an instance of that class, called with the qmoe
+router's logits, so `output_router_logits=True` and the HF auxiliary loss work unchanged.
 
 The original block stays attached to its wrapper, its tensors moved to the meta device (no
 memory); `restore` rebuilds it on the layer's device and writes the trained weights into it.
@@ -23,8 +24,8 @@ from qmoe.nn.moe import MoELayer
 
 
 class RouterLogitsTap(nn.Module):
-    """Returns its input (the router logits [T, E]) at every index of a tuple shaped like the HF
-    router's output, so that transformers' output-recording hook on the router class sees them."""
+    """Returns its input (the router logits [T, E]) at every index of a tuple, so that transformers'
+    output-recording hook (on the class this tap is made an instance of) sees them at any index."""
 
     def __init__(self, width: int):
         nn.Module.__init__(self)  # never the HF router's __init__: no parameters of its own
@@ -35,22 +36,21 @@ class RouterLogitsTap(nn.Module):
 
 
 @functools.cache
-def _tap_class(router_cls: type) -> type:
-    # A subclass of the HF router class (isinstance matches), with the tap's methods first.
-    return type(f"{router_cls.__name__}LogitsTap", (RouterLogitsTap, router_cls), {})
+def _tap_class(target: type) -> type:
+    # A subclass of the recorded class (isinstance matches), with the tap's methods first.
+    return type(f"{target.__name__}LogitsTap", (RouterLogitsTap, target), {})
 
 
 class HFMoEBlock(nn.Module):
     """A qmoe `MoELayer` in an HF decoder layer's place: `layer` holds the weights, `forward`
     returns what the original block returned (see the module docstring)."""
 
-    def __init__(self, layer: MoELayer, block: nn.Module, returns: str):
+    def __init__(self, layer: MoELayer, block: nn.Module, returns: str, recorded: type | None = None):
         super().__init__()
         self.layer = layer
         self.family = family_of(block)
         self.returns = returns  # "tensor" | "logits" (pair with router logits) | "none" (pair with None)
-        router_cls = type(router_of(block))
-        self.gate = _tap_class(router_cls)(3) if router_cls is not nn.Linear else None
+        self.gate = _tap_class(recorded)(3) if recorded is not None else None
         # kept outside the module tree: not a parameter holder, not in state_dict
         self.__dict__["hf_block"] = block
 
@@ -84,22 +84,33 @@ def _owner_recording_logits(model: nn.Module, name: str):
     return owner
 
 
+def _recorded_class(owner) -> type | None:
+    """The class whose outputs `owner` records as router logits (None if it records none)."""
+    specs = (getattr(type(owner), "_can_record_outputs", None) or {}).get("router_logits") if owner else None
+    for spec in specs if isinstance(specs, list) else [specs]:
+        target = getattr(spec, "target_class", spec)
+        if isinstance(target, type) and issubclass(target, nn.Module) and not getattr(spec, "layer_name", None):
+            return target
+    return None
+
+
 def _hooks_installed(owner) -> bool:
     return owner is not None and bool(getattr(owner, "_output_capturing_hooks_installed", False))
 
 
-def _install_router_logits_hook(owner, router: nn.Module | None) -> None:
-    """transformers 5.x installs its recording hooks once, on the first forward: a router that joins
-    the model later (the tap at convert, the HF router at restore) gets its hook here."""
-    if router is None or not _hooks_installed(owner):
+def _install_router_logits_hook(owner, modules) -> None:
+    """transformers installs its recording hooks once, on the first forward: a module that joins the
+    model later (the tap at convert, the HF block at restore) gets its router-logits hook here."""
+    target = _recorded_class(owner)
+    if target is None or not _hooks_installed(owner):
         return
-    from transformers.utils.output_capturing import install_output_capuring_hook
-
-    for key, specs in type(owner)._can_record_outputs.items():
-        for spec in specs if isinstance(specs, list) else [specs]:
-            target = getattr(spec, "target_class", spec)
-            if isinstance(target, type) and isinstance(router, target) and key == "router_logits":
-                install_output_capuring_hook(router, key, getattr(spec, "index", 0))
+    from transformers.utils.output_capturing import install_output_capuring_hook  # 5.x, where hooks persist
+    specs = type(owner)._can_record_outputs["router_logits"]
+    index = next(getattr(s, "index", 0) for s in (specs if isinstance(specs, list) else [specs])
+                 if getattr(s, "target_class", s) is target)
+    for module in modules:
+        if module is not None and isinstance(module, target):
+            install_output_capuring_hook(module, "router_logits", index)
 
 
 def convert(model: nn.Module) -> nn.Module:
@@ -119,9 +130,9 @@ def convert(model: nn.Module) -> nn.Module:
         raise unsupported(type(model).__name__, "the model has no supported MoE block",
                           f"qmoe.hf converts {', '.join(FAMILIES)}")
     for name, block in targets:
-        wrapper = HFMoEBlock(from_hf(block), block, _return_kind(block))
         owner = _owner_recording_logits(model, name)
-        _install_router_logits_hook(owner, wrapper.gate)
+        wrapper = HFMoEBlock(from_hf(block), block, _return_kind(block), _recorded_class(owner))
+        _install_router_logits_hook(owner, [wrapper.gate])
         wrapper.__dict__["hf_router_hooked"] = _hooks_installed(owner)  # the HF router has its hook
         block.to("meta")
         parent_name, _, child = name.rpartition(".")
@@ -141,7 +152,7 @@ def restore(model: nn.Module) -> nn.Module:
         to_hf(wrapper.layer, block)
         block.train(wrapper.training)
         if not wrapper.hf_router_hooked:
-            _install_router_logits_hook(_owner_recording_logits(model, name), router_of(block))
+            _install_router_logits_hook(_owner_recording_logits(model, name), [block, *block.modules()])
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, block)
     return model
