@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from qmoe.errors import UnsupportedError
+from qmoe.contracts.carriers import QGEGLU_ALPHA, QGEGLU_LIMIT
+from qmoe.contracts.errors import UnsupportedError
 from qmoe.nn.moe import MoELayer
-from qmoe.reference.activation import QGEGLU_ALPHA, QGEGLU_LIMIT
 
 
 def unsupported(what: str, why: str, fix: str = "") -> UnsupportedError:

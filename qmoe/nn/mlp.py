@@ -10,7 +10,8 @@ from torch import nn
 
 from qmoe import ops
 from qmoe.nn.linear import Linear
-from qmoe.reference.activation import check_activation, is_glu
+from qmoe.contracts.carriers import is_glu
+from qmoe.contracts.validate import check_activation
 
 
 class MLP(nn.Module):

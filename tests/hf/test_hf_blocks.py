@@ -15,7 +15,7 @@ from qmoe.recipes import DelayedScaling
 from tests.nn.recipe_cases import QUANTIZED
 from tests.tolerances import assert_within_tolerance, recipe_tolerance
 
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402  (the test extra installs it)
 import qmoe.hf  # noqa: E402
 from qmoe.hf.blocks import hf_state_dict, router_of  # noqa: E402
 
