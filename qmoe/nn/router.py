@@ -18,8 +18,9 @@ class TopKRouter(nn.Module):
     selection does not flip with the activation precision. After a forward, `self.aux_loss`
     holds the sum of the enabled auxiliary losses (0 when all coefficients are 0),
     `self.tokens_per_expert` the counts and `self.logits` the fp32 logits [T, E] (with autograd,
-    for losses computed outside, such as Hugging Face's load-balancing loss). With `expert_bias=True` the bias shifts selection only
-    and is updated in place after every training forward (aux-loss-free balancing).
+    for losses computed outside, such as Hugging Face's load-balancing loss). With
+    `expert_bias=True` the bias shifts selection only and is updated in place after every
+    training forward (aux-loss-free balancing).
 
     Routing options of real models (see `qmoe.ops.topk_route`): `group_score_topk` (DeepSeek-V3
     scores a group by its top 2), `normalize_topk_probs` (Qwen's and DeepSeek's norm_topk_prob),

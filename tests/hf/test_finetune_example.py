@@ -3,7 +3,6 @@ a quantized recipe, and the saved directory loads back as a plain transformers m
 import importlib.util
 import pathlib
 
-import pytest
 import torch
 
 import transformers  # noqa: E402  (the test extra installs it)

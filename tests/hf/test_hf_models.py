@@ -30,9 +30,9 @@ def _mixtral():
 
 def _deepseek():
     config = transformers.DeepseekV3Config(
-        **dict(COMMON, num_key_value_heads=4), intermediate_size=48, moe_intermediate_size=16, n_routed_experts=16, n_shared_experts=1,
-        n_group=4, topk_group=2, num_experts_per_tok=6, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
-        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, head_dim=8, routed_scaling_factor=2.5)
+        **dict(COMMON, num_key_value_heads=4), intermediate_size=48, moe_intermediate_size=16, n_routed_experts=16,
+        n_shared_experts=1, n_group=4, topk_group=2, num_experts_per_tok=6, first_k_dense_replace=1, q_lora_rank=16,
+        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, head_dim=8, routed_scaling_factor=2.5)
     return transformers.DeepseekV3ForCausalLM(config)
 
 
