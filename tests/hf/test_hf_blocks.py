@@ -110,12 +110,13 @@ def _hf_routing(block, x):
     with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch, "topk", recording_topk)
         _hf_forward(block, x)
-    chosen = torch.zeros(calls[-1].shape[0], num_experts, dtype=torch.bool).scatter(1, calls[-1], True)
+    idx = calls[-1]
+    chosen = torch.zeros(idx.shape[0], num_experts, dtype=torch.bool, device=idx.device).scatter(1, idx, True)
     with torch.no_grad():
         out = router(x.reshape(-1, x.shape[-1]))
     if not (isinstance(out, tuple) and len(out) == 3 and out[1].shape == calls[-1].shape):
         return chosen, None
-    return chosen, torch.zeros(chosen.shape).scatter(1, out[2], out[1].float())
+    return chosen, torch.zeros(chosen.shape, device=idx.device).scatter(1, out[2], out[1].float())
 
 
 def _data(seed=1, shape=(2, 9)):
@@ -207,3 +208,29 @@ def test_unsupported_blocks_and_configs_raise_naming_them():
     block.experts.act_fn = torch.nn.ReLU()
     with pytest.raises(qmoe.UnsupportedError, match="ReLU"):
         qmoe.hf.from_hf(block)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["mixtral", "qwen2-unnormalised-gated", "deepseek-groups-k6", "gpt-oss-router-bias"])
+def test_on_the_gpu_kernels_route_alike_and_stay_within_tolerance(case):
+    # The Triton router (group_score_topk, normalize_topk_probs, router bias) and grouped GEMMs: the
+    # same routing as HF token for token; fp32 within the GEMM contract's tensor-core bound
+    # (NUMERICS.md, 1e-3), MXFP8 within its end-to-end tolerance.
+    from qmoe.recipes import MXFP8BlockScaling
+
+    block = _block(case).cuda()
+    layer = qmoe.hf.from_hf(block)
+    assert layer.router.weight.is_cuda
+    x, _ = _data(shape=(4, 16))
+    x = x.cuda()
+    chosen, _ = _hf_routing(block, x)
+    with torch.no_grad():
+        want = _hf_forward(block, x)
+        _, q_map = layer.router(x.reshape(-1, H))
+        got = layer(x)
+        with qmoe.autocast(recipe=MXFP8BlockScaling()):
+            quantized = layer(x)
+    assert torch.equal(q_map, chosen)
+    assert_within_tolerance(got, want, 1e-3, 1e-3, case)
+    rtol, atol = recipe_tolerance(MXFP8BlockScaling())
+    assert_within_tolerance(quantized, want, rtol * math.sqrt(2), atol * math.sqrt(2), case)
