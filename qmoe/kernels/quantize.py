@@ -80,7 +80,10 @@ def _amax_kernel(
         # meta
         ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, GROUPED: tl.constexpr, G_P2: tl.constexpr, BM: tl.constexpr,
         BK: tl.constexpr):
-    """max|x| over finite values per group into amax_ptr (int32 bits of non-negative floats, so atomic_max orders them)."""
+    """max|x| over finite values per group into amax_ptr.
+
+    Stored as the int32 bits of non-negative floats, so atomic_max orders them.
+    """
     g, row0, row_end, _, _ = tile_rows(splits_ptr, M, G, tl.program_id(0), BM, BM, G_P2, GROUPED)
     if g >= G:
         return
