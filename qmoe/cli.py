@@ -1,4 +1,4 @@
-"""The `qmoe` command: `info`, `compare` (the main job), `report` and `bench <suite>`."""
+"""The `qmoe` command: `info`, `compare` (the main job), `report`, `converge` and `bench <suite>`."""
 from __future__ import annotations
 
 import argparse
@@ -69,6 +69,30 @@ def _cmd_compare(args) -> int:
     return 1 if failed else 0
 
 
+def _cmd_converge(args) -> int:
+    from qmoe.converge import (format_table, load_converge_config, merge_results, plot_results, run_converge,
+                               with_overrides, write_results)
+
+    if args.merge:
+        results = merge_results(args.merge)
+        write_results(results, args.out)
+    else:
+        cfg = load_converge_config(args.config, preset_name=args.preset)
+        cfg = with_overrides(cfg, recipes=args.recipes, seeds=args.seeds, steps=args.steps, ablations=args.ablations,
+                             precision=args.precision)
+        results = run_converge(cfg, device=args.device, out=args.out, resume=args.resume,
+                               progress=not args.no_progress)
+    print(format_table(results))
+    print(f"wrote {args.out}")
+    if args.plot:
+        for path in plot_results(results, args.plot):
+            print(f"wrote {path}")
+    failed = [label for label, r in results["runs"].items() if r["status"] == "failed"]
+    if failed:
+        print(f"qmoe converge: {', '.join(failed)} failed (see the table)", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def _cmd_bench(args) -> int:
     root = Path(__file__).resolve().parents[1]
     if (root / "benchmarks").is_dir() and str(root) not in sys.path:
@@ -106,6 +130,35 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     rep.add_argument("--no-progress", action="store_true", help="no progress bar")
     rep.set_defaults(func=_cmd_report)
+    from qmoe.converge.config import ALL_RECIPES, PRECISIONS, PRESET_NAMES
+
+    conv = sub.add_parser("converge", help="train a small MoE language model under each recipe and bf16; "
+                                           "loss gaps against bf16 with its seed-to-seed noise floor")
+    conv.add_argument("--preset", choices=PRESET_NAMES, default=None,
+                      help="tiny (CPU, about a minute), small (GPU), dsv3-like (GPU); default: the config's, "
+                           "else tiny")
+    conv.add_argument("--config", help="YAML/JSON file overlaying the preset: preset, model {...}, train {...}, "
+                                       "recipes [...], seeds")
+    conv.add_argument("--recipes", nargs="+", choices=ALL_RECIPES, default=None,
+                      help="runs to train (bf16 is the baseline and is required); default: the preset's")
+    conv.add_argument("--seeds", type=int, default=None, help="bf16 seeds, whose spread is the noise floor "
+                                                             "(default 2)")
+    conv.add_argument("--steps", type=int, default=None, help="training steps per run (default: the preset's)")
+    conv.add_argument("--precision", choices=PRECISIONS, default=None,
+                      help="bf16: torch.autocast(bf16) with fp32 weights; fp32: no torch.autocast; "
+                           "auto (default): bf16 on CUDA, fp32 on CPU")
+    conv.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    conv.add_argument("--out", default="convergence.json", help="results JSON (default convergence.json); "
+                                                                "rewritten after every run")
+    conv.add_argument("--plot", help="PNG file (three panels) or a directory (three PNGs)")
+    conv.add_argument("--resume", action="store_true", help="keep --out's finished runs, continue interrupted "
+                                                            "runs from their checkpoints (<out>.ckpt/)")
+    conv.add_argument("--ablations", action="store_true", help="add NVFP4 without RHT / stochastic rounding / "
+                                                               "2-D weight scaling, and delayed with history 16")
+    conv.add_argument("--merge", nargs="+", metavar="FILE", help="join results files of the same config into "
+                                                                "--out (trains nothing)")
+    conv.add_argument("--no-progress", action="store_true", help="no progress bar")
+    conv.set_defaults(func=_cmd_converge)
     bench = sub.add_parser("bench", help="run a benchmark suite and write benchmarks/results/<suite>.json")
     bench.add_argument("suite", choices=BENCH_SUITES)
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to the suite")
