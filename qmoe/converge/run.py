@@ -15,7 +15,7 @@ import torch
 from qmoe.converge.config import ConvergeConfig
 from qmoe.converge.data import load_corpus
 from qmoe.converge.model import MoETransformer
-from qmoe.converge.report import environment, write_results
+from qmoe.converge.report import environment, summarize, write_results
 from qmoe.converge.train import resolve_precision, train_run
 
 
@@ -111,4 +111,5 @@ def merge_results(paths) -> dict:
             merged["runs"][label] = run
         merged["config"]["recipes"] += [e for e in r["config"]["recipes"] if e not in merged["config"]["recipes"]]
         merged.setdefault("merged_environments", []).append(r["environment"])
+    merged["summary"] = summarize(merged)
     return merged

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import qmoe
 from qmoe.converge.config import ConvergeConfig, RunSpec
 from qmoe.converge.data import Corpus, held_out_batches, train_batch
-from qmoe.converge.model import MoETransformer
+from qmoe.converge.model import ModelConfig, MoETransformer
 
 CHECKPOINT_VERSION = 1
 
@@ -48,10 +48,10 @@ def learning_rate(step: int, cfg) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def build_model(cfg: ConvergeConfig, seed: int, device: torch.device) -> MoETransformer:
+def build_model(cfg: ModelConfig, seed: int, device: torch.device) -> MoETransformer:
     """The run's initial model: drawn on the CPU from `seed` (same numbers on every device), then moved."""
     torch.manual_seed(seed)
-    return MoETransformer(cfg.model).to(device)
+    return MoETransformer(cfg).to(device)
 
 
 def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.AdamW:
@@ -149,7 +149,7 @@ def train_run(cfg: ConvergeConfig, spec: RunSpec, corpus: Corpus, device, *, che
     device = torch.device(device)
     tc = cfg.train
     precision = resolve_precision(tc.precision, device)
-    model = build_model(cfg, spec.seed, device)
+    model = build_model(cfg.model, spec.seed, device)
     optimizer = build_optimizer(model, tc)
     identity = _identity(cfg, spec)
     record, start = _new_record(spec), 0
@@ -161,7 +161,9 @@ def train_run(cfg: ConvergeConfig, spec: RunSpec, corpus: Corpus, device, *, che
     tokens_per_step = tc.batch * tc.seq_len
     end = tc.steps if stop_after is None else min(tc.steps, stop_after)
     bar = tqdm(total=tc.steps, initial=start, desc=spec.label, disable=not progress, unit="step", leave=False)
-    pending: list[torch.Tensor] = []
+    # losses of the steps since the last log point; a checkpoint keeps them, so a resumed run logs
+    # the same intervals as an uninterrupted one
+    pending = [torch.tensor(v, device=device) for v in record.pop("pending", [])]
     tick, first_interval = time.perf_counter(), True
     try:
         for step in range(start, end):
@@ -179,7 +181,7 @@ def train_run(cfg: ConvergeConfig, spec: RunSpec, corpus: Corpus, device, *, che
             optimizer.zero_grad(set_to_none=True)
             pending.append(loss.detach())
             done = step + 1
-            if done % tc.log_every == 0 or done == end:
+            if done % tc.log_every == 0 or done == tc.steps:
                 mean = torch.stack(pending).mean().item()  # the interval's one host sync
                 elapsed = time.perf_counter() - tick
                 if not first_interval:  # the first interval holds compilation and autotuning
@@ -203,7 +205,8 @@ def train_run(cfg: ConvergeConfig, spec: RunSpec, corpus: Corpus, device, *, che
             bar.update(1)
             if checkpoint is not None and done < tc.steps and (
                     done == end or (tc.checkpoint_every and done % tc.checkpoint_every == 0)):
-                save_checkpoint(Path(checkpoint), model, optimizer, done, record, identity, device)
+                state = dict(record, pending=[t.item() for t in pending])
+                save_checkpoint(Path(checkpoint), model, optimizer, done, state, identity, device)
                 tick = time.perf_counter()
     except Exception as e:  # a recipe that cannot run here is a result, not a crash of the whole job
         record["status"] = "failed"
