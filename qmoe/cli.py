@@ -81,6 +81,7 @@ def _cmd_converge(args) -> int:
         cfg = with_overrides(cfg, recipes=args.recipes, seeds=args.seeds, steps=args.steps, ablations=args.ablations,
                              precision=args.precision)
         results = run_converge(cfg, device=args.device, out=args.out, resume=args.resume,
+                               checkpoints=args.checkpoint_dir, time_budget=args.time_budget,
                                progress=not args.no_progress)
     print(format_table(results))
     print(f"wrote {args.out}")
@@ -153,6 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--plot", help="PNG file (three panels) or a directory (three PNGs)")
     conv.add_argument("--resume", action="store_true", help="keep --out's finished runs, continue interrupted "
                                                             "runs from their checkpoints (<out>.ckpt/)")
+    conv.add_argument("--checkpoint-dir", default=None, help="where interrupted runs keep their state "
+                                                             "(default <out>.ckpt)")
+    conv.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                      help="stop cleanly (results and plots written) once this many seconds are spent; "
+                           "--resume continues")
     conv.add_argument("--ablations", action="store_true", help="add NVFP4 without RHT / stochastic rounding / "
                                                                "2-D weight scaling, and delayed with history 16")
     conv.add_argument("--merge", nargs="+", metavar="FILE", help="join results files of the same config into "

@@ -8,6 +8,7 @@ different subsets of the same config (one device call per subset).
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -53,12 +54,17 @@ def load_results(path) -> dict:
 
 
 def run_converge(cfg: ConvergeConfig, *, device=None, out=None, resume: bool = False, progress: bool = True,
-                 stop_after: int | None = None, log=print) -> dict:
+                 checkpoints=None, time_budget: float | None = None, stop_after: int | None = None,
+                 log=print) -> dict:
     """Train every run of `cfg` (bf16 seeds first); returns the results dict, also written to `out`.
 
     resume: reuse `out`'s finished runs and continue interrupted ones from their checkpoints.
+    checkpoints: directory of the runs' checkpoints (default `<out>.ckpt`; none without `out`).
+    time_budget: seconds; once spent, the run in progress stops at a checkpoint and no other
+    starts, so results and plots are written before an outside time limit kills the job.
     stop_after: stop every run after this many steps, leaving a checkpoint (for testing resume).
     """
+    deadline = time.monotonic() + time_budget if time_budget is not None else None
     device = device or default_device()
     results = new_results(cfg, device)
     if resume and out is not None and Path(out).is_file():
@@ -70,12 +76,16 @@ def run_converge(cfg: ConvergeConfig, *, device=None, out=None, resume: bool = F
             raise ValueError(f"--resume: {str(out)!r} was trained on other data (another Python's stdlib)")
         results["runs"] = {k: v for k, v in old["runs"].items() if v.get("status") == "done"}
     corpus = load_corpus()
-    ckpt_dir = checkpoint_dir(out) if out is not None else None
+    ckpt_dir = Path(checkpoints) if checkpoints is not None else checkpoint_dir(out) if out is not None else None
     for spec in cfg.runs():
         if spec.label in results["runs"] and results["runs"][spec.label]["status"] == "done":
             log(f"{spec.label}: done in {out}, skipped")
             continue
+        if deadline is not None and time.monotonic() > deadline:
+            log(f"{spec.label}: not started, the time budget is spent (rerun with --resume to continue)")
+            continue
         record = train_run(cfg, spec, corpus, device, progress=progress, resume=resume, stop_after=stop_after,
+                           deadline=deadline,
                            checkpoint=ckpt_dir / f"{spec.label}.pt" if ckpt_dir is not None else None)
         results["runs"][spec.label] = record
         last = record["held_out"]["loss"][-1] if record["held_out"]["loss"] else float("nan")
@@ -87,7 +97,7 @@ def run_converge(cfg: ConvergeConfig, *, device=None, out=None, resume: bool = F
     # runs of the file that this config does not list stay (a --resume with fewer recipes keeps them)
     if out is not None:
         write_results(results, out)
-    if ckpt_dir is not None and ckpt_dir.is_dir() and not any(ckpt_dir.iterdir()):
+    if checkpoints is None and ckpt_dir is not None and ckpt_dir.is_dir() and not any(ckpt_dir.iterdir()):
         ckpt_dir.rmdir()
     return results
 

@@ -137,12 +137,15 @@ def _new_record(spec: RunSpec) -> dict:
 
 
 def train_run(cfg: ConvergeConfig, spec: RunSpec, corpus: Corpus, device, *, checkpoint: Path | None = None,
-              resume: bool = False, stop_after: int | None = None, progress: bool = True) -> dict:
+              resume: bool = False, stop_after: int | None = None, deadline: float | None = None,
+              progress: bool = True) -> dict:
     """Train one run; returns its record (curves, throughput, status).
 
     checkpoint: file for resumable state, written every train.checkpoint_every steps and at
     `stop_after`, deleted when the run completes. resume: continue from that file when it exists.
     stop_after: stop (status "stopped") once this many steps are done, as an interruption would.
+    deadline: a time.monotonic() value; the run stops (status "stopped", checkpoint written) at the
+    first step boundary after it, so a job with a time limit ends cleanly instead of being killed.
     """
     from tqdm import tqdm
 
@@ -203,11 +206,14 @@ def train_run(cfg: ConvergeConfig, spec: RunSpec, corpus: Corpus, device, *, che
                 tick = time.perf_counter()
             record["steps_done"] = done
             bar.update(1)
+            out_of_time = deadline is not None and time.monotonic() > deadline and done < end
             if checkpoint is not None and done < tc.steps and (
-                    done == end or (tc.checkpoint_every and done % tc.checkpoint_every == 0)):
+                    done == end or out_of_time or (tc.checkpoint_every and done % tc.checkpoint_every == 0)):
                 state = dict(record, pending=[t.item() for t in pending])
                 save_checkpoint(Path(checkpoint), model, optimizer, done, state, identity, device)
                 tick = time.perf_counter()
+            if out_of_time:
+                break
     except Exception as e:  # a recipe that cannot run here is a result, not a crash of the whole job
         record["status"] = "failed"
         record["error"] = f"{type(e).__name__}: {e}"

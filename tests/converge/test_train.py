@@ -2,12 +2,13 @@
 runs the tiny preset end to end."""
 import json
 import math
+import time
 
 import pytest
 import torch
 
 from qmoe.cli import main
-from qmoe.converge import load_converge_config, merge_results, run_converge
+from qmoe.converge import format_table, load_converge_config, merge_results, run_converge
 from qmoe.converge.data import load_corpus
 from qmoe.converge.run import checkpoint_dir
 from qmoe.converge.train import train_run
@@ -15,6 +16,10 @@ from qmoe.converge.train import train_run
 MICRO = {"model": {"layers": 1, "hidden": 32, "heads": 2, "experts": 4, "top_k": 2, "ffn": 32},
          "train": {"steps": 12, "batch": 4, "seq_len": 16, "warmup_steps": 3, "eval_every": 4, "eval_batches": 2,
                    "log_every": 2, "checkpoint_every": 0}}
+
+
+def _curves(results):
+    return {label: (r["status"], r["train"], r["held_out"]) for label, r in results["runs"].items()}
 
 
 def _micro(**kw):
@@ -35,6 +40,24 @@ def test_resume_continues_exactly(tmp_path, label):
     assert rest["status"] == whole["status"] == "done"
     assert rest["train"] == whole["train"] and rest["held_out"] == whole["held_out"]
     assert not ckpt.exists()  # a finished run leaves no checkpoint behind
+
+
+def test_a_spent_time_budget_stops_cleanly_and_resumes(tmp_path):
+    cfg = _micro(recipes=["bf16"], seeds=2)
+    out, ckpts, logs = tmp_path / "r.json", tmp_path / "ckpts", []
+    # a run past its deadline stops at the next step boundary, leaving a checkpoint
+    part = train_run(cfg, cfg.runs()[0], load_corpus(), "cpu", checkpoint=ckpts / "bf16-s0.pt",
+                     deadline=time.monotonic(), progress=False)
+    assert (part["status"], part["steps_done"]) == ("stopped", 1) and (ckpts / "bf16-s0.pt").is_file()
+    # a job whose budget is spent starts no run, and still writes its (empty) results
+    empty = run_converge(cfg, device="cpu", out=out, checkpoints=ckpts, time_budget=0.0, progress=False,
+                         log=logs.append)
+    assert empty["runs"] == {} and out.is_file() and "noise floor" in format_table(empty)
+    assert sum("not started, the time budget is spent" in line for line in logs) == 2
+    again = run_converge(cfg, device="cpu", out=out, checkpoints=ckpts, resume=True, progress=False,
+                         log=logs.append)
+    whole = run_converge(cfg, device="cpu", progress=False, log=logs.append)
+    assert _curves(again) == _curves(whole)
 
 
 def test_checkpoint_of_another_run_is_refused(tmp_path):
