@@ -13,9 +13,9 @@ gaps against the bf16 mean beside the bf16 seed-to-seed noise floor, a JSON file
 from qmoe.converge.config import (ABLATIONS, BASELINE, PRESET_NAMES, ConvergeConfig, RunSpec, TrainConfig,
                                   load_converge_config, preset, with_overrides)
 from qmoe.converge.model import ModelConfig, MoETransformer
-from qmoe.converge.report import format_table, plot_results, summarize, write_results
+from qmoe.converge.report import format_table, plot_results, results_figure, summarize, write_results
 from qmoe.converge.run import load_results, merge_results, run_converge
 
 __all__ = ["ABLATIONS", "BASELINE", "PRESET_NAMES", "ConvergeConfig", "RunSpec", "TrainConfig", "ModelConfig",
            "MoETransformer", "load_converge_config", "preset", "with_overrides", "run_converge", "merge_results",
-           "load_results", "format_table", "plot_results", "summarize", "write_results"]
+           "load_results", "format_table", "plot_results", "results_figure", "summarize", "write_results"]

@@ -139,29 +139,36 @@ def write_results(results: dict, path) -> None:
     os.replace(tmp, path)
 
 
+def results_figure(results: dict):
+    """One matplotlib figure, three panels: loss curves, gap vs steps with the noise band, final gaps."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(18, 4.8))
+    for draw, ax in zip(_PANELS, axes):
+        draw(results, ax)
+    fig.suptitle(_title(results))
+    fig.tight_layout()
+    return fig
+
+
 def plot_results(results: dict, target) -> list[Path]:
-    """Loss curves, gap vs steps with the noise band, and final gaps: one PNG with three panels when
-    `target` ends in .png, else three PNGs in the directory `target`. Returns the files written."""
+    """The three panels of results_figure as one PNG when `target` ends in .png, else as three PNGs
+    in the directory `target`. Returns the files written."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     target = Path(target)
-    panels = (_plot_losses, _plot_gap_curves, _plot_final_gaps)
     names = ("loss_curves.png", "gap_vs_steps.png", "final_gaps.png")
     if target.suffix.lower() == ".png":
-        fig, axes = plt.subplots(1, 3, figsize=(18, 4.8))
-        for draw, ax in zip(panels, axes):
-            draw(results, ax)
-        fig.suptitle(_title(results))
-        fig.tight_layout()
+        fig = results_figure(results)
         target.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(target, dpi=110)
         plt.close(fig)
         return [target]
     target.mkdir(parents=True, exist_ok=True)
     written = []
-    for draw, name in zip(panels, names):
+    for draw, name in zip(_PANELS, names):
         fig, ax = plt.subplots(figsize=(7, 4.8))
         draw(results, ax)
         ax.set_title(f"{ax.get_title()}\n{_title(results)}", fontsize=9)
@@ -197,7 +204,7 @@ def _plot_losses(results, ax):
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/byte): held-out lines, train faint")
     ax.set_title("loss curves")
-    ax.legend(fontsize=8)
+    _legend(ax)
 
 
 def _plot_gap_curves(results, ax):
@@ -215,7 +222,7 @@ def _plot_gap_curves(results, ax):
     ax.set_xlabel("step")
     ax.set_ylabel("held-out loss gap vs bf16 mean (%)")
     ax.set_title("relative gap to bf16")
-    ax.legend(fontsize=8)
+    _legend(ax)
 
 
 def _plot_final_gaps(results, ax):
@@ -237,4 +244,12 @@ def _plot_final_gaps(results, ax):
     ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("final held-out loss gap (%)")
     ax.set_title("final gap (red: goal)")
-    ax.legend(fontsize=8)
+    _legend(ax)
+
+
+def _legend(ax):
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+
+
+_PANELS = (_plot_losses, _plot_gap_curves, _plot_final_gaps)
