@@ -3,9 +3,11 @@
 #
 #   bash benchmarks/run_convergence.sh [PRESET] [OUT_DIR]
 #
-# PRESET: small (default) or dsv3-like. OUT_DIR (default benchmarks/results) receives
-# convergence.json (small) or convergence_<preset>.json, and the three-panel plot beside it
-# (.png). Environment: RECIPES (default: bf16 and the five recipes), SEEDS (bf16 seeds,
+# PRESET: small (default) or dsv3-like. Writes convergence.json (small) or
+# convergence_<preset>.json, and the three-panel plot of the same name (.png), into OUT_DIR;
+# without OUT_DIR, the JSON goes to benchmarks/results/ and the plot to docs/ (where the
+# repository keeps them: benchmarks/results/ holds JSON only). On the device machine pass $OUT.
+# Environment: RECIPES (default: bf16 and the five recipes), SEEDS (bf16 seeds,
 # default 2), BUDGET (seconds before the job stops cleanly, default 540), ABLATIONS=1 adds the
 # NVFP4 / delayed-scaling ablation runs, PRECISION (auto|bf16|fp32, default: the preset's).
 #
@@ -20,12 +22,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PRESET=${1:-small}
 OUT_DIR=${2:-benchmarks/results}
+PLOT_DIR=${2:-docs}
 NAME=convergence$([ "$PRESET" = small ] || echo "_$PRESET")
 RECIPES=${RECIPES:-bf16 delayed current block mxfp8 nvfp4}
 CKPT_DIR=${CKPT_DIR:-/tmp/qmoe_converge_ckpt/$NAME}
-mkdir -p "$OUT_DIR"
+mkdir -p "$OUT_DIR" "$PLOT_DIR"
 args=(converge --preset "$PRESET" --recipes $RECIPES --seeds "${SEEDS:-2}" --out "$OUT_DIR/$NAME.json"
-      --plot "$OUT_DIR/$NAME.png" --checkpoint-dir "$CKPT_DIR" --time-budget "${BUDGET:-540}" --no-progress)
+      --plot "$PLOT_DIR/$NAME.png" --checkpoint-dir "$CKPT_DIR" --time-budget "${BUDGET:-540}" --no-progress)
 [ -n "${PRECISION:-}" ] && args+=(--precision "$PRECISION")
 [ "${ABLATIONS:-0}" = 1 ] && args+=(--ablations)
 if [ "${RESUME:-0}" = 1 ]; then

@@ -69,8 +69,8 @@ code("""
 path = Path("..") / "benchmarks" / "results" / "convergence.json"
 if path.is_file():
     gpu = json.loads(path.read_text())
-    env = gpu["environment"]
-    print(f"{gpu['config']['preset']} preset on {env['device_name']}, {env['date']}, commit {env['commit']}, "
+    h = gpu["header"]
+    print(f"{gpu['config']['preset']} preset on {h['device']}, {h['date']}, commit {h['commit'][:10]}, "
           f"precision {gpu['precision']}, {gpu['parameters']['total'] / 1e6:.1f}M parameters")
     print(format_table(gpu))
     fig = results_figure(gpu)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -82,7 +83,7 @@ def _cmd_converge(args) -> int:
                              precision=args.precision)
         results = run_converge(cfg, device=args.device, out=args.out, resume=args.resume,
                                checkpoints=args.checkpoint_dir, time_budget=args.time_budget,
-                               progress=not args.no_progress)
+                               command="qmoe " + shlex.join(args.argv), progress=not args.no_progress)
     print(format_table(results))
     print(f"wrote {args.out}")
     if args.plot:
@@ -173,7 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         return args.func(args)
     except (ValueError, TypeError) as e:

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -103,8 +104,12 @@ def format_table(results: dict) -> str:
     return "\n".join(lines + failed)
 
 
-def environment(device) -> dict:
-    """When, where and from what: date, device, versions, commit."""
+RECORDED_ENV = ("QMOE_BACKEND", "TRITON_INTERPRET")  # variables that change what a run computes
+
+
+def run_header(device, command: str | None = None) -> dict:
+    """When, how and on what: the `header` every results file under benchmarks/results/ starts
+    with (date, command, commit, device, torch, triton, ...), as the benchmark suites write it."""
     device = torch.device(device)
     try:
         import triton
@@ -112,26 +117,38 @@ def environment(device) -> dict:
     except ImportError:
         triton_version = None
     import qmoe
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "CPU")
-    root = Path(__file__).resolve().parents[2]
-    commit = None
-    try:
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                                timeout=10).stdout.strip() or None
-        if commit and subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                                     capture_output=True, text=True, timeout=10).stdout.strip():
-            commit += "+dirty"
-    except (OSError, subprocess.SubprocessError):
-        pass
+    on_gpu = device.type == "cuda"
+    if command is None:
+        command = "python " + shlex.join(sys.argv)
+    env = " ".join(f"{k}={shlex.quote(os.environ[k])}" for k in RECORDED_ENV if os.environ.get(k))
+    commit, dirty = _git_commit()
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": str(device), "device_name": name, "cpu_threads": torch.get_num_threads(),
-            "qmoe": qmoe.__version__, "torch": torch.__version__, "triton": triton_version,
-            "python": platform.python_version(), "commit": commit, "command": " ".join(sys.argv)}
+            "command": f"{env} {command}" if env else command, "commit": commit, "uncommitted_changes": dirty,
+            "device": torch.cuda.get_device_name(device) if on_gpu else (platform.processor() or "cpu"),
+            "capability": list(torch.cuda.get_device_capability(device)) if on_gpu else None,
+            "torch": torch.__version__, "triton": triton_version, "python": platform.python_version(),
+            "qmoe": qmoe.__version__, "cpu_threads": torch.get_num_threads()}
+
+
+def _git_commit() -> tuple[str, bool | None]:
+    """(HEAD of the checkout qmoe runs from, whether tracked files differ from it), or ("unknown", None)."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        if len(head) != 40:
+            return "unknown", None
+        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, timeout=10).stdout.strip()
+        return head, bool(status)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown", None
 
 
 def write_results(results: dict, path) -> None:
-    """JSON with the summary refreshed; written to a temporary file, then renamed."""
+    """JSON (header first) with the summary refreshed; written to a temporary file, then renamed."""
     results["summary"] = summarize(results)
+    results = {"header": results["header"], **results}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -180,10 +197,10 @@ def plot_results(results: dict, target) -> list[Path]:
 
 
 def _title(results: dict) -> str:
-    c, e = results["config"], results["environment"]
+    c, h = results["config"], results["header"]
     m = c["model"]
     return (f"preset {c['preset']}: {m['layers']} layers, hidden {m['hidden']}, {m['experts']} experts top-{m['top_k']}, "
-            f"{c['train']['steps']} steps, precision {results.get('precision', '?')} on {e['device_name']}")
+            f"{c['train']['steps']} steps, precision {results.get('precision', '?')} on {h['device']}")
 
 
 def _colors(results: dict) -> dict:

@@ -16,7 +16,7 @@ import torch
 from qmoe.converge.config import ConvergeConfig
 from qmoe.converge.data import load_corpus
 from qmoe.converge.model import MoETransformer
-from qmoe.converge.report import environment, summarize, write_results
+from qmoe.converge.report import run_header, summarize, write_results
 from qmoe.converge.train import resolve_precision, train_run
 
 
@@ -34,13 +34,13 @@ def _comparable(config: dict) -> dict:
     return {k: config[k] for k in ("model", "train")}
 
 
-def new_results(cfg: ConvergeConfig, device) -> dict:
+def new_results(cfg: ConvergeConfig, device, command: str | None = None) -> dict:
     corpus = load_corpus()
     with torch.device("meta"):
         params = MoETransformer(cfg.model).num_parameters()
-    return {"kind": "qmoe converge", "config": cfg.to_dict(), "parameters": params, "data": corpus.describe(),
-            "precision": resolve_precision(cfg.train.precision, torch.device(device)),
-            "environment": environment(device), "runs": {}}
+    return {"header": run_header(device, command), "kind": "qmoe converge", "config": cfg.to_dict(),
+            "parameters": params, "data": corpus.describe(),
+            "precision": resolve_precision(cfg.train.precision, torch.device(device)), "runs": {}}
 
 
 def load_results(path) -> dict:
@@ -55,7 +55,7 @@ def load_results(path) -> dict:
 
 def run_converge(cfg: ConvergeConfig, *, device=None, out=None, resume: bool = False, progress: bool = True,
                  checkpoints=None, time_budget: float | None = None, stop_after: int | None = None,
-                 log=print) -> dict:
+                 command: str | None = None, log=print) -> dict:
     """Train every run of `cfg` (bf16 seeds first); returns the results dict, also written to `out`.
 
     resume: reuse `out`'s finished runs and continue interrupted ones from their checkpoints.
@@ -63,10 +63,11 @@ def run_converge(cfg: ConvergeConfig, *, device=None, out=None, resume: bool = F
     time_budget: seconds; once spent, the run in progress stops at a checkpoint and no other
     starts, so results and plots are written before an outside time limit kills the job.
     stop_after: stop every run after this many steps, leaving a checkpoint (for testing resume).
+    command: the command line recorded in the results' header (default: this process's).
     """
     deadline = time.monotonic() + time_budget if time_budget is not None else None
     device = device or default_device()
-    results = new_results(cfg, device)
+    results = new_results(cfg, device, command)
     if resume and out is not None and Path(out).is_file():
         old = load_results(out)
         if _comparable(old["config"]) != _comparable(results["config"]):
@@ -120,6 +121,6 @@ def merge_results(paths) -> dict:
                 continue
             merged["runs"][label] = run
         merged["config"]["recipes"] += [e for e in r["config"]["recipes"] if e not in merged["config"]["recipes"]]
-        merged.setdefault("merged_environments", []).append(r["environment"])
+        merged.setdefault("merged_headers", []).append(r["header"])
     merged["summary"] = summarize(merged)
     return merged

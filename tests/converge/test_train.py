@@ -108,10 +108,14 @@ def test_tiny_preset_end_to_end(tmp_path, capsys):
     assert sorted(p.name for p in plots.iterdir()) == ["final_gaps.png", "gap_vs_steps.png", "loss_curves.png"]
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in plots.iterdir())
     results = json.loads(out.read_text())
-    for key in ("config", "environment", "data", "parameters", "summary"):
+    assert list(results)[0] == "header"  # as every file under benchmarks/results/ starts
+    for key in ("config", "data", "parameters", "summary"):
         assert key in results
-    for key in ("date", "device", "torch", "python", "commit"):
-        assert key in results["environment"]
+    header = results["header"]
+    for key in ("date", "device", "torch", "commit", "command"):
+        assert isinstance(header[key], str) and header[key]
+    assert header["command"].startswith("qmoe converge --preset tiny")
+    assert len(header["commit"]) == 40 or header["commit"] == "unknown"
     assert list(results["runs"]) == ["bf16-s0", "bf16-s1", "current"]
     steps = results["config"]["train"]["steps"]
     for run in results["runs"].values():
