@@ -196,7 +196,7 @@ def _overlay(section: str, base, values) -> object:
     if values is None:
         return base
     if not isinstance(values, dict):
-        raise ValueError(f"config key {section!r} must be a mapping, got {type(values).__name__}")
+        raise TypeError(f"config key {section!r} must be a mapping, got {type(values).__name__}")
     known = {f.name for f in fields(base)}
     for key in values:
         if key not in known:
@@ -208,14 +208,14 @@ def load_converge_config(source=None, preset_name: str | None = None) -> Converg
     """A ConvergeConfig from a preset overlaid with a config (dict, JSON/YAML text or file path)."""
     cfg = load_config(source) if source is not None else {}
     if not isinstance(cfg, dict):
-        raise ValueError(f"a converge config is a mapping with keys {', '.join(TOP_KEYS)}, got {type(cfg).__name__}")
+        raise TypeError(f"a converge config is a mapping with keys {', '.join(TOP_KEYS)}, got {type(cfg).__name__}")
     for key in cfg:
         if key not in TOP_KEYS:
             raise ValueError(f"unknown config key {key!r}; known: {', '.join(TOP_KEYS)}")
     base = preset(preset_name or cfg.get("preset") or "tiny")
     recipes = cfg.get("recipes", base.recipes)
     if isinstance(recipes, str) or not isinstance(recipes, (list, tuple)):
-        raise ValueError(f"config key 'recipes' must be a list, got {recipes!r}")
+        raise TypeError(f"config key 'recipes' must be a list, got {recipes!r}")
     return ConvergeConfig(base.preset, _overlay("model", base.model, cfg.get("model")),
                           _overlay("train", base.train, cfg.get("train")), tuple(recipes),
                           cfg.get("seeds", base.seeds))
@@ -234,6 +234,3 @@ def with_overrides(cfg: ConvergeConfig, *, recipes=None, seeds=None, steps=None,
         entries += tuple(a for a in ABLATIONS if a not in entries)
     return dataclasses.replace(cfg, train=train, recipes=entries, seeds=seeds if seeds is not None else cfg.seeds)
 
-
-__all__ = ["BASELINE", "ABLATIONS", "ConvergeConfig", "TrainConfig", "RunSpec", "PRESET_NAMES", "preset",
-           "load_converge_config", "with_overrides", "parse_recipe_entry"]

@@ -108,7 +108,7 @@ def test_tiny_preset_end_to_end(tmp_path, capsys):
     assert sorted(p.name for p in plots.iterdir()) == ["final_gaps.png", "gap_vs_steps.png", "loss_curves.png"]
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in plots.iterdir())
     results = json.loads(out.read_text())
-    assert list(results)[0] == "header"  # as every file under benchmarks/results/ starts
+    assert next(iter(results)) == "header"  # as every file under benchmarks/results/ starts
     for key in ("config", "data", "parameters", "summary"):
         assert key in results
     header = results["header"]
