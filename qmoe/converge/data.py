@@ -111,7 +111,8 @@ def _windows(stream: torch.Tensor, generator: torch.Generator, batch: int, seq_l
     return stream[idx].long()
 
 
-def train_batch(corpus: Corpus, step: int, batch: int, seq_len: int, data_seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def train_batch(corpus: Corpus, step: int, batch: int, seq_len: int,
+                data_seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Batch `step`: (inputs [B, S], targets [B, S]) int64 on the CPU, random windows of the train stream.
 
     A pure function of (data_seed, step): the data order is the same for every run.

@@ -199,8 +199,9 @@ def plot_results(results: dict, target) -> list[Path]:
 def _title(results: dict) -> str:
     c, h = results["config"], results["header"]
     m = c["model"]
-    return (f"preset {c['preset']}: {m['layers']} layers, hidden {m['hidden']}, {m['experts']} experts top-{m['top_k']}, "
-            f"{c['train']['steps']} steps, precision {results.get('precision', '?')} on {h['device']}")
+    return (f"preset {c['preset']}: {m['layers']} layers, hidden {m['hidden']}, {m['experts']} experts "
+            f"top-{m['top_k']}, {c['train']['steps']} steps, precision {results.get('precision', '?')} "
+            f"on {h['device']}")
 
 
 def _colors(results: dict) -> dict:
