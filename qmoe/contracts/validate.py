@@ -35,6 +35,80 @@ def check_out_dtype(out_dtype) -> None:
         raise TypeError(f"out_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
 
 
+def check_size(name: str, v, owner: str = "") -> None:
+    """A positive int size (hidden_size, num_experts, ...): ValueError naming `owner name`."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{owner + ' ' if owner else ''}{name} must be a positive integer, got {v!r}")
+
+
+def check_flag(name: str, v, owner: str = "") -> None:
+    """A bool option: a string such as 'no' is truthy, so anything but True/False is refused."""
+    if not isinstance(v, bool):
+        raise TypeError(f"{owner + ' ' if owner else ''}{name} must be True or False, got {v!r}")
+
+
+def check_number(name: str, v, owner: str = "", *, minimum: float = 0.0, positive: bool = False) -> None:
+    """A finite Python number >= minimum (> minimum with positive=True), not a bool, NaN or inf."""
+    what = f"{owner + ' ' if owner else ''}{name}"
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{what} must be a Python number, got {type(v).__name__} {v!r}")
+    if not math.isfinite(v) or v < minimum or (positive and v == minimum):
+        bound = f"> {minimum:g}" if positive else f">= {minimum:g}"
+        raise ValueError(f"{what} must be a finite number {bound}, got {v!r}")
+
+
+PARAMS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_params_dtype(params_dtype, owner: str = "") -> None:
+    """None (torch's default dtype) or a floating dtype parameters can be trained in."""
+    if params_dtype is not None and params_dtype not in PARAMS_DTYPES:
+        raise TypeError(f"{owner + ' ' if owner else ''}params_dtype must be None, torch.float32, torch.bfloat16 "
+                        f"or torch.float16, got {params_dtype!r}")
+
+
+def check_layer_input(owner: str, x, width: int, layout: str = "[..., H]") -> None:
+    """A module's activation input: a float32/bfloat16/float16 tensor whose last dimension is `width`
+    (`layout` "[R, K]" also asks for 2-D); TypeError for the type or dtype, ValueError for the shape."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{owner} input x must be a torch.Tensor {layout}, got {type(x).__name__}")
+    if x.dtype not in PARAMS_DTYPES:
+        raise TypeError(f"{owner} input x must be float32, bfloat16 or float16, got {x.dtype}")
+    if x.dim() < 1 or (layout.count(",") == 1 and "..." not in layout and x.dim() != 2) or x.shape[-1] != width:
+        raise ValueError(f"{owner} expects x {layout} with last dimension {width}, got shape {tuple(x.shape)}")
+
+
+def check_dequantize_dtype(dtype) -> None:
+    """The dtype `dequantize` returns: a floating dtype (an int would truncate the values)."""
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dequantize dtype must be torch.float32, torch.bfloat16, torch.float16 or "
+                        f"torch.float64, got {dtype!r}")
+
+
+def check_device(device, name: str = "device") -> torch.device | None:
+    """None or something torch.device accepts ('cpu', 'cuda:0', a torch.device); the parsed device."""
+    if device is None:
+        return None
+    if not isinstance(device, (str, torch.device, int)) or isinstance(device, bool):
+        raise TypeError(f"{name} must be None, a string such as 'cpu' or 'cuda:0', or a torch.device, got "
+                        f"{type(device).__name__} {device!r}")
+    try:
+        return torch.device(device)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise ValueError(f"{name}={device!r} is not a device torch knows ({e})") from None
+
+
+def check_process_group(name: str, group) -> None:
+    """None or a torch.distributed process group."""
+    if group is None:
+        return
+    import torch.distributed as dist
+
+    if not dist.is_available() or not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{name} must be None or a torch.distributed process group (dist.new_group(...)), got "
+                        f"{type(group).__name__} {group!r}")
+
+
 # ---------------------------------------------------------------- split sizes
 
 def host_readable(split_sizes) -> bool:
@@ -186,8 +260,8 @@ def check_topk_route_args(logits, top_k, score_function, pre_softmax, num_groups
     if normalize_topk_probs is False and fn is ScoreFunction.SOFTMAX and not pre_softmax:
         raise ValueError("normalize_topk_probs=False needs pre_softmax=True with score_function='softmax': "
                          "a softmax over the chosen experts sums to 1 by construction")
-    if scaling_factor is not None and not isinstance(scaling_factor, (int, float)):
-        raise TypeError(f"scaling_factor must be a Python number or None, got {type(scaling_factor).__name__}")
+    if scaling_factor is not None:
+        check_number("scaling_factor", scaling_factor, positive=True)
     if expert_bias is not None:
         if not isinstance(expert_bias, torch.Tensor) or not expert_bias.is_floating_point():
             raise TypeError("expert_bias must be a floating-point tensor [E] (fp32 recommended)")

@@ -11,7 +11,8 @@ from qmoe.autocast import RecipeState, autocast_state
 from qmoe.ops.grouped_gemm import select_grouped_path
 from qmoe.ops.grouped_linear import grouped_linear
 from qmoe.contracts.carriers import is_glu
-from qmoe.contracts.validate import check_activation, check_split_sizes
+from qmoe.contracts.validate import (PARAMS_DTYPES, check_activation, check_device, check_flag, check_layer_input,
+                                     check_params_dtype, check_size, check_split_sizes)
 
 _PER_EXPERT = re.compile(r"^(weight|bias)(\d+)$")
 
@@ -39,8 +40,13 @@ class GroupedLinear(nn.Module):
                  delay_wgrad_compute: bool = False, grouped_path: str = "auto", params_dtype=None, device=None):
         super().__init__()
         for name, v in (("num_groups", num_groups), ("in_features", in_features), ("out_features", out_features)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"GroupedLinear {name} must be a positive integer, got {v!r}")
+            check_size(name, v, "GroupedLinear")
+        for name, v in (("bias", bias), ("single_grouped_weight", single_grouped_weight),
+                        ("single_grouped_bias", single_grouped_bias), ("scale_bias", scale_bias),
+                        ("delay_wgrad_compute", delay_wgrad_compute)):
+            check_flag(name, v, "GroupedLinear")
+        check_params_dtype(params_dtype, "GroupedLinear")
+        device = check_device(device)
         if scale_bias and not bias:
             raise ValueError("scale_bias=True needs bias=True")
         select_grouped_path(grouped_path, "cpu")  # validates the name
@@ -157,10 +163,9 @@ class GroupedLinear(nn.Module):
             if not isinstance(input_activation, tuple) or len(input_activation) != 3:
                 raise TypeError("input_activation must be (activation, probs or None, glu_interleave_size or None)")
             width *= 2 if is_glu(check_activation(input_activation[0])) else 1
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() != 2:
-            raise TypeError(f"GroupedLinear expects a floating-point x [R, {width}], got "
-                            f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-        if x.shape[1] != width:
+        if not isinstance(x, torch.Tensor) or x.dtype not in PARAMS_DTYPES:
+            check_layer_input("GroupedLinear", x, width, f"[R, {width}]")
+        if x.dim() != 2 or x.shape[1] != width:
             what = f" (the {input_activation[0]} activation's input)" if input_activation is not None else ""
             raise ValueError(f"GroupedLinear expects x [R, {width}]{what}, got {tuple(x.shape)}")
         # values are checked by the op where they can be read without a host sync

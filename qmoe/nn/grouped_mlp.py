@@ -6,7 +6,7 @@ from torch import nn
 
 from qmoe.nn.grouped_linear import GroupedLinear
 from qmoe.contracts.carriers import deinterleave_glu, interleave_glu, is_glu
-from qmoe.contracts.validate import check_activation
+from qmoe.contracts.validate import check_activation, check_flag, check_params_dtype, check_size
 
 
 class GroupedMLP(nn.Module):
@@ -33,6 +33,13 @@ class GroupedMLP(nn.Module):
                  delay_wgrad_compute: bool = False, single_grouped_weight: bool = True, params_dtype=None,
                  device=None):
         super().__init__()
+        for name, v in (("num_experts", num_experts), ("hidden_size", hidden_size),
+                        ("ffn_hidden_size", ffn_hidden_size)):
+            check_size(name, v, "GroupedMLP")
+        for name, v in (("bias", bias), ("delay_wgrad_compute", delay_wgrad_compute),
+                        ("single_grouped_weight", single_grouped_weight)):
+            check_flag(name, v, "GroupedMLP")
+        check_params_dtype(params_dtype, "GroupedMLP")
         self.activation = check_activation(activation)
         glu = is_glu(activation)
         if glu_interleave_size is not None:

@@ -16,6 +16,7 @@ from qmoe.nn.grouped_mlp import GroupedMLP
 from qmoe.nn.mlp import MLP
 from qmoe.nn.router import TopKRouter
 from qmoe.contracts.carriers import num_permuted_rows
+from qmoe.contracts.validate import check_flag, check_layer_input, check_params_dtype, check_process_group, check_size
 
 
 # qmoe.parallel sits above qmoe.nn (DESIGN.md) and builds on its modules; it registers its
@@ -80,6 +81,14 @@ class MoELayer(nn.Module):
                  grouped_path: str = "auto", delay_wgrad_compute: bool = False, ep_group=None,
                  quantized_dispatch: bool = True):
         super().__init__()
+        for name, v in (("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size),
+                        ("num_experts", num_experts), ("top_k", top_k)):
+            check_size(name, v, "MoELayer")
+        for name, v in (("pre_softmax", pre_softmax), ("expert_bias", expert_bias), ("bias", bias),
+                        ("delay_wgrad_compute", delay_wgrad_compute), ("quantized_dispatch", quantized_dispatch)):
+            check_flag(name, v, "MoELayer")
+        check_params_dtype(params_dtype, "MoELayer")
+        check_process_group("ep_group", ep_group)
         self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
         self.router = TopKRouter(hidden_size, num_experts, top_k, score_function=score_function,
                                  pre_softmax=pre_softmax, num_groups=num_groups, group_topk=group_topk,
@@ -117,10 +126,7 @@ class MoELayer(nn.Module):
         self.aux_loss: torch.Tensor = torch.zeros(())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 1 \
-                or x.shape[-1] != self.hidden_size:
-            raise ValueError(f"MoELayer expects a floating-point input [..., {self.hidden_size}], got "
-                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        check_layer_input("MoELayer", x, self.hidden_size, f"[..., {self.hidden_size}]")
         shape = x.shape
         tokens = x.reshape(-1, self.hidden_size)
         seq_length = shape[-2] if x.dim() >= 3 else None

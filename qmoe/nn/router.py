@@ -6,7 +6,8 @@ from torch import nn
 
 from qmoe import ops
 from qmoe.contracts.enums import parse_score_function
-from qmoe.contracts.validate import check_topk_route_args
+from qmoe.contracts.validate import (check_capacity_factor, check_device, check_flag, check_number, check_size,
+                                     check_topk_route_args)
 from qmoe.ops.router import balance_scores
 
 
@@ -36,14 +37,18 @@ class TopKRouter(nn.Module):
                  normalize_topk_probs: bool | None = None, router_bias: bool = False, device=None):
         super().__init__()
         for name, v in (("hidden_size", hidden_size), ("num_experts", num_experts), ("top_k", top_k)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"TopKRouter {name} must be a positive integer, got {v!r}")
+            check_size(name, v, "TopKRouter")
         if top_k > num_experts:
             raise ValueError(f"top_k={top_k} exceeds num_experts={num_experts}")
         for name, v in (("aux_loss_coeff", aux_loss_coeff), ("seq_aux_loss_coeff", seq_aux_loss_coeff),
-                        ("z_loss_coeff", z_loss_coeff)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                raise ValueError(f"TopKRouter {name} must be a number >= 0, got {v!r}")
+                        ("z_loss_coeff", z_loss_coeff), ("expert_bias_update_rate", expert_bias_update_rate)):
+            check_number(name, v, "TopKRouter")
+        check_flag("pre_softmax", pre_softmax, "TopKRouter")
+        check_flag("expert_bias", expert_bias, "TopKRouter")
+        check_flag("router_bias", router_bias, "TopKRouter")
+        if capacity_factor is not None:
+            check_capacity_factor(capacity_factor)
+        device = check_device(device)
         self.num_experts, self.top_k = num_experts, top_k
         self.score_function = parse_score_function(score_function)
         # the routing options are checked here, so a bad combination fails at construction

@@ -309,7 +309,7 @@ def _layer(**kw):
 
 @pytest.mark.parametrize("call, exc", [
     (lambda: _layer()(torch.randn(5, 9), torch.tensor([1, 2, 2])), ValueError),
-    (lambda: _layer()(torch.randn(5), torch.tensor([1, 2, 2])), TypeError),
+    (lambda: _layer()(torch.randn(5), torch.tensor([1, 2, 2])), ValueError),
     (lambda: _layer()(torch.randint(0, 3, (5, 8)), torch.tensor([1, 2, 2])), TypeError),
     (lambda: _layer()(torch.randn(5, 8), [1, 2, 2]), TypeError),
     (lambda: _layer()(torch.randn(5, 8), torch.tensor([1.0, 2.0, 2.0])), TypeError),

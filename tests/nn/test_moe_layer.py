@@ -533,9 +533,9 @@ def test_glu_interleave_gives_the_same_layer():
 
 @pytest.mark.parametrize("build, call, exc", [
     (lambda: _make(2), lambda m: m(torch.randn(4, H + 1)), ValueError),
-    (lambda: _make(2), lambda m: m(torch.randint(0, 3, (4, H))), ValueError),
+    (lambda: _make(2), lambda m: m(torch.randint(0, 3, (4, H))), TypeError),
     (lambda: _make(2), lambda m: m(torch.tensor(1.0)), ValueError),
-    (lambda: _make(2), lambda m: m([[0.0] * H]), ValueError),
+    (lambda: _make(2), lambda m: m([[0.0] * H]), TypeError),
     (lambda: _make(E + 1), None, ValueError),
     (lambda: _make(2, activation="silu"), None, ValueError),
     (lambda: _make(2, score_function="tanh"), None, ValueError),
