@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qmoe.contracts.validate import check_process_group
 from qmoe.quant.delayed import close_forward_region, open_forward_region
 from qmoe.recipes import DelayedScaling, Recipe
 from qmoe.recipes.recipe import ROLES
@@ -69,6 +70,7 @@ class autocast:  # noqa: N801 - named like torch.autocast
                             f"use qmoe.recipes.recipe_from_config for dicts and files")
         if not isinstance(enabled, bool):
             raise TypeError(f"enabled must be True or False, got {enabled!r}")
+        check_process_group("amax_reduction_group", amax_reduction_group)
         self.recipe = recipe if recipe is not None else DelayedScaling()
         self.enabled, self.group = enabled, amax_reduction_group
         self._tokens: list = []

@@ -372,6 +372,17 @@ def check_permute_index_args(routing_map, top_k, align_size) -> None:
                          f"got {align_size!r}")
 
 
+def check_routing_top_k(routing_map, top_k) -> None:
+    """No token chose more than top_k experts (R = T * top_k + ... holds every copy). Read only where
+    the map is host-readable (`host_readable`); a device map is trusted, as device split sizes are."""
+    if top_k is None or not host_readable(routing_map) or routing_map.numel() == 0:
+        return
+    most = int(routing_map.sum(dim=1).max())
+    if most > top_k:
+        raise ValueError(f"top_k={top_k} but a token of routing_map chose {most} experts; pass the top_k the "
+                         f"map was routed with")
+
+
 def check_rows(name: str, t, num_rows: int, device) -> None:
     """A per-row tensor [num_rows, N] (or [num_rows]) of any dtype, on `device`."""
     if not isinstance(t, torch.Tensor):

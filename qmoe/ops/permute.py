@@ -15,7 +15,7 @@ import torch
 from qmoe.backend import use_kernels
 from qmoe.reference import permute as reference
 from qmoe.contracts.carriers import RowIdMap
-from qmoe.contracts.validate import check_merging_probs, check_permute_index_args, check_rows
+from qmoe.contracts.validate import check_merging_probs, check_permute_index_args, check_routing_top_k, check_rows
 from qmoe.dispatch import PERMUTE
 
 __all__ = ["moe_permute", "moe_unpermute", "RowIdMap"]
@@ -70,6 +70,7 @@ def _check_permute_args(x, routing_map, probs, align_size, top_k, row_scales):
         raise ValueError(f"x must be a 2-D tensor [T, H], got {tuple(getattr(x, 'shape', ()))}; "
                          "flatten leading dimensions and pass restore_shape to moe_unpermute")
     check_permute_index_args(routing_map, 1 if top_k is None else top_k, align_size)
+    check_routing_top_k(routing_map, top_k)
     t, e = routing_map.shape
     check_rows("x", x, t, routing_map.device)
     if probs is not None:

@@ -11,7 +11,7 @@ import torch
 from qmoe.backend import use_kernels
 from qmoe.contracts.carriers import ActivatedRows
 from qmoe.contracts.formats import pack_e2m1, unpack_e2m1
-from qmoe.contracts.validate import check_split_sizes
+from qmoe.contracts.validate import check_dequantize_dtype, check_flag, check_split_sizes
 from qmoe.dispatch import ACTIVATION
 from qmoe.quant.quantizer import NVFP4Quantizer, Quantizer, check_float_input
 from qmoe.quant.tensor import QuantizedTensor
@@ -86,6 +86,8 @@ class GroupedTensor:
             x = ACTIVATION.pick("scaled_activation_forward", x.h)(*x)
         if x.dim() != 2:
             raise ValueError(f"GroupedTensor.quantize needs a 2-D input [sum M_g, K], got shape {tuple(x.shape)}")
+        check_flag("rowwise", rowwise)
+        check_flag("columnwise", columnwise)
         if not (rowwise or columnwise):
             raise ValueError("GroupedTensor.quantize needs rowwise=True, columnwise=True or both")
         splits = _device_splits(split_sizes, x.shape[0], x.device, validate)
@@ -167,6 +169,8 @@ class GroupedTensor:
 
     def dequantize(self, dtype: torch.dtype = torch.float32, columnwise: bool = False) -> torch.Tensor:
         """[sum M, K] high-precision values (columnwise=True: the [K, sum M] transposed copies)."""
+        check_dequantize_dtype(dtype)
+        check_flag("columnwise", columnwise)
         parts = [t.dequantize(dtype, columnwise=columnwise) for t in self.split()]
         return torch.cat(parts, 1 if columnwise else 0)
 

@@ -7,10 +7,13 @@ on sm90+ GPUs and the reference (the spec) elsewhere, with identical signatures.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from qmoe.contracts.carriers import ActivatedRows
 from qmoe.contracts.errors import refuse_compile
+from qmoe.contracts.validate import check_flag
 from qmoe.contracts.formats import (E2M1, FP8_BLOCK, MXFP8_BLOCK, NVFP4_BLOCK, RHT_SIZE, ElementFormat, ScaleMode,
                                    ceil_div)
 from qmoe.dispatch import GROUPED_QUANTIZE, QUANTIZE, QUANTIZE_NVFP4, Dispatch
@@ -47,9 +50,11 @@ class Quantizer:
     def quantize(self, x: torch.Tensor, rowwise: bool = True, columnwise: bool = True) -> QuantizedTensor:
         """Quantize x [..., K] (leading dims flatten into M); columnwise is the quantized transpose [K, M]."""
         check_float_input(x)
+        check_flag("rowwise", rowwise)
+        check_flag("columnwise", columnwise)
         if not (rowwise or columnwise):
             raise ValueError("quantize needs rowwise=True, columnwise=True or both")
-        x2d = x.reshape(-1, x.shape[-1])
+        x2d = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # not -1: [M, 0] and [0, 0] are valid
         self.check_shape(*x2d.shape, rowwise=rowwise, columnwise=columnwise)
         parts = self._quantize_2d(x2d, rowwise, columnwise)
         return QuantizedTensor(self, x.shape, x.dtype, **parts)

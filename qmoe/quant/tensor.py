@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from qmoe.contracts.validate import check_dequantize_dtype, check_flag
+
 
 @dataclass(eq=False, repr=False)
 class QuantizedTensor:
@@ -48,6 +50,8 @@ class QuantizedTensor:
 
     def dequantize(self, dtype: torch.dtype = torch.float32, columnwise: bool = False) -> torch.Tensor:
         """High-precision values: rowwise in the original shape, or the columnwise copy as [K, M]."""
+        check_dequantize_dtype(dtype)
+        check_flag("columnwise", columnwise)
         if columnwise and self.columnwise_data is None:
             raise ValueError("this tensor was quantized without columnwise data; "
                              "quantize(..., columnwise=True) to get the transposed copy")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from qmoe.contracts.formats import E4M3, E5M2, ElementFormat, ScaleMode
 
 ROLES = ("input", "weight", "grad_output")
+MAX_ALIGN_SIZE = 4096  # padding rows per expert beyond this would dwarf any real token group
 
 
 class Format(enum.Enum):
@@ -88,8 +89,22 @@ class Recipe:
     def element_format(self, role: str) -> ElementFormat:
         raise NotImplementedError
 
+    def align_multiple(self) -> int:
+        """What every expert's row count must be a multiple of for this recipe's kernels (1: anything)."""
+        return 1
+
+    def align_reason(self) -> str:
+        return ""
+
     def _validate_common(self):
         _check_positive_int(self, "align_size")
+        if self.align_size > MAX_ALIGN_SIZE:
+            raise ValueError(f"{type(self).__name__}.align_size={self.align_size} is more than {MAX_ALIGN_SIZE}: every "
+                             f"expert's group is padded by up to align_size - 1 rows")
+        need = self.align_multiple()
+        if self.align_size % need:
+            raise ValueError(f"{type(self).__name__}.align_size={self.align_size} must be a multiple of {need}: "
+                             f"{self.align_reason()}")
         for f in fields(self):
             if f.type in ("bool", bool):
                 _check_bool(self, f.name)
@@ -194,6 +209,15 @@ class NVFP4BlockScaling(Recipe):
 
     def __post_init__(self):
         self._validate_common()
+
+    def align_multiple(self) -> int:
+        return 2 if self.disable_rht else 16
+
+    def align_reason(self) -> str:
+        if self.disable_rht:
+            return "the columnwise (wgrad) copy packs two rows per byte"
+        return ("the random Hadamard transform of the columnwise (wgrad) copy runs over 16 rows "
+                "(NVFP4BlockScaling(disable_rht=True) needs a multiple of 2)")
 
     def element_format(self, role):
         from qmoe.contracts.formats import E2M1
