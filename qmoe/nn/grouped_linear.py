@@ -112,6 +112,9 @@ class GroupedLinear(nn.Module):
                 if key.startswith(prefix):
                     m = _PER_EXPERT.match(key[len(prefix):])
                     if m and m.group(1) == name:
+                        if m.group(2) != str(int(m.group(2))):  # weight00 would silently replace weight0
+                            raise ValueError(f"state_dict key {key!r} is not a per-expert key: expected "
+                                             f"{prefix}{name}0 .. {prefix}{name}{self.num_groups - 1}")
                         per[int(m.group(2))] = key
             has_grouped = grouped_key in state_dict
             if has_grouped and per:
@@ -123,6 +126,12 @@ class GroupedLinear(nn.Module):
                 raise ValueError(f"state_dict's per-expert {name}s are incomplete for {self.num_groups} experts "
                                  f"(missing {prefix}{name}{missing[:4]}..., extra {extra})")
             if single and per:
+                want = (self.out_features, self.in_features) if name == "weight" else (self.out_features,)
+                for g in range(self.num_groups):
+                    t = state_dict[per[g]]
+                    if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
+                        raise ValueError(f"state_dict[{per[g]!r}] must have shape {list(want)}, got "
+                                         f"{list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
                 state_dict[grouped_key] = torch.stack([state_dict.pop(per[g]) for g in range(self.num_groups)])
             elif not single and has_grouped:
                 stacked = state_dict.pop(grouped_key)
