@@ -17,7 +17,9 @@ def _cmd_info(args) -> int:
     import qmoe
     from qmoe.capabilities import capabilities
 
-    device = torch.device(args.device) if args.device else None
+    from qmoe.run_config import parse_device
+
+    device = parse_device(args.device) if args.device else None
     caps = capabilities(device)
     try:
         import triton
@@ -45,10 +47,28 @@ def _print_and_save(args, rows, format_table, rows_as_dicts, plot) -> None:
         print(f"wrote {args.plot}")
 
 
+def _check_run_args(args) -> None:
+    """Everything a compare/report run is told, checked before it starts (exit 2, one line)."""
+    from qmoe.run_config import check_output_path, parse_device
+
+    args.device = str(parse_device(args.device))
+    check_output_path(args.json, "--json")
+    check_output_path(args.plot, "--plot")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--plot needs matplotlib: pip install matplotlib (or pip install 'qmoe[test]')") \
+                from None
+
+
 def _cmd_report(args) -> int:
     from qmoe.report import format_table, load_report_config, plot_report, rows_as_dicts, run_report
 
-    recipes, shapes, seed = load_report_config(args.config) if args.config else (None, None, args.seed)
+    _check_run_args(args)
+    recipes, shapes, seed = load_report_config(args.config) if args.config else (None, None, 0)
+    if args.seed is not None:
+        seed = args.seed
     rows = run_report(recipes, shapes, seed=seed, device=args.device, progress=not args.no_progress)
     _print_and_save(args, rows, format_table, rows_as_dicts, plot_report)
     return 0
@@ -57,6 +77,7 @@ def _cmd_report(args) -> int:
 def _cmd_compare(args) -> int:
     from qmoe.compare import format_table, load_compare_config, plot_compare, rows_as_dicts, run_compare
 
+    _check_run_args(args)
     kwargs = load_compare_config(args.config) if args.config else {}
     if args.seed is not None:
         kwargs["seed"] = args.seed
@@ -116,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.set_defaults(func=_cmd_info)
     cmp = sub.add_parser("compare", help="an MoE layer's forward and backward under every recipe: error, time, path")
     cmp.add_argument("--config", help="YAML/JSON file: recipes, shape {tokens, hidden, ffn, experts, top_k}, "
-                                      "seed, steps")
+                                      "seed, steps (the schema qmoe report reads too)")
     cmp.add_argument("--plot", help="save a figure (PNG) of error and time per recipe")
     cmp.add_argument("--json", help="save the rows as JSON")
     cmp.add_argument("--seed", type=int, default=None, help="overrides the config's seed (default 0)")
@@ -125,10 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--no-progress", action="store_true", help="no progress bar")
     cmp.set_defaults(func=_cmd_compare)
     rep = sub.add_parser("report", help="quantize realistic tensors with every recipe and compare")
-    rep.add_argument("--config", help="YAML/JSON file: recipes, shapes {tokens, hidden, ffn}, seed")
+    rep.add_argument("--config", help="YAML/JSON file: recipes, shape {tokens, hidden, ffn}, seed (compare's "
+                                      "schema: its fp32/bf16 entries, experts, top_k and steps are skipped)")
     rep.add_argument("--plot", help="save a figure (PNG) of the results")
     rep.add_argument("--json", help="save the rows as JSON")
-    rep.add_argument("--seed", type=int, default=0)
+    rep.add_argument("--seed", type=int, default=None, help="overrides the config's seed (default 0)")
     rep.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     rep.add_argument("--no-progress", action="store_true", help="no progress bar")
     rep.set_defaults(func=_cmd_report)

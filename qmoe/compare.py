@@ -34,10 +34,9 @@ from qmoe.capabilities import capabilities
 from qmoe.nn.moe import MoELayer
 from qmoe.ops.grouped_gemm import select_grouped_path
 from qmoe.recipes import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling,
-                          NVFP4BlockScaling, Recipe, recipe_from_config, recipe_to_config)
-from qmoe.recipes.config import load_config
-from qmoe.recipes.recipe import RECIPES
+                          NVFP4BlockScaling, recipe_to_config)
 from qmoe.report import realistic_tensors
+from qmoe.run_config import CONFIG_KEYS, load_run_config, parse_device  # noqa: F401 (CONFIG_KEYS: public)
 
 # Small enough for a laptop CPU through the pure-torch reference (the NVFP4 reference dominates);
 # the CUDA default is a mid-sized layer where the kernels, not launch overheads, set the time.
@@ -45,7 +44,6 @@ DEFAULT_SHAPE_CPU = {"tokens": 512, "hidden": 256, "ffn": 512, "experts": 8, "to
 DEFAULT_SHAPE_CUDA = {"tokens": 8192, "hidden": 2048, "ffn": 1024, "experts": 32, "top_k": 4}
 HIGH_PRECISION = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GRADIENTS = ("input", "router", "fc1", "fc2")  # the gradients compared, besides the output
-CONFIG_KEYS = ("recipes", "shape", "seed", "steps")
 
 
 @dataclass
@@ -111,15 +109,7 @@ def resolve_path(spec, layer: MoELayer, device) -> str:
 
 
 def _check_device(device) -> torch.device:
-    try:
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device {device!r} is not a torch device; use cpu or cuda") from e
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device cuda was asked for but this torch has no usable CUDA device; use --device cpu")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"qmoe compare runs on cpu or cuda, not {device.type}")
-    return device
+    return parse_device(device, "device")
 
 
 def _sync(device: torch.device) -> None:
@@ -216,66 +206,14 @@ def format_table(rows: list[CompareRow]) -> str:
     return "\n".join(lines)
 
 
-def _parse_recipe(entry):
-    """A config's recipe entry: "bf16"/"fp32", a recipe name, or a recipe_from_config mapping."""
-    name = entry if isinstance(entry, str) else entry.get("name") if isinstance(entry, dict) else None
-    if isinstance(name, str) and name not in HIGH_PRECISION and name not in RECIPES:
-        raise ValueError(f"unknown recipe name {name!r}; expected one of {', '.join([*HIGH_PRECISION, *RECIPES])}")
-    if isinstance(entry, str):
-        return entry if entry in HIGH_PRECISION else recipe_from_config({"name": entry})
-    if isinstance(entry, dict) and entry.get("name") in HIGH_PRECISION:
-        if len(entry) > 1:
-            raise ValueError(f"high-precision entry {entry['name']!r} takes no other keys, got {sorted(entry)}")
-        return entry["name"]
-    if isinstance(entry, Recipe):
-        return entry
-    return recipe_from_config(entry)
-
-
-def _check_shape(shape) -> dict:
-    if not isinstance(shape, dict):
-        raise ValueError(f"'shape' must be a mapping with keys {', '.join(DEFAULT_SHAPE_CPU)}, got {shape!r}")
-    bad = sorted(set(shape) - set(DEFAULT_SHAPE_CPU))
-    if bad:
-        raise ValueError(f"unknown shape key(s) {bad}; valid: {', '.join(DEFAULT_SHAPE_CPU)}")
-    for k, v in shape.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"shape {k}={v!r} must be a positive integer")
-        if k in ("hidden", "ffn") and v % 16:  # NVFP4's 16-value blocks (and Hadamard runs) along H and F
-            raise ValueError(f"shape {k}={v} must be a multiple of 16 (NVFP4 quantizes 16-value blocks along it)")
-    top_k, experts = shape.get("top_k"), shape.get("experts")
-    if top_k is not None and experts is not None and top_k > experts:
-        raise ValueError(f"shape top_k={top_k} exceeds experts={experts}")
-    return dict(shape)
-
-
 def load_compare_config(path) -> dict:
-    """`--config FILE` (YAML or JSON) -> keyword arguments of `run_compare`.
+    """`--config FILE` (YAML or JSON) -> keyword arguments of `run_compare`: the schema shared with
+    `qmoe report` (`qmoe.run_config`), e.g.
 
-    {"recipes": ["bf16", {"name": "mxfp8"}, {"name": "nvfp4", "disable_rht": true}],
+    {"recipes": ["bf16", "mxfp8", {"name": "nvfp4", "disable_rht": true}],
      "shape": {"tokens", "hidden", "ffn", "experts", "top_k"}, "seed": 0, "steps": 3}
     """
-    cfg = load_config(path)
-    if not isinstance(cfg, dict):
-        raise ValueError(f"a compare config is a mapping with optional keys {', '.join(CONFIG_KEYS)}")
-    unknown = sorted(set(cfg) - set(CONFIG_KEYS))
-    if unknown:
-        raise ValueError(f"unknown compare config key(s) {unknown}; valid: {', '.join(CONFIG_KEYS)}")
-    out = {}
-    if "recipes" in cfg:
-        if not isinstance(cfg["recipes"], list) or not cfg["recipes"]:
-            raise ValueError("'recipes' must be a non-empty list of recipe names or {name: ..., field: ...} "
-                             "mappings (names: fp32, bf16, delayed, current, block, mxfp8, nvfp4)")
-        out["recipes"] = [_parse_recipe(e) for e in cfg["recipes"]]
-    if "shape" in cfg:
-        out["shape"] = _check_shape(cfg["shape"])
-    for key in ("seed", "steps"):
-        if key in cfg:
-            v = cfg[key]
-            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if key == "steps" else 0):
-                raise ValueError(f"'{key}' must be an integer >= {1 if key == 'steps' else 0}, got {v!r}")
-            out[key] = v
-    return out
+    return load_run_config(path, default_recipes())
 
 
 def compare_figure(rows: list[CompareRow]):

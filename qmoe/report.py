@@ -13,9 +13,9 @@ import torch
 
 from qmoe.capabilities import capabilities
 from qmoe.recipes import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling,
-                          NVFP4BlockScaling, recipe_from_config, recipe_to_config)
-from qmoe.recipes.config import load_config
+                          NVFP4BlockScaling, recipe_to_config)
 from qmoe.recipes.recipe import ROLES
+from qmoe.run_config import load_run_config, parse_device
 
 DEFAULT_SHAPES = {"tokens": 2048, "hidden": 1024, "ffn": 1024}
 
@@ -82,7 +82,7 @@ def run_report(recipes=None, shapes=None, seed: int = 0, device=None, progress: 
     """Quantize the realistic set with every recipe and role; one row per (recipe, role, copy)."""
     recipes = recipes or default_recipes()
     shapes = {**DEFAULT_SHAPES, **(shapes or {})}
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = parse_device(device, "device")
     tensors = realistic_tensors(shapes["tokens"], shapes["hidden"], shapes["ffn"], seed, device)
     caps = capabilities(device)
     jobs = [(r, role) for r in recipes for role in ROLES]
@@ -120,22 +120,17 @@ def format_table(rows: list[ReportRow]) -> str:
 
 
 def load_report_config(path) -> tuple[list, dict, int]:
-    """`--config FILE`: {"recipes": [{"name": ...}, ...], "shapes": {"tokens", "hidden", "ffn"}, "seed": int}."""
-    cfg = load_config(path)
-    if not isinstance(cfg, dict):
-        raise ValueError("a report config is a mapping with optional keys 'recipes', 'shapes', 'seed'")
-    unknown = sorted(set(cfg) - {"recipes", "shapes", "seed"})
-    if unknown:
-        raise ValueError(f"unknown report config key(s) {unknown}; valid: recipes, shapes, seed")
-    recipes = [recipe_from_config(r) for r in cfg.get("recipes", [])] or None
-    shapes = cfg.get("shapes", {})
-    bad = sorted(set(shapes) - set(DEFAULT_SHAPES))
-    if bad:
-        raise ValueError(f"unknown shape key(s) {bad}; valid: {', '.join(DEFAULT_SHAPES)}")
-    for k, v in shapes.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < 16 or v % 16:
-            raise ValueError(f"shape {k}={v!r} must be a positive multiple of 16 (NVFP4's RHT needs it)")
-    return recipes, shapes, int(cfg.get("seed", 0))
+    """`--config FILE` -> (recipes or None, shape {tokens, hidden, ffn}, seed): the schema shared with
+    `qmoe compare` (`qmoe.run_config`); report skips its fp32/bf16 entries and its other keys."""
+    cfg = load_run_config(path, default_recipes(), dims_quantized=("tokens", "hidden", "ffn"))
+    recipes = None
+    if "recipes" in cfg:
+        recipes = [r for r in cfg["recipes"] if not isinstance(r, str)]
+        if not recipes:
+            raise ValueError("config key 'recipes' names no quantization recipe (report has nothing to do for "
+                             "fp32 or bf16)")
+    shape = {k: v for k, v in cfg.get("shape", {}).items() if k in DEFAULT_SHAPES}
+    return recipes, shape, cfg.get("seed", 0)
 
 
 def plot_report(rows: list[ReportRow], path) -> None:

@@ -41,7 +41,7 @@ def test_report_with_config_plot_and_json(tmp_path, capsys):
 @pytest.mark.parametrize("text, msg", [
     ("recipes: [{name: fp3}]", "unknown recipe name"),
     ("shapes: {tokens: 10}", "multiple of 16"),
-    ("colour: red", "unknown report config key"),
+    ("colour: red", "unknown config key"),
 ])
 def test_report_bad_config_is_a_clear_error(tmp_path, capsys, text, msg):
     cfg = tmp_path / "bad.yaml"

@@ -78,7 +78,7 @@ def test_cli_compare_with_config_json_and_plot(tmp_path, capsys):
     ("shape: {layers: 2}", "unknown shape key"),
     ("shape: {experts: 2, top_k: 4}", "exceeds"),
     ("steps: 0", "'steps' must be an integer >= 1"),
-    ("colour: red", "unknown compare config key"),
+    ("colour: red", "unknown config key"),
     ("[1, 2]", "is a mapping"),
 ], ids=["recipe-name", "recipe-field", "no-recipes", "zero-tokens", "hidden-16", "shape-key", "top-k",
         "steps", "top-key", "not-a-mapping"])
