@@ -1,4 +1,5 @@
 """Writes notebooks/01_recipes_tour.ipynb (kept as code so reviews read a diff, not JSON)."""
+import nbclient
 import nbformat as nbf
 
 cells = []
@@ -132,4 +133,7 @@ for step in range(3):
 """)
 nb = nbf.v4.new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
                                                                 "language": "python"}})
+# executed as tests/test_notebooks.py runs it and written with its outputs, so a reader sees the
+# plots on the repository's web page without running anything
+nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": "notebooks"}}).execute()
 nbf.write(nb, "notebooks/01_recipes_tour.ipynb")

@@ -1,4 +1,5 @@
 """Writes notebooks/02_moe_layer.ipynb (kept as code so reviews read a diff, not JSON)."""
+import nbclient
 import nbformat as nbf
 
 cells = []
@@ -169,4 +170,7 @@ rounding of gradients adds noise that averages out over steps rather than within
 
 nb = nbf.v4.new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
                                                                 "language": "python"}})
+# executed as tests/test_notebooks.py runs it and written with its outputs, so a reader sees the
+# plots on the repository's web page without running anything
+nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": "notebooks"}}).execute()
 nbf.write(nb, "notebooks/02_moe_layer.ipynb")

@@ -24,7 +24,7 @@ import copy
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -36,7 +36,7 @@ from qmoe.ops.grouped_gemm import select_grouped_path
 from qmoe.recipes import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling,
                           NVFP4BlockScaling, recipe_to_config)
 from qmoe.report import realistic_tensors
-from qmoe.run_config import CONFIG_KEYS, load_run_config, parse_device  # noqa: F401 (CONFIG_KEYS: public)
+from qmoe.run_config import CONFIG_KEYS, check_shape, load_run_config, parse_device  # noqa: F401 (CONFIG_KEYS: public)
 
 # Small enough for a laptop CPU through the pure-torch reference (the NVFP4 reference dominates);
 # the CUDA default is a mid-sized layer where the kernels, not launch overheads, set the time.
@@ -58,6 +58,8 @@ class CompareRow:
     path: str  # "hardware/backend grouped|split" (capabilities, grouped_path); fp32/bf16 rows: dtype/backend
     config: dict  # recipe_to_config(recipe), or {"name": "bf16"}
     error: str = ""  # why the run failed, if it did
+    shape: dict = field(default_factory=dict)  # the problem: tokens, hidden, ffn, experts, top_k
+    device: str = ""  # where it ran, e.g. "cpu" or "cuda:0 (NVIDIA H200)"
 
     @property
     def errors(self) -> dict[str, float]:
@@ -160,7 +162,8 @@ def run_compare(recipes=None, shape=None, seed: int = 0, device=None, steps: int
     that raises gives a row with `error` set and nan errors instead of stopping the others."""
     device = _check_device(device)
     recipes = list(recipes) if recipes else default_recipes()
-    shape = {**default_shape(device), **(shape or {})}
+    shape = check_shape({**default_shape(device), **(shape or {})}, [r for r in recipes if not isinstance(r, str)])
+    where = f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
     steps = steps if steps is not None else (10 if device.type == "cuda" else 2)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive integer, got {steps!r}")
@@ -181,11 +184,12 @@ def run_compare(recipes=None, shape=None, seed: int = 0, device=None, steps: int
         try:
             ms, out = (ref_ms, ref) if spec == "fp32" else time_steps(layer, x, dy, spec, steps, warmup)
             errs = {k: relative_error(out[k], ref[k]) for k in ("output", *GRADIENTS)}
-            rows.append(CompareRow(name, errs["output"], *(errs[g] for g in GRADIENTS), ms, path, config))
+            rows.append(CompareRow(name, errs["output"], *(errs[g] for g in GRADIENTS), ms, path, config,
+                                   shape=dict(shape), device=where))
         except Exception as e:  # noqa: BLE001 - one recipe failing must not hide the others
             nan = math.nan
             rows.append(CompareRow(name, nan, nan, nan, nan, nan, nan, path, config,
-                                   error=f"{type(e).__name__}: {e}"))
+                                   error=f"{type(e).__name__}: {e}", shape=dict(shape), device=where))
         bar.update()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -216,18 +220,38 @@ def load_compare_config(path) -> dict:
     return load_run_config(path, default_recipes())
 
 
+def _log_ms_axis(axis) -> None:
+    """A log axis of milliseconds labelled 1, 2, 5, 10, 20, 50 (not 2x10^1)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def figure_title(rows: list[CompareRow]) -> str:
+    """The problem and the device the rows ran on, as the figure's title."""
+    r = rows[0] if rows else None
+    if r is None or not r.shape:
+        return "qmoe compare"
+    s = r.shape
+    return (f"qmoe compare: MoE layer, {s['tokens']} tokens, hidden {s['hidden']}, ffn {s['ffn']}, "
+            f"{s['experts']} experts, top-{s['top_k']}, on {r.device}")
+
+
 def compare_figure(rows: list[CompareRow]):
     """A matplotlib Figure: relative error per recipe (output and each gradient), time per step
-    per recipe, and output error against time. Built without pyplot: no global backend changes."""
+    per recipe (log axis: NVFP4's reference can be 10x the others), and output error against
+    time, titled with the shape and the device. Built without pyplot: no global backend changes."""
     try:
         from matplotlib.figure import Figure
-        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
     except ImportError as e:
         raise ValueError("plots need matplotlib: pip install matplotlib (or pip install 'qmoe[test]')") from e
     done = [r for r in rows if not r.error]
     ok = [r for r in done if r.recipe != "fp32"]  # fp32 is the reference: its errors are 0
-    fig = Figure(figsize=(16, 4.5))
-    ax1, ax2, ax3 = fig.subplots(1, 3, gridspec_kw={"width_ratios": [1.4, 1, 1]})
+    fig = Figure(figsize=(16, 5), layout="constrained")
+    fig.suptitle(figure_title(rows))
+    ax1, ax2, ax3 = fig.subplots(1, 3, width_ratios=[1.4, 1, 1])
     keys = ("output", *GRADIENTS)
     width = 0.8 / len(keys)
     for i, key in enumerate(keys):
@@ -240,23 +264,27 @@ def compare_figure(rows: list[CompareRow]):
     ax1.legend(fontsize=8)
 
     ax2.barh([r.recipe for r in done][::-1], [r.step_ms for r in done][::-1], color="tab:gray")
-    ax2.set_xlabel("ms per forward + backward step")
+    ax2.set_xscale("log")
+    _log_ms_axis(ax2.xaxis)
+    for y, r in enumerate(done[::-1]):
+        ax2.annotate(f"{r.step_ms:.3g}", (r.step_ms, y), textcoords="offset points", xytext=(3, 0), va="center",
+                     fontsize=8)
+    ax2.margins(x=0.25)
+    ax2.set_xlabel("ms per forward + backward step (log)")
     ax2.set_title("Time per step (median after warm-up)")
 
-    for i, r in enumerate(ok):
-        err = max(r.output_error, 1e-12)
-        ax3.scatter(r.step_ms, err, s=50)
-        # alternate label sides: recipes with equal numbers (block, mxfp8) would print on each other
-        ax3.annotate(r.recipe, (r.step_ms, err), textcoords="offset points", xytext=(6, 6 if i % 2 else -12))
+    markers = "osD^vP*X"
+    for i, r in enumerate(ok):  # a legend, not labels by the points: close points' labels would collide
+        ax3.scatter(r.step_ms, max(r.output_error, 1e-12), s=50, marker=markers[i % len(markers)], label=r.recipe)
+    if ok:
+        ax3.legend(fontsize=8)
     ax3.set_xscale("log")
     ax3.set_yscale("log")
-    ax3.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-    ax3.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))  # 20, 50, 100: not 2x10^1
-    ax3.xaxis.set_minor_formatter(NullFormatter())
+    ax3.margins(x=0.15, y=0.25)
+    _log_ms_axis(ax3.xaxis)
     ax3.set_xlabel("ms per step (log)")
     ax3.set_ylabel("output relative error")
     ax3.set_title("Accuracy against speed")
-    fig.tight_layout()
     return fig
 
 
