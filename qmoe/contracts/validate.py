@@ -93,9 +93,12 @@ def check_device(device, name: str = "device") -> torch.device | None:
         raise TypeError(f"{name} must be None, a string such as 'cpu' or 'cuda:0', or a torch.device, got "
                         f"{type(device).__name__} {device!r}")
     try:
-        return torch.device(device)
+        dev = torch.device(device)
     except (RuntimeError, ValueError, TypeError) as e:
         raise ValueError(f"{name}={device!r} is not a device torch knows ({e})") from None
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        raise ValueError(f"{name}={device!r}: no such CUDA device here ({torch.cuda.device_count()} visible)")
+    return dev
 
 
 def check_process_group(name: str, group) -> None:

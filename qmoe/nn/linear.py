@@ -9,6 +9,7 @@ from torch import nn
 
 from qmoe.autocast import RecipeState, autocast_state
 from qmoe.ops.linear import quantized_linear
+from qmoe.contracts.validate import check_device, check_flag, check_params_dtype, check_size
 
 
 class Linear(nn.Module):
@@ -25,8 +26,10 @@ class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, params_dtype=None, device=None):
         super().__init__()
         for name, v in (("in_features", in_features), ("out_features", out_features)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"Linear {name} must be a positive integer, got {v!r}")
+            check_size(name, v, "Linear")
+        check_flag("bias", bias, "Linear")
+        check_params_dtype(params_dtype, "Linear")
+        device = check_device(device)
         self.in_features, self.out_features = in_features, out_features
         kw = dict(dtype=params_dtype, device=device)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **kw))

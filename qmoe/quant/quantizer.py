@@ -323,7 +323,7 @@ class NVFP4Quantizer(Quantizer):
         if columnwise and m % 2:
             raise ValueError(f"NVFP4's columnwise copy packs two rows per byte: M={m} rows must be even; "
                              f"pad the rows (align_size) or quantize with columnwise=False")
-        if columnwise and self.rht and m % RHT_SIZE:
+        if columnwise and self.rht and m % RHT_SIZE and k:  # the transform of no columns is nothing
             raise ValueError(f"the random Hadamard transform of the columnwise copy needs M={m} to be a multiple "
                              f"of {RHT_SIZE}; pad the rows or use NVFP4BlockScaling(disable_rht=True)")
 
@@ -340,8 +340,9 @@ class NVFP4Quantizer(Quantizer):
         return g
 
     def _quantize_2d(self, x, rowwise, columnwise):
+        rht = self.rht and x.numel() > 0  # an empty tensor has nothing to transform
         row, row_s, amax, col, col_s, col_amax = self._impl(QUANTIZE_NVFP4, "quantize_nvfp4", x)(
-            x, self.block_2d, rowwise, columnwise, self.rht, self.stochastic, self._generator_for(x))
+            x, self.block_2d, rowwise, columnwise, rht, self.stochastic, self._generator_for(x))
         return dict(rowwise_data=row, rowwise_scale_inv=row_s, columnwise_data=col, columnwise_scale_inv=col_s,
                     amax=amax, columnwise_amax=col_amax)
 
