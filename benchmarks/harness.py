@@ -77,7 +77,10 @@ def copy_gbps(rep: int = 50) -> float:
 
 def git_commit(root: Path | str = REPO_ROOT) -> str:
     """`git rev-parse HEAD` of the checkout the suite runs from, or "unknown" (no git, no
-    repository: an installed copy, a machine without git)."""
+    repository: an installed copy, a machine without git). `QMOE_COMMIT` names it instead for a
+    run from an exported tree, whose enclosing git checkout (if any) is not what was measured."""
+    if os.environ.get("QMOE_COMMIT"):
+        return os.environ["QMOE_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10,
                              check=False)

@@ -132,6 +132,8 @@ def run_header(device, command: str | None = None) -> dict:
 
 def _git_commit() -> tuple[str, bool | None]:
     """(HEAD of the checkout qmoe runs from, whether tracked files differ from it), or ("unknown", None)."""
+    if os.environ.get("QMOE_COMMIT"):  # an exported tree: the enclosing checkout is not what ran
+        return os.environ["QMOE_COMMIT"], False
     root = Path(__file__).resolve().parents[2]
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
