@@ -32,8 +32,8 @@ IDS = ["delayed", "current", "current-pow2", "block", "mxfp8", "nvfp4"]
 
 @pytest.mark.parametrize("recipe", [Float8CurrentScaling(), NVFP4BlockScaling()], ids=["current", "nvfp4"])
 @pytest.mark.parametrize("bad", [float("inf"), -float("inf"), float("nan")], ids=["inf", "-inf", "nan"])
-def test_item1_one_non_finite_value_leaves_the_others_alone(recipe, bad):
-    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)) * 1e-3
+def test_item1_one_non_finite_value_leaves_the_others_alone(recipe, bad, device="cpu"):
+    x = (torch.randn(64, 64, generator=torch.Generator().manual_seed(0)) * 1e-3).to(device)
     clean = x.clone()
     x[5, 37] = bad
     clean[5, 37] = 0.0
@@ -53,14 +53,37 @@ def test_item1_one_non_finite_value_leaves_the_others_alone(recipe, bad):
 @pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
 @pytest.mark.parametrize("value", [3.3e38, -3.4e38, torch.finfo(torch.float32).max], ids=["3.3e38", "-3.4e38",
                                                                                            "FLT_MAX"])
-def test_item3_finite_inputs_near_flt_max_dequantize_finite(recipe, value):
+def test_item3_finite_inputs_near_flt_max_dequantize_finite(recipe, value, device="cpu"):
     for role in ROLES:
-        qt = recipe.quantizer(role).quantize(torch.full((32, 32), value))
+        qt = recipe.quantizer(role).quantize(torch.full((32, 32), value, device=device))
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             for columnwise in (False, True):
                 out = qt.dequantize(dtype, columnwise=columnwise)
                 assert torch.isfinite(out).all(), (role, dtype, columnwise)
-        assert torch.sign(qt.dequantize()).eq(np.sign(value)).all()
+        assert torch.sign(qt.dequantize()).eq(float(np.sign(value))).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_items_1_3_5_on_the_gpu_kernels(recipe):
+    """The non-finite rules and empty tensors through the Triton kernels (sm90+ picks them)."""
+    for bad in (float("inf"), float("nan")):
+        if isinstance(recipe, (Float8CurrentScaling, NVFP4BlockScaling)):
+            test_item1_one_non_finite_value_leaves_the_others_alone(recipe, bad, "cuda")
+    for value in (3.3e38, -3.4e38, torch.finfo(torch.float32).max):
+        test_item3_finite_inputs_near_flt_max_dequantize_finite(recipe, value, "cuda")
+    for shape in ((4, 0), (0, 0), (0, 32)):
+        test_item5_empty_tensors_quantize_to_empty_results(recipe, shape, "cuda")
+
+
+@pytest.mark.gpu
+def test_item2_delayed_scaling_skips_a_non_finite_step_on_the_gpu():
+    q = DelayedScaling(amax_history_len=16).quantizer("input")
+    for a in (10.0, float("inf"), 10.0, 12.0):
+        q.quantize(torch.full((4, 32), a, device="cuda"))
+        q.update_scale()
+    assert q.scale.item() == np.float32(448) / np.float32(12.0)
+    assert q.nonfinite_steps.item() == 1 and torch.isfinite(q.amax_history).all()
 
 
 # ---------------------------------------------------------------- 4. empty batch, every loss
@@ -80,9 +103,9 @@ def test_item4_empty_batch_with_every_loss(shape):
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
 @pytest.mark.parametrize("shape", [(4, 0), (0, 0), (0, 32), (2, 3, 0)])
-def test_item5_empty_tensors_quantize_to_empty_results(recipe, shape):
+def test_item5_empty_tensors_quantize_to_empty_results(recipe, shape, device="cpu"):
     for role in ROLES:
-        qt = recipe.quantizer(role).quantize(torch.zeros(shape))
+        qt = recipe.quantizer(role).quantize(torch.zeros(shape, device=device))
         assert qt.dequantize().shape == shape
         m = int(np.prod(shape[:-1]))
         assert qt.dequantize(columnwise=True).shape == (shape[-1], m)
