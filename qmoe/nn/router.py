@@ -8,6 +8,7 @@ from qmoe import ops
 from qmoe.contracts.enums import parse_score_function
 from qmoe.contracts.validate import (check_capacity_factor, check_device, check_flag, check_number, check_size,
                                      check_topk_route_args)
+from qmoe.ops.amp import torch_autocast_off
 from qmoe.ops.router import balance_scores
 
 
@@ -15,13 +16,16 @@ class TopKRouter(nn.Module):
     """Routes each token to `top_k` of `num_experts` experts.
 
     forward(x [T, H]) -> (probs [T, E] fp32, zero where not chosen; routing_map [T, E] bool).
-    The router runs in fp32 whatever the input dtype (`weight [E, H]` is kept in fp32), so
-    selection does not flip with the activation precision. After a forward, `self.aux_loss`
-    holds the sum of the enabled auxiliary losses (0 when all coefficients are 0),
-    `self.tokens_per_expert` the counts and `self.logits` the fp32 logits [T, E] (with autograd,
-    for losses computed outside, such as Hugging Face's load-balancing loss). With
-    `expert_bias=True` the bias shifts selection only and is updated in place after every
-    training forward (aux-loss-free balancing).
+    The router computes its logits, probabilities and losses in fp32 whatever the input's and
+    its own parameters' dtype (`weight [E, H]` starts in fp32; `.to(torch.bfloat16)` casts it
+    like any parameter, and the logits are still fp32 products), and torch.autocast does not
+    reach inside it, so selection does not flip with the activation precision. `expert_bias`
+    stays fp32 through `.to(dtype)` / `.half()` / `.bfloat16()`: its updates (1e-3 steps) would
+    vanish in a 16-bit buffer. After a forward, `self.aux_loss` holds the sum of the enabled
+    auxiliary losses (0 when all coefficients are 0), `self.tokens_per_expert` the counts and
+    `self.logits` the fp32 logits [T, E] (with autograd, for losses computed outside, such as
+    Hugging Face's load-balancing loss). With `expert_bias=True` the bias shifts selection only
+    and is updated in place after every training forward (aux-loss-free balancing).
 
     Routing options of real models (see `qmoe.ops.topk_route`): `group_score_topk` (DeepSeek-V3
     scores a group by its top 2), `normalize_topk_probs` (Qwen's and DeepSeek's norm_topk_prob),
@@ -71,9 +75,21 @@ class TopKRouter(nn.Module):
         self.tokens_per_expert: torch.Tensor | None = None
         self.logits: torch.Tensor | None = None
 
+    def _apply(self, fn, *args, **kwargs):
+        bias = self.expert_bias
+        out = super()._apply(fn, *args, **kwargs)
+        if bias is not None and self.expert_bias.dtype != torch.float32:
+            # a dtype cast: keep the fp32 values (moved wherever the cast put the buffer)
+            self.expert_bias = bias.to(self.expert_bias.device)
+        return out
+
     def forward(self, x: torch.Tensor, seq_length: int | None = None):
         """x: [T, H] any float dtype; seq_length: tokens per sequence for the sequence-level loss
         (T must be a multiple; default: all T tokens form one sequence)."""
+        with torch_autocast_off():
+            return self._route(x, seq_length)
+
+    def _route(self, x, seq_length):
         logits = ops.router_logits(x, self.weight, self.bias)
         probs, routing_map = ops.topk_route(
             logits, self.top_k, score_function=self.score_function.value, pre_softmax=self.pre_softmax,

@@ -14,6 +14,7 @@ import torch
 from qmoe.reference import activation as reference
 from qmoe.contracts.validate import check_scaled_activation_args
 from qmoe.dispatch import ACTIVATION
+from qmoe.ops.amp import autocast_off
 
 __all__ = ["expert_activation"]
 
@@ -28,12 +29,14 @@ def _twin(name: str, *tensors: torch.Tensor):
 
 class _ExpertActivation(torch.autograd.Function):
     @staticmethod
+    @autocast_off
     def forward(ctx, h, probs, activation, glu_interleave_size):
         ctx.save_for_backward(h, probs)
         ctx.args = (activation, glu_interleave_size)
         return _twin("scaled_activation_forward", h, probs)(h, probs, activation, glu_interleave_size)
 
     @staticmethod
+    @autocast_off
     def backward(ctx, da):
         h, probs = ctx.saved_tensors
         dh, dprobs = activation_backward(h, probs, da, *ctx.args, ctx.needs_input_grad[1])

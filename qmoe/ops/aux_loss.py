@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from qmoe.backend import use_kernels
+from qmoe.ops.amp import autocast_off
 from qmoe.reference import aux_loss as reference
 from qmoe.contracts.validate import (check_coeff, check_moe_aux_loss_args, check_scores, check_seq_aux_loss_args,
                                      check_update_expert_bias_args)
@@ -27,6 +28,7 @@ __all__ = ["moe_aux_loss", "seq_aux_loss", "z_loss", "update_expert_bias"]
 
 class _MoEAuxLoss(torch.autograd.Function):
     @staticmethod
+    @autocast_off
     def forward(ctx, probs, tokens_per_expert, num_tokens, num_experts, top_k, coeff, needs_grad):
         scale, nt = AUX_LOSS.kernel("moe_aux_constants")(num_tokens, num_experts, top_k, coeff)
         loss, rows = AUX_LOSS.kernel("aux_loss_forward")(probs, tokens_per_expert.contiguous(), scale, nt,
@@ -36,6 +38,7 @@ class _MoEAuxLoss(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @autocast_off
     def backward(ctx, grad_loss):
         (rows,) = ctx.saved_tensors
         t, e, dtype = ctx.meta
@@ -45,6 +48,7 @@ class _MoEAuxLoss(torch.autograd.Function):
 
 class _SeqAuxLoss(torch.autograd.Function):
     @staticmethod
+    @autocast_off
     def forward(ctx, probs, routing_map, seq_length, top_k, coeff):
         t, e = probs.shape
         scale = AUX_LOSS.kernel("seq_aux_scale")(t, e, seq_length, top_k, coeff)
@@ -54,6 +58,7 @@ class _SeqAuxLoss(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @autocast_off
     def backward(ctx, grad_loss):
         (rows,) = ctx.saved_tensors
         return AUX_LOSS.kernel("grad_from_rows")(grad_loss, rows, *ctx.meta), None, None, None, None
@@ -61,6 +66,7 @@ class _SeqAuxLoss(torch.autograd.Function):
 
 class _ZLoss(torch.autograd.Function):
     @staticmethod
+    @autocast_off
     def forward(ctx, logits, coeff):
         loss, lse = AUX_LOSS.kernel("z_loss_forward")(logits, coeff)
         # the backward kernel reads both: the logits are the op's input (the router's backward
@@ -70,6 +76,7 @@ class _ZLoss(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @autocast_off
     def backward(ctx, grad_loss):
         logits, lse = ctx.saved_tensors
         return AUX_LOSS.kernel("z_loss_grad")(grad_loss, logits, ctx.coeff, lse), None

@@ -31,6 +31,7 @@ from qmoe.contracts.enums import Activation, GroupedPath, parse_activation, pars
 from qmoe.contracts.validate import check_scaled_activation_args, check_split_sizes
 from qmoe.dispatch import BIAS
 from qmoe.ops.activation import activation_backward, expert_activation
+from qmoe.ops.amp import autocast_off
 from qmoe.ops.grouped_linear_paths import PATHS, Groups, LinearPath, drop_rowwise
 from qmoe.quant import QuantizedTensor
 
@@ -187,6 +188,7 @@ class _Saved:
 
 class GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
+    @autocast_off
     def forward(ctx, plan: GroupedLinearPlan, x, split_sizes, weight, bias, scales, probs):
         # x is h when plan.activation is set (the input is act(h) * probs); probs is None otherwise
         grad = ctx.needs_input_grad  # in forward's argument order
@@ -207,6 +209,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @autocast_off
     def backward(ctx, dy):
         plan, needs, saved = ctx.plan, ctx.needs, _Saved.unstash(ctx)
         groups = saved.groups

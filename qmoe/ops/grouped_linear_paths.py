@@ -241,11 +241,12 @@ class SplitLinearPath(LinearPath):
         return dx
 
     def wgrad(self, dy, x, groups, shape, w_dtype):
-        out = torch.zeros(shape, dtype=torch.float32, device=groups.device)
+        # fp32 accumulation, or fp64 for a plain fp64 layer
+        acc = torch.promote_types(dy.dtype, torch.float32) if _is_plain(dy) else torch.float32
+        out = torch.zeros(shape, dtype=acc, device=groups.device)
         for g, (a, b) in enumerate(groups.bounds):
             if b > a:
-                out[g] = group_gemm_nt(self._operand(dy, g, a, b), self._operand(x, g, a, b), True, True,
-                                       torch.float32)
+                out[g] = group_gemm_nt(self._operand(dy, g, a, b), self._operand(x, g, a, b), True, True, acc)
         return out
 
 

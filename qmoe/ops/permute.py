@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from qmoe.backend import use_kernels
+from qmoe.ops.amp import autocast_off
 from qmoe.reference import permute as reference
 from qmoe.contracts.carriers import RowIdMap
 from qmoe.contracts.validate import check_merging_probs, check_permute_index_args, check_routing_top_k, check_rows
@@ -23,22 +24,26 @@ __all__ = ["moe_permute", "moe_unpermute", "RowIdMap"]
 
 class _PermuteRows(torch.autograd.Function):
     @staticmethod
+    @autocast_off
     def forward(ctx, x, row_id_map):
         ctx.row_id_map = row_id_map
         return PERMUTE.kernel("permute_rows")(x, row_id_map)
 
     @staticmethod
+    @autocast_off
     def backward(ctx, grad_out):
         return PERMUTE.kernel("permute_rows_backward")(grad_out, ctx.row_id_map), None
 
 
 class _PermuteProbs(torch.autograd.Function):
     @staticmethod
+    @autocast_off
     def forward(ctx, probs, row_id_map):
         ctx.row_id_map, ctx.dtype = row_id_map, probs.dtype
         return PERMUTE.kernel("permute_probs")(probs, row_id_map)
 
     @staticmethod
+    @autocast_off
     def backward(ctx, grad_out):
         return PERMUTE.kernel("permute_probs_backward")(grad_out, ctx.row_id_map, ctx.dtype), None
 
@@ -47,6 +52,7 @@ class _UnpermuteRows(torch.autograd.Function):
     # y's values are read back only for the merging probs' gradient; without it the backward
     # keeps y's shape alone (the expert outputs, R x H: 940 MB of bf16 at the DeepSeek-V3 shard).
     @staticmethod
+    @autocast_off
     def forward(ctx, y, merging_probs, row_id_map):
         keep_y = merging_probs is not None and ctx.needs_input_grad[1]
         ctx.save_for_backward(y if keep_y else None, merging_probs)
@@ -55,6 +61,7 @@ class _UnpermuteRows(torch.autograd.Function):
         return PERMUTE.kernel("unpermute_rows")(y, row_id_map, merging_probs)
 
     @staticmethod
+    @autocast_off
     def backward(ctx, grad_out):
         y, merging_probs = ctx.saved_tensors
         if y is None:  # a stand-in with y's shape and dtype: one row, never read

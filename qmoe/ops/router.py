@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from qmoe.backend import use_kernels
+from qmoe.ops.amp import autocast_off
 from qmoe.reference import router as reference
 from qmoe.contracts.carriers import NORMALIZE_EPS
 from qmoe.contracts.enums import ScoreFunction, parse_score_function
@@ -25,6 +26,7 @@ class _TopKRoute(torch.autograd.Function):
     # Gets the parsed score function: `topk_route` validated everything once, so the kernels'
     # unchecked launchers run here without a second check.
     @staticmethod
+    @autocast_off
     def forward(ctx, logits, expert_bias, top_k, fn, pre_softmax, num_groups, group_topk,
                 scaling_factor, group_score_topk, normalize_topk_probs):
         probs, routing_map = ROUTER.kernel("route_forward")(logits, top_k, fn, pre_softmax, num_groups,
@@ -38,6 +40,7 @@ class _TopKRoute(torch.autograd.Function):
         return probs, routing_map
 
     @staticmethod
+    @autocast_off
     def backward(ctx, grad_probs, _grad_routing_map):
         if grad_probs is None:
             return (None,) * 10
@@ -47,28 +50,34 @@ class _TopKRoute(torch.autograd.Function):
 
 
 class _RouterLogits(torch.autograd.Function):
-    # Saves x in its own dtype: autograd of `x.float() @ w.t()` would keep the fp32 copy of x
-    # (twice a bf16 input's bytes, 235 MB at the DeepSeek-V3 shard) for the weight gradient.
+    # Saves x and the weight in their own dtypes: autograd of `x.float() @ w.float().t()` would
+    # keep the fp32 copy of x (twice a bf16 input's bytes, 235 MB at the DeepSeek-V3 shard) for
+    # the weight gradient. The math is fp32 whatever either dtype (a router cast to bf16 with the
+    # rest of a model still selects experts from fp32 logits); gradients return in their dtypes.
     @staticmethod
+    @autocast_off
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
-        logits = x.float() @ weight.t()
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        logits = x.float() @ weight.float().t()
         return logits if bias is None else logits + bias.float()
 
     @staticmethod
+    @autocast_off
     def backward(ctx, grad_logits):
         x, weight = ctx.saved_tensors
-        dx = (grad_logits @ weight).to(x.dtype) if ctx.needs_input_grad[0] else None
-        dw = grad_logits.t() @ x.float() if ctx.needs_input_grad[1] else None
-        db = grad_logits.sum(0) if ctx.needs_input_grad[2] else None
+        dx = (grad_logits @ weight.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
+        dw = (grad_logits.t() @ x.float()).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        db = grad_logits.sum(0).to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
         return dx, dw, db
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 router logits [T, E] = x [T, H] (any float dtype) @ weight [E, H] (fp32)^T (+ bias [E]).
+    """fp32 router logits [T, E] = x [T, H] @ weight [E, H]^T (+ bias [E]), each of any float dtype.
 
-    The same values and gradients as `x.float() @ weight.t() + bias`, without keeping an fp32
-    copy of x alive for the backward. The bias is gpt-oss's learned router bias.
+    The same values and gradients as `x.float() @ weight.float().t() + bias.float()`, without
+    keeping an fp32 copy of x alive for the backward; gradients come back in x's, weight's and
+    bias's dtypes. The bias is gpt-oss's learned router bias.
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"router_logits needs x [T, H] and weight [E, H], got {tuple(x.shape)} and "
