@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from qmoe.autocast import RecipeState, autocast_state
+from qmoe.ops.amp import cast_for_autocast, torch_autocast_off
 from qmoe.ops.grouped_gemm import select_grouped_path
 from qmoe.ops.grouped_linear import grouped_linear
 from qmoe.contracts.carriers import is_glu
@@ -26,6 +27,8 @@ class GroupedLinear(nn.Module):
     Parameters are single grouped (`weight [E, N, K]`, `bias [E, N]`) or per expert (`weight0..`,
     `bias0..`); `load_state_dict` accepts either form for either layout. Inside
     `qmoe.autocast(recipe=...)` input, weights and grad_output are quantized per the recipe's roles.
+    Under `torch.autocast` x is cast to its dtype and the output comes out in it; the weights are
+    quantized from their own dtype (a recipe) or cast to it (no recipe, as `nn.Linear` is).
 
     grouped_path: "auto" (grouped where supported), "grouped" (raises where unsupported) or
     "split" (host split sizes, each expert on its own: the cross-check).
@@ -162,9 +165,20 @@ class GroupedLinear(nn.Module):
             # deferred weight gradients arrive in backward_dw(): a stand-in leaf keeps autograd from
             # running the weights' post-accumulate-grad hooks (with no gradient) during backward
             weight = weight.detach().requires_grad_(weight.requires_grad)
-        return grouped_linear(x, split_sizes, weight, self.stacked_bias(),
-                              scales if self.scale_bias else None, quantizers, path, sink, quantized_input,
-                              input_activation)
+        x = cast_for_autocast(x)  # torch.autocast's dtype in and out; the recipe owns the GEMMs
+        bias = self.stacked_bias()
+        if x.dtype == torch.float64:
+            if quantizers is None:
+                path = "split"  # plain fp64 matmuls per group; the grouped GEMMs stop at fp32
+            else:  # quantizers read at most fp32, and every recipe's format is far coarser than that
+                with torch_autocast_off():
+                    return grouped_linear(x.float(), split_sizes, weight.float(),
+                                          None if bias is None else bias.float(),
+                                          scales if self.scale_bias else None, quantizers, path, sink,
+                                          quantized_input, input_activation).double()
+        with torch_autocast_off():
+            return grouped_linear(x, split_sizes, weight, bias, scales if self.scale_bias else None, quantizers,
+                                  path, sink, quantized_input, input_activation)
 
     def _check_inputs(self, x, split_sizes, scales, input_activation=None):
         width = self.in_features

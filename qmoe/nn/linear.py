@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qmoe.autocast import RecipeState, autocast_state
+from qmoe.ops.amp import cast_for_autocast, torch_autocast_off
 from qmoe.ops.linear import quantized_linear
 from qmoe.contracts.validate import check_device, check_flag, check_params_dtype, check_size
 
@@ -16,7 +17,9 @@ class Linear(nn.Module):
     """y = x W^T + b; inside `qmoe.autocast(recipe=...)` input, weight and grad_output are quantized.
 
     x: [..., in_features]; returns [..., out_features]. Outside autocast (or with
-    enabled=False) it is a plain high-precision linear layer.
+    enabled=False) it is a plain high-precision linear layer. Under `torch.autocast` the
+    quantized GEMM follows the recipe (the weight is quantized from its own dtype) and the
+    output comes out in torch.autocast's dtype; without a recipe it is `nn.Linear` under autocast.
 
     >>> layer = qmoe.nn.Linear(256, 128)
     >>> with qmoe.autocast(recipe=Float8CurrentScaling()):
@@ -54,9 +57,14 @@ class Linear(nn.Module):
         state = autocast_state()
         recipe = state.active_recipe
         if recipe is None:
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, self.weight, self.bias)  # torch.autocast treats it as it treats nn.Linear
         quantizers = self.recipe_state.get(recipe, state.amax_reduction_group)
-        return quantized_linear(x, self.weight, self.bias, quantizers)
+        x = cast_for_autocast(x)  # the recipe owns the GEMM; the output takes torch.autocast's dtype
+        with torch_autocast_off():
+            if x.dtype == torch.float64:  # quantizers read at most fp32; the recipe's format is far coarser
+                bias = None if self.bias is None else self.bias.float()
+                return quantized_linear(x.float(), self.weight.float(), bias, quantizers).double()
+            return quantized_linear(x, self.weight, self.bias, quantizers)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -17,6 +17,7 @@ from qmoe.nn.mlp import MLP
 from qmoe.nn.router import TopKRouter
 from qmoe.contracts.carriers import num_permuted_rows
 from qmoe.contracts.validate import check_flag, check_layer_input, check_params_dtype, check_process_group, check_size
+from qmoe.ops.amp import cast_for_autocast
 
 
 # qmoe.parallel sits above qmoe.nn (DESIGN.md) and builds on its modules; it registers its
@@ -128,7 +129,7 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_layer_input("MoELayer", x, self.hidden_size, f"[..., {self.hidden_size}]")
         shape = x.shape
-        tokens = x.reshape(-1, self.hidden_size)
+        tokens = cast_for_autocast(x.reshape(-1, self.hidden_size))  # permute moves torch.autocast's dtype
         seq_length = shape[-2] if x.dim() >= 3 else None
         probs, routing_map = self.router(tokens, seq_length=seq_length)
         shared = self._shared_experts(tokens) if self.shared_experts is not None else None
