@@ -6,6 +6,7 @@
         y = layer(x)
 """
 from qmoe.autocast import autocast, autocast_state
+from qmoe.checkpoint import checkpoint
 from qmoe.capabilities import capabilities
 from qmoe.contracts.errors import UnsupportedError
 from qmoe.quant import GroupedTensor, QuantizedTensor
@@ -13,5 +14,5 @@ from qmoe import graph, nn, ops, parallel, recipes  # noqa: E402  (public subpac
 
 __version__ = "0.1.0"
 
-__all__ = ["autocast", "autocast_state", "capabilities", "UnsupportedError", "GroupedTensor", "QuantizedTensor",
-           "__version__"]
+__all__ = ["autocast", "autocast_state", "checkpoint", "capabilities", "UnsupportedError", "GroupedTensor",
+           "QuantizedTensor", "__version__"]

@@ -7,7 +7,8 @@ import re
 import torch
 from torch import nn
 
-from qmoe.autocast import RecipeState, autocast_state
+from qmoe.autocast import (RecipeState, autocast_state, load_recipe_state, recipe_state_pre_hook,
+                           refuse_foreign_recompute)
 from qmoe.ops.amp import cast_for_autocast, torch_autocast_off
 from qmoe.ops.grouped_gemm import select_grouped_path
 from qmoe.ops.grouped_linear import grouped_linear
@@ -74,8 +75,16 @@ class GroupedLinear(nn.Module):
             self.bias = None
         self.reset_parameters()
         self.recipe_state = RecipeState()
+        self._register_load_state_dict_pre_hook(recipe_state_pre_hook, with_module=True)
         self._wgrad_queue: list = []
         self._register_load_state_dict_pre_hook(self._convert_state_dict_layout)
+
+    # ---- recipe state in state_dict(): delayed-scaling amax histories and scales, per recipe
+    def get_extra_state(self) -> dict:
+        return self.recipe_state.state_dict()
+
+    def set_extra_state(self, state) -> None:
+        load_recipe_state(self.recipe_state, state)
 
     # ---- parameters
     def weights(self) -> list[nn.Parameter]:
@@ -155,6 +164,7 @@ class GroupedLinear(nn.Module):
         (`qmoe.ops.expert_activation`), fused into the input's quantization on the grouped path
         under a recipe (GroupedMLP's FC2 uses it)."""
         self._check_inputs(x, split_sizes, scales, input_activation)
+        refuse_foreign_recompute("qmoe.nn.GroupedLinear")
         state = autocast_state()
         recipe = state.active_recipe
         quantizers = self.recipe_state.get(recipe, state.amax_reduction_group) if recipe is not None else None

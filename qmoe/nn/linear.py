@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qmoe.autocast import RecipeState, autocast_state
+from qmoe.autocast import (RecipeState, autocast_state, load_recipe_state, recipe_state_pre_hook,
+                           refuse_foreign_recompute)
 from qmoe.ops.amp import cast_for_autocast, torch_autocast_off
 from qmoe.ops.linear import quantized_linear
 from qmoe.contracts.validate import check_device, check_flag, check_params_dtype, check_size
@@ -39,6 +40,14 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
         self.reset_parameters()
         self.recipe_state = RecipeState()
+        self._register_load_state_dict_pre_hook(recipe_state_pre_hook, with_module=True)
+
+    # ---- recipe state in state_dict(): delayed-scaling amax histories and scales, per recipe
+    def get_extra_state(self) -> dict:
+        return self.recipe_state.state_dict()
+
+    def set_extra_state(self, state) -> None:
+        load_recipe_state(self.recipe_state, state)
 
     def reset_parameters(self) -> None:
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
@@ -54,6 +63,7 @@ class Linear(nn.Module):
             raise ValueError(f"Linear expects input [..., {self.in_features}], got shape {tuple(x.shape)}")
         if x.device != self.weight.device:
             raise ValueError(f"input is on {x.device} but the layer's weight is on {self.weight.device}")
+        refuse_foreign_recompute("qmoe.nn.Linear")
         state = autocast_state()
         recipe = state.active_recipe
         if recipe is None:

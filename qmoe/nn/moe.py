@@ -18,6 +18,7 @@ from qmoe.nn.router import TopKRouter
 from qmoe.contracts.carriers import num_permuted_rows
 from qmoe.contracts.validate import check_flag, check_layer_input, check_params_dtype, check_process_group, check_size
 from qmoe.ops.amp import cast_for_autocast
+from qmoe.quant.replay import active_log
 
 
 # qmoe.parallel sits above qmoe.nn (DESIGN.md) and builds on its modules; it registers its
@@ -137,7 +138,7 @@ class MoELayer(nn.Module):
         align = recipe.align_size if recipe is not None else 1
         if self.dispatcher is not None:
             out = self.dispatcher(tokens, probs, routing_map, self.experts, align)
-            self.aux_loss = self.router.aux_loss
+            self._set_aux_loss()
             return (out if shared is None else out + shared).reshape(shape)
         # R rounded up to whole blocks: the zero tail joins the last expert's group (absorb_tail)
         # without breaking any block a recipe needs (NVFP4's 16-row Hadamard runs, say)
@@ -146,7 +147,7 @@ class MoELayer(nn.Module):
             tokens, routing_map, probs, align_size=align, top_k=self.top_k, num_rows=rows)
         y = self.experts(permuted, split_sizes.to(torch.int64), row_probs)
         out = ops.moe_unpermute(y, row_id_map)
-        self.aux_loss = self.router.aux_loss
+        self._set_aux_loss()
         return (out if shared is None else out + shared).reshape(shape)
 
     def _shared_experts(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -156,6 +157,13 @@ class MoELayer(nn.Module):
             gate = torch.sigmoid(tokens.float() @ self.shared_expert_gate.weight.float().t())
             out = (out.float() * gate).to(out.dtype)
         return out.to(tokens.dtype)
+
+    def _set_aux_loss(self) -> None:
+        self.aux_loss = self.router.aux_loss
+        log = active_log()
+        if log is not None:  # qmoe.checkpoint(use_reentrant=True) passes the loss out with the output
+            log.note_side_output(self)
+            log.note_side_output(self.router)
 
     def backward_dw(self) -> None:
         """Deferred expert weight gradients (with delay_wgrad_compute=True)."""

@@ -5,11 +5,13 @@ import torch
 from torch import nn
 
 from qmoe import ops
+from qmoe.autocast import refuse_foreign_recompute
 from qmoe.contracts.enums import parse_score_function
 from qmoe.contracts.validate import (check_capacity_factor, check_device, check_flag, check_number, check_size,
                                      check_topk_route_args)
 from qmoe.ops.amp import torch_autocast_off
 from qmoe.ops.router import balance_scores
+from qmoe.quant.replay import active_log, recomputing
 
 
 class TopKRouter(nn.Module):
@@ -86,15 +88,21 @@ class TopKRouter(nn.Module):
     def forward(self, x: torch.Tensor, seq_length: int | None = None):
         """x: [T, H] any float dtype; seq_length: tokens per sequence for the sequence-level loss
         (T must be a multiple; default: all T tokens form one sequence)."""
+        refuse_foreign_recompute("qmoe.nn.TopKRouter")
         with torch_autocast_off():
             return self._route(x, seq_length)
 
     def _route(self, x, seq_length):
         logits = ops.router_logits(x, self.weight, self.bias)
+        expert_bias = self.expert_bias
+        log = active_log()
+        if expert_bias is not None and log is not None:
+            # qmoe.checkpoint: the recompute routes with the bias the first run used (updated since)
+            expert_bias = log.keep(self, expert_bias.clone)
         probs, routing_map = ops.topk_route(
             logits, self.top_k, score_function=self.score_function.value, pre_softmax=self.pre_softmax,
             num_groups=self.num_groups, group_topk=self.group_topk, scaling_factor=self.scaling_factor,
-            expert_bias=self.expert_bias, group_score_topk=self.group_score_topk,
+            expert_bias=expert_bias, group_score_topk=self.group_score_topk,
             normalize_topk_probs=self.normalize_topk_probs)
         if self.capacity_factor is not None:
             probs, routing_map = ops.apply_capacity(probs, routing_map, self.capacity_factor)
@@ -102,7 +110,7 @@ class TopKRouter(nn.Module):
         self.tokens_per_expert = tokens_per_expert
         self.logits = logits
         self.aux_loss = self._aux_losses(logits, routing_map, tokens_per_expert, seq_length)
-        if self.expert_bias is not None and self.training:
+        if self.expert_bias is not None and self.training and not recomputing():
             ops.update_expert_bias(self.expert_bias, tokens_per_expert, self.expert_bias_update_rate)
         return probs, routing_map
 

@@ -278,9 +278,24 @@ def shard_expert_state_dict(state_dict: dict, num_experts: int, ep_rank: int, ep
                 out[f"{head}.{base}{g - first}"] = value
         elif isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == num_experts:
             out[key] = value[first:first + local].clone()
+        elif name == "_extra_state" and isinstance(value, dict):
+            out[key] = _shard_recipe_state(value, num_experts, first, local)
         else:
             out[key] = value
     return out
+
+
+def _shard_recipe_state(state: dict, num_experts: int, first: int, local: int) -> dict:
+    """A grouped layer's recipe state (`RecipeState.state_dict`) cut to experts first..first+local-1:
+    per-expert scales [E] and histories [L, E] are sliced along E."""
+    def cut(t):
+        if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[-1] == num_experts:
+            return t[..., first:first + local].clone()
+        return t
+
+    return {**state, "recipes": [{**e, "quantizers": {role: {k: cut(v) for k, v in q.items()}
+                                                        for role, q in e["quantizers"].items()}}
+                                 for e in state.get("recipes", [])]}
 
 
 register_expert_parallel_dispatcher(ExpertParallelDispatcher)

@@ -12,6 +12,7 @@ import contextvars
 import torch
 
 from qmoe.dispatch import DELAYED_SCALING
+from qmoe.quant.replay import active_log
 
 # Slots that recorded an amax inside the current outermost autocast region (None outside one).
 _PENDING_FORWARD: contextvars.ContextVar[list | None] = contextvars.ContextVar("qmoe_pending_forward",
@@ -72,6 +73,13 @@ class DelayedScalingState:
         child.scale, child.amax_history = self.scale[g], self.amax_history[:, g]
         child.nonfinite_steps = self.nonfinite_steps[g]
         return child
+
+    def scale_in_force(self) -> torch.Tensor:
+        """A copy of the scale this quantize call uses; a checkpoint's recompute gets the first run's."""
+        log = active_log()
+        if log is None:
+            return self.scale.clone()
+        return log.keep(self.parent or self, self.scale.clone)
 
     def record(self, amax: torch.Tensor) -> None:
         """Fold this call's amax into the newest history entry (max over calls in one step; inf and

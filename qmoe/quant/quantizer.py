@@ -19,6 +19,7 @@ from qmoe.contracts.formats import (E2M1, FP8_BLOCK, MXFP8_BLOCK, NVFP4_BLOCK, R
 from qmoe.dispatch import GROUPED_QUANTIZE, QUANTIZE, QUANTIZE_NVFP4, Dispatch
 from qmoe.quant.delayed import (DelayedScalingState, all_reduce_amax, in_forward_region, register_backward,
                                 register_forward)
+from qmoe.quant.replay import recomputing
 from qmoe.quant.tensor import QuantizedTensor
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -72,6 +73,15 @@ class Quantizer:
         Stateless formats return self; delayed scaling returns a view on group g's slot.
         """
         return self
+
+    def state_dict(self) -> dict:
+        """What this quantizer carries from step to step, as tensors ({} for stateless formats)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()`'s output; {} means fresh state."""
+        if state:
+            raise ValueError(f"{type(self).__name__} keeps no state, got keys {sorted(state)}")
 
     def quantize_for_dispatch(self, x: torch.Tensor, amax_group=None) -> QuantizedTensor | None:
         """Rowwise-quantize x [T, K] into rows that stay valid wherever they are regrouped, or None.
@@ -200,12 +210,12 @@ class Float8DelayedQuantizer(Float8CurrentQuantizer):
     def _scale_for(self, x):
         self._refuse_compile()
         self.state.ensure(x.device, None)
-        return self.state.scale.clone()  # the scale in force for this call, kept with its data
+        return self.state.scale_in_force()  # kept with its data
 
     def _grouped_scales(self, x, splits):
         self._refuse_compile()
         self.state.ensure(x.device, splits.numel())
-        return self.state.scale.clone()
+        return self.state.scale_in_force()
 
     def quantize_for_dispatch(self, x, amax_group=None):
         return None  # the scale is the slot's: per expert in a GroupedTensor, unknown to the sender
@@ -220,6 +230,8 @@ class Float8DelayedQuantizer(Float8CurrentQuantizer):
                            "Float8CurrentScaling")
 
     def _recorded(self, amax):
+        if recomputing():  # qmoe.checkpoint's recompute: the first run recorded this amax
+            return
         self.state.record(amax)
         if self.role == "grad_output" and not in_forward_region():
             register_backward(self.state, self.amax_reduction_group)
@@ -233,6 +245,31 @@ class Float8DelayedQuantizer(Float8CurrentQuantizer):
         view.state = self.state.slot(g, num_groups)
         view.amax_reduction_group = self.amax_reduction_group
         return view
+
+    def state_dict(self) -> dict:
+        """{"scale": [] or [G], "amax_history": [L] or [L, G]} fp32 copies; {} before the first quantize."""
+        if self.state.scale is None:
+            return {}
+        return {"scale": self.state.scale.detach().clone(), "amax_history": self.state.amax_history.detach().clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        st = self.state
+        if not state:
+            st.scale = st.amax_history = None  # fresh: made at the next quantize
+            return
+        if set(state) != {"scale", "amax_history"}:
+            raise ValueError(f"a delayed-scaling quantizer's state has keys scale and amax_history, got {sorted(state)}")
+        scale, history = state["scale"], state["amax_history"]
+        if history.shape[0] != st.history_len or tuple(history.shape[1:]) != tuple(scale.shape):
+            raise ValueError(f"delayed-scaling state of shape scale {tuple(scale.shape)}, amax_history "
+                             f"{tuple(history.shape)} does not fit amax_history_len={st.history_len}")
+        if st.scale is not None and st.scale.shape == scale.shape and st.amax_history.shape == history.shape:
+            # in place: a captured CUDA graph (qmoe.graph) keeps reading these very tensors
+            st.scale.copy_(scale)
+            st.amax_history.copy_(history)
+        else:
+            st.scale = scale.detach().to(torch.float32, copy=True)
+            st.amax_history = history.detach().to(torch.float32, copy=True)  # moved to x's device on use
 
     def update_scale(self, group=None) -> None:
         """Apply the pending amax now (what autocast does at region exit), reducing over `group`."""

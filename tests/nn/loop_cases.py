@@ -56,3 +56,33 @@ KINDS = ["linear", "grouped_linear", "grouped_mlp", "moe"]
 AMP = [pytest.param("cpu", torch.bfloat16, id="cpu-bf16"),
        pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=pytest.mark.gpu),
        pytest.param("cuda", torch.float16, id="cuda-fp16", marks=pytest.mark.gpu)]
+
+
+class TinyModel(torch.nn.Module):
+    """An MoE block and a dense head: every qmoe module kind a training loop holds, in small."""
+
+    def __init__(self, device="cpu", seed: int = 0, expert_bias: bool = True, aux_loss_coeff: float = 1e-2):
+        super().__init__()
+        torch.manual_seed(seed)
+        h, f = sizes(device)
+        self.moe = qmoe.nn.MoELayer(h, f, E, K, expert_bias=expert_bias, aux_loss_coeff=aux_loss_coeff,
+                                    device=device)
+        self.head = qmoe.nn.Linear(h, h, device=device)
+
+    def forward(self, x):
+        return self.head(self.moe(x) + x)
+
+
+def batch(step: int, device="cpu", rows: int = 32, rank_slice: slice | None = None):
+    """The step's (x [2, rows/2, H], target): the same on every run, sliceable along the batch."""
+    g = torch.Generator().manual_seed(1000 + step)
+    h, _ = sizes(device)
+    x = torch.randn(2, rows // 2, h, generator=g)
+    target = torch.randn(2, rows // 2, h, generator=g)
+    if rank_slice is not None:
+        x, target = x[rank_slice], target[rank_slice]
+    return x.to(device), target.to(device)
+
+
+def loss_of(model, x, target):
+    return torch.nn.functional.mse_loss(model(x).float(), target) + model.moe.aux_loss

@@ -1,0 +1,74 @@
+"""What a recomputed forward (activation checkpointing) must see as the first forward saw it.
+
+`qmoe.checkpoint` runs a function twice: in the forward, and again in the backward to rebuild
+what the forward did not keep. The second run must quantize with the scales the first one used
+(delayed scaling's scales move when the autocast region exits, before the backward), record no
+amax a second time, and redo no in-place state update (the router's expert bias). The first run
+keeps those values in a `ForwardLog`, in call order, and the recompute reads them back in the
+same order: the same code path asks for them in the same sequence.
+
+This layer holds the log only; `qmoe.checkpoint` opens it, the quantizers and the router read it.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Callable
+
+_LOG: contextvars.ContextVar["ForwardLog | None"] = contextvars.ContextVar("qmoe_forward_log", default=None)
+
+
+class ForwardLog:
+    """Values the first forward used, replayed in order by the recompute.
+
+    Entries are (owner, value): the owner (a delayed-scaling state, a router) is checked at
+    replay, so a recompute that takes another path fails loudly instead of using wrong values.
+    """
+
+    def __init__(self):
+        self.entries: list[tuple[object, object]] = []
+        self.replaying = False
+        self._next = 0
+        self.side_outputs: list = []  # modules whose `aux_loss` must leave a reentrant checkpoint
+
+    def note_side_output(self, module) -> None:
+        """`module.aux_loss` is a result of the checkpointed function too (noted by the first run)."""
+        if not self.replaying and all(m is not module for m in self.side_outputs):
+            self.side_outputs.append(module)
+
+    def keep(self, owner: object, make: Callable[[], object]):
+        """First run: `make()` (a copy of the value in force), remembered. Recompute: that copy."""
+        if not self.replaying:
+            value = make()
+            self.entries.append((owner, value))
+            return value
+        if self._next >= len(self.entries) or self.entries[self._next][0] is not owner:
+            raise RuntimeError("qmoe.checkpoint: the recomputed forward asked for other state than the first "
+                               "forward did (another path through the qmoe modules); the checkpointed function "
+                               "must make the same qmoe calls each time it runs")
+        value = self.entries[self._next][1]
+        self._next += 1
+        return value
+
+    def start_replay(self) -> None:
+        self.replaying, self._next = True, 0
+
+
+def active_log() -> ForwardLog | None:
+    """The log of the checkpointed forward running here, or None."""
+    return _LOG.get()
+
+
+def recomputing() -> bool:
+    """True inside `qmoe.checkpoint`'s recompute: record no amax, update no state."""
+    log = _LOG.get()
+    return log is not None and log.replaying
+
+
+@contextlib.contextmanager
+def using_log(log: ForwardLog):
+    token = _LOG.set(log)
+    try:
+        yield log
+    finally:
+        _LOG.reset(token)
