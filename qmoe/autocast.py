@@ -24,7 +24,7 @@ import torch
 from qmoe.contracts.errors import UnsupportedError
 from qmoe.contracts.validate import check_process_group
 from qmoe.quant.delayed import close_forward_region, open_forward_region
-from qmoe.quant.replay import recomputing
+from qmoe.quant.replay import recomputing, register_region
 from qmoe.recipes import DelayedScaling, Recipe, recipe_from_config, recipe_to_config
 from qmoe.recipes.recipe import ROLES
 
@@ -111,6 +111,9 @@ def restored_region(state: AutocastState):
     finally:
         _STATE.reset(token)
         _COMPILE_MIRROR.state = _STATE.get()
+
+
+register_region(autocast_state, restored_region)  # qmoe.checkpoint's recompute re-enters the forward's region
 
 
 def refuse_foreign_recompute(module: str) -> None:

@@ -18,9 +18,8 @@ from __future__ import annotations
 import torch
 import torch.utils.checkpoint
 
-from qmoe.autocast import autocast_state, restored_region
 from qmoe.contracts.errors import UnsupportedError
-from qmoe.quant.replay import ForwardLog, active_log, using_log
+from qmoe.quant.replay import ForwardLog, active_log, capture_regions, restored_regions, using_log
 
 __all__ = ["checkpoint"]
 
@@ -48,7 +47,7 @@ def checkpoint(function, *args, use_reentrant: bool = False, **kwargs):
     if active_log() is not None:
         raise UnsupportedError("qmoe.checkpoint inside another qmoe.checkpoint",
                                fix="checkpoint the outer function only, or the inner ones only")
-    region = autocast_state()
+    regions = capture_regions()  # the qmoe.autocast region in force here (registered by qmoe.autocast)
     log = ForwardLog()
     runs = [0]
     packing: dict = {}  # reentrant mode with aux losses: what the first run packed beside the output
@@ -57,7 +56,7 @@ def checkpoint(function, *args, use_reentrant: bool = False, **kwargs):
         runs[0] += 1
         if runs[0] > 1:
             log.start_replay()
-        with using_log(log), restored_region(region):
+        with using_log(log), restored_regions(regions):
             out = function(*inner_args, **inner_kwargs)
         if not use_reentrant or not log.side_outputs:
             return out

@@ -7,7 +7,9 @@ amax a second time, and redo no in-place state update (the router's expert bias)
 keeps those values in a `ForwardLog`, in call order, and the recompute reads them back in the
 same order: the same code path asks for them in the same sequence.
 
-This layer holds the log only; `qmoe.checkpoint` opens it, the quantizers and the router read it.
+This layer holds the log and the list of regions a recompute re-enters; `qmoe.checkpoint` opens
+the log, the quantizers and the router read it, and `qmoe.autocast` registers its recipe region
+(`register_region`), so checkpoint and autocast stay independent of each other.
 """
 from __future__ import annotations
 
@@ -63,6 +65,28 @@ def recomputing() -> bool:
     """True inside `qmoe.checkpoint`'s recompute: record no amax, update no state."""
     log = _LOG.get()
     return log is not None and log.replaying
+
+
+# (capture, restore): capture() -> token at the checkpointed call, restore(token) -> a context manager
+_REGIONS: list[tuple[Callable[[], object], Callable[[object], contextlib.AbstractContextManager]]] = []
+
+
+def register_region(capture: Callable[[], object],
+                    restore: Callable[[object], contextlib.AbstractContextManager]) -> None:
+    """A region state (e.g. qmoe.autocast's recipe) a recompute must run under as the forward did."""
+    _REGIONS.append((capture, restore))
+
+
+def capture_regions() -> list[tuple[Callable, object]]:
+    return [(restore, capture()) for capture, restore in _REGIONS]
+
+
+@contextlib.contextmanager
+def restored_regions(captured: list[tuple[Callable, object]]):
+    with contextlib.ExitStack() as stack:
+        for restore, token in captured:
+            stack.enter_context(restore(token))
+        yield
 
 
 @contextlib.contextmanager
