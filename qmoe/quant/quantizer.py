@@ -258,7 +258,8 @@ class Float8DelayedQuantizer(Float8CurrentQuantizer):
             st.scale = st.amax_history = None  # fresh: made at the next quantize
             return
         if set(state) != {"scale", "amax_history"}:
-            raise ValueError(f"a delayed-scaling quantizer's state has keys scale and amax_history, got {sorted(state)}")
+            raise ValueError(f"a delayed-scaling quantizer's state has keys scale and amax_history, "
+                             f"got {sorted(state)}")
         scale, history = state["scale"], state["amax_history"]
         if history.shape[0] != st.history_len or tuple(history.shape[1:]) != tuple(scale.shape):
             raise ValueError(f"delayed-scaling state of shape scale {tuple(scale.shape)}, amax_history "

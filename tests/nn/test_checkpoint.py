@@ -13,7 +13,7 @@ import torch.utils.checkpoint
 
 import qmoe
 from qmoe.recipes import DelayedScaling
-from tests.nn.loop_cases import AMP, TinyModel, batch, loss_of
+from tests.nn.loop_cases import AMP, TinyModel, batch
 from tests.nn.recipe_cases import QUANTIZED
 
 RECIPES = [pytest.param(None, id="bf16")] + QUANTIZED

@@ -522,7 +522,8 @@ def test_glu_interleave_gives_the_same_layer():
     inter = _make(2, bias=True, glu_interleave_size=4)
     inter.load_state_dict(plain.state_dict())
     sd = inter.state_dict()
-    assert all(torch.equal(sd[k], v) if isinstance(v, torch.Tensor) else sd[k] == v for k, v in plain.state_dict().items())
+    assert all(torch.equal(sd[k], v) if isinstance(v, torch.Tensor) else sd[k] == v
+               for k, v in plain.state_dict().items())
     x, g = _data((20,))
     got, want = _run_layer(inter, x, g), _run_plain(plain, x, g)
     assert not torch.equal(inter.experts.fc1.weight, plain.experts.fc1.weight)  # physically interleaved

@@ -97,7 +97,8 @@ def test_state_dict_carries_delayed_scaling_state():
     fc1_input = entry["quantizers"]["input"]
     assert fc1_input["amax_history"].shape == (4, 4) and fc1_input["scale"].shape == (4,)
     assert (fc1_input["scale"] != 1).any(), "two steps moved the scales off their fresh value"
-    assert sd["head._extra_state"]["recipes"][0]["quantizers"]["grad_output"]["scale"].shape == (1,)  # a one-group grouped GEMM
+    head = sd["head._extra_state"]["recipes"][0]["quantizers"]
+    assert head["grad_output"]["scale"].shape == (1,)  # a one-group grouped GEMM
 
     fresh = TinyModel(seed=7)
     fresh.load_state_dict(sd)
