@@ -17,6 +17,8 @@ import contextlib
 import contextvars
 from typing import Callable
 
+import torch
+
 _LOG: contextvars.ContextVar["ForwardLog | None"] = contextvars.ContextVar("qmoe_forward_log", default=None)
 
 
@@ -57,13 +59,16 @@ class ForwardLog:
 
 
 def active_log() -> ForwardLog | None:
-    """The log of the checkpointed forward running here, or None."""
+    """The log of the checkpointed forward running here, or None (always None in compiled code, which
+    cannot read a ContextVar: qmoe.checkpoint runs eagerly)."""
+    if torch.compiler.is_compiling():
+        return None
     return _LOG.get()
 
 
 def recomputing() -> bool:
     """True inside `qmoe.checkpoint`'s recompute: record no amax, update no state."""
-    log = _LOG.get()
+    log = active_log()
     return log is not None and log.replaying
 
 
