@@ -18,6 +18,7 @@ from qmoe.quant.replay import active_log
 _PENDING_FORWARD: contextvars.ContextVar[list | None] = contextvars.ContextVar("qmoe_pending_forward",
                                                                                default=None)
 _PENDING_BACKWARD: list[tuple["DelayedScalingState", object]] = []
+_PENDING_TASK = -1  # the autograd graph task whose end will flush _PENDING_BACKWARD
 # Watchers (qmoe.graph.capture) told about every state before it changes and every forward
 # registration, so a capture can restore state after its warm-up and re-register at replay.
 _OBSERVERS: list = []
@@ -160,7 +161,14 @@ def register_backward(state: DelayedScalingState, group=None) -> None:
 
     Outside a backward pass (a direct quantize call) the slot is updated at once.
     """
+    global _PENDING_TASK
     state = state.parent or state
+    task = torch._C._current_graph_task_id()
+    if _PENDING_BACKWARD and task != _PENDING_TASK:
+        # a backward pass that raised never ran its callback: its slots keep the amaxes they
+        # recorded (folded into their next update) but must not stop this pass from queuing its own
+        _PENDING_BACKWARD.clear()
+    _PENDING_TASK = task
     first = not _PENDING_BACKWARD
     _PENDING_BACKWARD.append((state, group))
     if not first:

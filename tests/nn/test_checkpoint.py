@@ -90,6 +90,9 @@ def test_torch_utils_checkpoint_refuses_qmoe_modules(recipe, reentrant):
 
     with pytest.raises(qmoe.UnsupportedError, match=r"qmoe\.checkpoint"):
         _step(recipe, torch_checkpoint, steps=1)
+    if recipe is not None:  # the aborted backward left no pending update that blocks the next pass's
+        _, state = _step(recipe, steps=1)
+        assert (state["head.grad_output.scale"] != 1).all()
 
 
 def test_nested_checkpoint_and_bad_arguments_raise():
