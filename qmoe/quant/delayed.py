@@ -17,8 +17,11 @@ from qmoe.quant.replay import active_log
 # Slots that recorded an amax inside the current outermost autocast region (None outside one).
 _PENDING_FORWARD: contextvars.ContextVar[list | None] = contextvars.ContextVar("qmoe_pending_forward",
                                                                                default=None)
-_PENDING_BACKWARD: list[tuple["DelayedScalingState", object]] = []
-_PENDING_TASK = -1  # the autograd graph task whose end will flush _PENDING_BACKWARD
+# Backward slots waiting for the end of their backward pass, per autograd graph task: a reentrant
+# checkpoint runs its backward as a task nested in the outer one, and a pass that raised never
+# reaches its end (its slots keep the amaxes they recorded, folded into their next update).
+_PENDING_BACKWARD: dict[int, list[tuple["DelayedScalingState", object]]] = {}
+_MAX_PENDING_TASKS = 64  # more live tasks than any nesting needs: the oldest are passes that raised
 # Watchers (qmoe.graph.capture) told about every state before it changes and every forward
 # registration, so a capture can restore state after its warm-up and re-register at replay.
 _OBSERVERS: list = []
@@ -161,27 +164,23 @@ def register_backward(state: DelayedScalingState, group=None) -> None:
 
     Outside a backward pass (a direct quantize call) the slot is updated at once.
     """
-    global _PENDING_TASK
     state = state.parent or state
     task = torch._C._current_graph_task_id()
-    if _PENDING_BACKWARD and task != _PENDING_TASK:
-        # a backward pass that raised never ran its callback: its slots keep the amaxes they
-        # recorded (folded into their next update) but must not stop this pass from queuing its own
-        _PENDING_BACKWARD.clear()
-    _PENDING_TASK = task
-    first = not _PENDING_BACKWARD
-    _PENDING_BACKWARD.append((state, group))
-    if not first:
+    pending = _PENDING_BACKWARD.get(task)
+    if pending is not None:
+        pending.append((state, group))
         return
+    while len(_PENDING_BACKWARD) >= _MAX_PENDING_TASKS:
+        del _PENDING_BACKWARD[min(_PENDING_BACKWARD)]
+    _PENDING_BACKWARD[task] = [(state, group)]
     try:
-        torch.autograd.Variable._execution_engine.queue_callback(flush_backward)
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: flush_backward(task))
     except RuntimeError:
-        flush_backward()
+        flush_backward(task)
 
 
-def flush_backward() -> None:
-    pending = list(_PENDING_BACKWARD)
-    _PENDING_BACKWARD.clear()
+def flush_backward(task: int) -> None:
+    pending = _PENDING_BACKWARD.pop(task, [])
     by_group: dict[int, tuple[object, list]] = {}
     for state, group in pending:
         by_group.setdefault(id(group), (group, []))[1].append(state)
