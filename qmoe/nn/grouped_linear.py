@@ -154,7 +154,7 @@ class GroupedLinear(nn.Module):
 
     # ---- compute
     def forward(self, x: torch.Tensor, split_sizes: torch.Tensor, scales: torch.Tensor | None = None,
-                quantized_input=None, *, input_activation: tuple | None = None):
+                quantized_input=None, *, input_activation: tuple | None = None, recompute_activation: bool = False):
         """quantized_input: optional QuantizedTensor, x's rows already quantized rowwise by the recipe's
         input format (expert-parallel quantized dispatch); the forward GEMM uses it as it is and x
         (its dequantized values) takes the gradient and gives wgrad's columnwise copy.
@@ -162,7 +162,10 @@ class GroupedLinear(nn.Module):
         input_activation: optional (activation, probs [R] or None, glu_interleave_size): x is the
         previous layer's output h and this layer's input is act(h) * probs
         (`qmoe.ops.expert_activation`), fused into the input's quantization on the grouped path
-        under a recipe (GroupedMLP's FC2 uses it)."""
+        under a recipe (GroupedMLP's FC2 uses it).
+
+        recompute_activation: with input_activation, the backward rebuilds the weight gradient's
+        input operand from h and probs instead of keeping it (`qmoe.ops.grouped_linear`)."""
         self._check_inputs(x, split_sizes, scales, input_activation)
         refuse_foreign_recompute("qmoe.nn.GroupedLinear")
         state = autocast_state()
@@ -185,10 +188,10 @@ class GroupedLinear(nn.Module):
                     return grouped_linear(x.float(), split_sizes, weight.float(),
                                           None if bias is None else bias.float(),
                                           scales if self.scale_bias else None, quantizers, path, sink,
-                                          quantized_input, input_activation).double()
+                                          quantized_input, input_activation, recompute_activation).double()
         with torch_autocast_off():
             return grouped_linear(x, split_sizes, weight, bias, scales if self.scale_bias else None, quantizers,
-                                  path, sink, quantized_input, input_activation)
+                                  path, sink, quantized_input, input_activation, recompute_activation)
 
     def _check_inputs(self, x, split_sizes, scales, input_activation=None):
         width = self.in_features

@@ -26,12 +26,18 @@ class GroupedMLP(nn.Module):
     rows physically as alternating k-row gate/linear blocks (so an activation fused into FC1's
     epilogue sees both halves of a column block in one tile); `state_dict()` and
     `load_state_dict()` always use the logical layout.
+
+    recompute_activation: FC2's input (the activation output, quantized for FC2's weight
+    gradient under a recipe) is not kept for the backward, which rebuilds it from FC1's output
+    h and the probs it keeps anyway: one [R, F] operand less held between forward and backward
+    (F bytes a row in FP8, F / 2 in NVFP4, 2F in bf16), one more activation and quantization of
+    it in the backward, the same gradients bit for bit.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str = "swiglu",
                  glu_interleave_size: int | None = None, bias: bool = False, grouped_path: str = "auto",
                  delay_wgrad_compute: bool = False, single_grouped_weight: bool = True, params_dtype=None,
-                 device=None):
+                 device=None, recompute_activation: bool = False):
         super().__init__()
         for name, v in (("num_experts", num_experts), ("hidden_size", hidden_size),
                         ("ffn_hidden_size", ffn_hidden_size)):
@@ -41,6 +47,9 @@ class GroupedMLP(nn.Module):
             check_flag(name, v, "GroupedMLP")
         check_params_dtype(params_dtype, "GroupedMLP")
         self.activation = check_activation(activation)
+        if not isinstance(recompute_activation, bool):
+            raise TypeError(f"recompute_activation must be True or False, got {recompute_activation!r}")
+        self.recompute_activation = recompute_activation
         glu = is_glu(activation)
         if glu_interleave_size is not None:
             if not glu:
@@ -94,7 +103,8 @@ class GroupedMLP(nn.Module):
         if self.fc2.scale_bias:
             scales = probs.to(h.dtype) if probs is not None else torch.ones(x.shape[0], dtype=h.dtype, device=x.device)
         # the activation runs inside FC2: fused into the quantization of FC2's input under a recipe
-        return self.fc2(h, split_sizes, scales, input_activation=(self.activation, probs, self.glu_interleave_size))
+        return self.fc2(h, split_sizes, scales, input_activation=(self.activation, probs, self.glu_interleave_size),
+                        recompute_activation=self.recompute_activation)
 
     def backward_dw(self) -> None:
         self.fc1.backward_dw()

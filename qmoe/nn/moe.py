@@ -64,6 +64,10 @@ class MoELayer(nn.Module):
     quantized_dispatch: send tokens quantized (1 byte per element plus scales) where the recipe
     allows it; see `qmoe.parallel.ExpertParallelDispatcher`. With capacity_factor the dispatch
     uses static buffers (no host sync); without, it reads split sizes on the host once per layer.
+    recompute_activation: the expert activation (FC2's input, quantized for FC2's weight gradient
+    under a recipe) is recomputed in the backward from FC1's output instead of saved
+    (`GroupedMLP`): less activation memory, the same gradients bit for bit; composes with
+    `qmoe.checkpoint`.
 
     >>> layer = qmoe.nn.MoELayer(hidden_size=256, ffn_hidden_size=512, num_experts=8, top_k=2)
     >>> with qmoe.autocast(recipe=MXFP8BlockScaling()):
@@ -81,7 +85,7 @@ class MoELayer(nn.Module):
                  shared_expert_ffn_hidden_size: int | None = None, shared_expert_gate: bool = False,
                  params_dtype=None, device=None, glu_interleave_size: int | None = None,
                  grouped_path: str = "auto", delay_wgrad_compute: bool = False, ep_group=None,
-                 quantized_dispatch: bool = True):
+                 quantized_dispatch: bool = True, recompute_activation: bool = False):
         super().__init__()
         for name, v in (("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size),
                         ("num_experts", num_experts), ("top_k", top_k)):
@@ -109,7 +113,7 @@ class MoELayer(nn.Module):
         self.experts = GroupedMLP(local_experts, hidden_size, ffn_hidden_size, activation=activation,
                                   glu_interleave_size=glu_interleave_size, bias=bias, grouped_path=grouped_path,
                                   delay_wgrad_compute=delay_wgrad_compute, params_dtype=params_dtype,
-                                  device=device)
+                                  device=device, recompute_activation=recompute_activation)
         if self.dispatcher is not None:
             for fc in (self.experts.fc1, self.experts.fc2):
                 fc.recipe_state = RecipeState(local_amax=True)  # local slot g is a different expert on each rank
@@ -157,6 +161,16 @@ class MoELayer(nn.Module):
             gate = torch.sigmoid(tokens.float() @ self.shared_expert_gate.weight.float().t())
             out = (out.float() * gate).to(out.dtype)
         return out.to(tokens.dtype)
+
+    @property
+    def recompute_activation(self) -> bool:
+        return self.experts.recompute_activation
+
+    @recompute_activation.setter
+    def recompute_activation(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"recompute_activation must be True or False, got {value!r}")
+        self.experts.recompute_activation = value
 
     def _set_aux_loss(self) -> None:
         self.aux_loss = self.router.aux_loss

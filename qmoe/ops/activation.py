@@ -33,7 +33,7 @@ class _ExpertActivation(torch.autograd.Function):
     def forward(ctx, h, probs, activation, glu_interleave_size):
         ctx.save_for_backward(h, probs)
         ctx.args = (activation, glu_interleave_size)
-        return _twin("scaled_activation_forward", h, probs)(h, probs, activation, glu_interleave_size)
+        return activation_forward(h, probs, activation, glu_interleave_size)
 
     @staticmethod
     @autocast_off
@@ -41,6 +41,12 @@ class _ExpertActivation(torch.autograd.Function):
         h, probs = ctx.saved_tensors
         dh, dprobs = activation_backward(h, probs, da, *ctx.args, ctx.needs_input_grad[1])
         return dh if ctx.needs_input_grad[0] else None, dprobs, None, None
+
+
+def activation_forward(h, probs, activation, glu_interleave_size):
+    """act(h) * probs without autograd: the one forward shared with consumers that rebuild the
+    activation themselves (qmoe.ops.grouped_linear's recompute_activation)."""
+    return _twin("scaled_activation_forward", h, probs)(h, probs, activation, glu_interleave_size)
 
 
 def activation_backward(h, probs, da, activation, glu_interleave_size, need_dprobs):

@@ -18,6 +18,8 @@ quantized straight from h on the grouped path with a recipe (GroupedTensor.quant
 ActivatedRows), so the [R, F] activation output is neither written nor read back; the backward
 turns FC2's dgrad into dh and dprobs with the activation's own backward. Elsewhere the
 activation runs first (qmoe.ops.expert_activation): the results are the same.
+`recompute_activation` keeps only h and probs for the backward, which rebuilds the weight
+gradient's input operand from them (`GroupedLinearPlan.rebuild_input`).
 """
 from __future__ import annotations
 
@@ -30,10 +32,11 @@ from qmoe.contracts.carriers import ActivatedRows
 from qmoe.contracts.enums import Activation, GroupedPath, parse_activation, parse_grouped_path
 from qmoe.contracts.validate import check_scaled_activation_args, check_split_sizes
 from qmoe.dispatch import BIAS
-from qmoe.ops.activation import activation_backward, expert_activation
+from qmoe.ops.activation import activation_backward, activation_forward, expert_activation
 from qmoe.ops.amp import autocast_off
 from qmoe.ops.grouped_linear_paths import PATHS, Groups, LinearPath, drop_rowwise
 from qmoe.quant import QuantizedTensor
+from qmoe.quant.replay import ForwardLog, active_log, using_log
 
 
 # Test-only observer of the plan's steps (`observe_steps`); None, the default: one test per step.
@@ -66,9 +69,13 @@ class GroupedLinearPlan:
 
     path: the strategy whose steps run. quantizers: {"input", "weight", "grad_output"} or None
     (plain GEMMs in x's dtype). quantized_input: x's rows quantized before dispatch, or None.
-    activation / glu_interleave_size: set when the input is act(h) * probs fused into its
-    quantization (x is h). wgrad_sink: a list that takes the weight-gradient callables
-    (delay_wgrad_compute), or None.
+    activation / glu_interleave_size: set when x is h and the input is act(h) * probs, made
+    inside the op: fused into the input's quantization where the path fuses under a recipe
+    (`fuses_activation`), computed first otherwise. wgrad_sink: a list that takes the
+    weight-gradient callables (delay_wgrad_compute), or None.
+    recompute_activation: keep h and probs only; the backward rebuilds wgrad's input operand
+    (the quantized columnwise copy of act(h) * probs, or that output itself without a recipe)
+    instead of keeping it from the forward (`rebuild_input`).
     """
 
     path: LinearPath
@@ -77,17 +84,44 @@ class GroupedLinearPlan:
     activation: Activation | None = None
     glu_interleave_size: int | None = None
     wgrad_sink: list | None = None
+    recompute_activation: bool = False
+
+    @property
+    def fuses_activation(self) -> bool:
+        return self.quantizers is not None and self.path.fuses_input_activation
 
     # ---- quantize steps: a recipe's operands, or plain tensors in x's dtype without one
-    def quantize_input(self, x, probs, groups: Groups, wgrad: bool):
+    def quantize_input(self, x, probs, groups: Groups, wgrad: bool, rowwise: bool = True):
+        if self.activation is not None:
+            if self.fuses_activation:
+                x = ActivatedRows(x, probs, self.activation.value, self.glu_interleave_size)
+            else:
+                x = activation_forward(x, probs, self.activation.value, self.glu_interleave_size)
         if self.quantizers is None:
             return x
-        if self.activation is not None:
-            x = ActivatedRows(x, probs, self.activation.value, self.glu_interleave_size)
-        out = self.path.quantize_input(x, groups, self.quantizers["input"], wgrad, self.quantized_input)
+        out = self.path.quantize_input(x, groups, self.quantizers["input"], wgrad, self.quantized_input,
+                                       rowwise=rowwise)
         if _observer is not None:
             _observer(self, "quantize_input", (x, groups), out)
         return out
+
+    def input_log(self) -> ForwardLog | None:
+        """The log the forward's input quantization keeps its state in (delayed scaling's scale)
+        for `rebuild_input` to replay; None without a recipe, and in compiled code, which cannot
+        hold one (delayed scaling, the one recipe that keeps such state, refuses compilation)."""
+        if self.quantizers is None or torch.compiler.is_compiling():
+            return None
+        return ForwardLog(parent=active_log())
+
+    def rebuild_input(self, h, probs, groups: Groups, log: ForwardLog | None):
+        """wgrad's input operand rebuilt in the backward from h and probs (recompute_activation):
+        the columnwise copy only, quantized as the forward did (same scales; no amax recorded
+        again), so the weight gradient is the one the kept operand would give, bit for bit."""
+        if log is None:
+            return self.quantize_input(h, probs, groups, wgrad=True, rowwise=False)
+        log.start_replay()
+        with using_log(log):
+            return self.quantize_input(h, probs, groups, wgrad=True, rowwise=False)
 
     def quantize_weight(self, weight: torch.Tensor, dtype: torch.dtype, dgrad: bool):
         if self.quantizers is None:
@@ -195,17 +229,21 @@ class GroupedLinearFunction(torch.autograd.Function):
         needs = _Needs(x=grad[1], weight=grad[3], bias=grad[4], scales=grad[5], probs=grad[6])
         ctx.plan, ctx.needs = plan, needs
         groups = plan.path.groups(split_sizes, x)
-        x_op = plan.quantize_input(x, probs, groups, wgrad=needs.weight)
+        keep_input = needs.weight and not plan.recompute_activation
+        ctx.input_log = log = plan.input_log() if needs.weight and plan.recompute_activation else None
+        with using_log(log) if log is not None else contextlib.nullcontext():
+            x_op = plan.quantize_input(x, probs, groups, wgrad=keep_input)
         w_op = plan.quantize_weight(weight, x.dtype, dgrad=needs.dgrad)
         y = plan.fprop(x_op, w_op, groups, out_dtype=x.dtype)
         if bias is not None:
             y = BIAS.pick("grouped_bias_forward", y)(y, bias, groups.offsets, scales)
-        fused = plan.activation is not None
+        activated = plan.activation is not None  # x is h; the GEMM's input is [R, K] = act(h) * probs
         _Saved(groups=groups,
-               x_operand=drop_rowwise(x_op) if needs.weight else None,
+               x_operand=drop_rowwise(x_op) if keep_input else None,
                w_operand=drop_rowwise(w_op) if needs.dgrad else None,
-               bias=bias, scales=scales, h=x if fused else None, probs=probs,
-               x_shape=x_op.shape if fused else x.shape, x_dtype=x.dtype, w_dtype=weight.dtype).stash(ctx)
+               bias=bias, scales=scales, h=x if activated else None, probs=probs,
+               x_shape=torch.Size((x.shape[0], weight.shape[2])) if activated else x.shape,
+               x_dtype=x.dtype, w_dtype=weight.dtype).stash(ctx)
         return y
 
     @staticmethod
@@ -220,8 +258,11 @@ class GroupedLinearFunction(torch.autograd.Function):
             dx = plan.dgrad(g_op, saved.w_operand, groups, saved.x_shape, out_dtype=dy.dtype)
         if needs.weight:
             shape = (len(groups.split_sizes), dy.shape[1], saved.x_shape[1])
+            x_op = saved.x_operand
+            if plan.recompute_activation:
+                x_op = plan.rebuild_input(saved.h, saved.probs, groups, ctx.input_log)
 
-            def wgrad(g_op=g_op, x_op=saved.x_operand):
+            def wgrad(g_op=g_op, x_op=x_op):
                 return plan.wgrad(g_op, x_op, groups, shape, saved.w_dtype)
 
             if plan.wgrad_sink is not None:
@@ -244,7 +285,7 @@ def grouped_linear(x: torch.Tensor, split_sizes: torch.Tensor, weight: torch.Ten
                    scales: torch.Tensor | None = None, quantizers: dict | None = None,
                    path: GroupedPath | str = GroupedPath.GROUPED, wgrad_sink: list | None = None,
                    quantized_input: QuantizedTensor | None = None,
-                   input_activation: tuple | None = None) -> torch.Tensor:
+                   input_activation: tuple | None = None, recompute_activation: bool = False) -> torch.Tensor:
     """y [R, N] = grouped x [R, K] @ weight[g]^T (+ bias[g] (* scales[row])).
 
     split_sizes: [E] int on x's device; rows past their sum join the last group (absorb_tail).
@@ -260,7 +301,15 @@ def grouped_linear(x: torch.Tensor, split_sizes: torch.Tensor, weight: torch.Ten
     activations, [R, K] otherwise) and the input is `expert_activation(h, probs, activation,
     glu_interleave_size)`; fused into the input's quantization on the grouped path with
     quantizers (see the module docstring). h and probs get their gradients.
+    recompute_activation: with input_activation, keep only h and probs for the backward, which
+    rebuilds the weight gradient's input operand (act(h) * probs, quantized columnwise under a
+    recipe) from them instead of keeping it: less memory held between forward and backward, one
+    more activation (and quantization) in the backward, the same gradients bit for bit.
     """
+    if not isinstance(recompute_activation, bool):
+        raise TypeError(f"recompute_activation must be True or False, got {recompute_activation!r}")
+    if recompute_activation and input_activation is None:
+        raise ValueError("recompute_activation=True needs input_activation: it recomputes the input's activation")
     path = parse_grouped_path(path)
     if path not in PATHS:
         raise ValueError(f"path must be 'grouped' or 'split' (resolve 'auto' with select_grouped_path), "
@@ -282,10 +331,11 @@ def grouped_linear(x: torch.Tensor, split_sizes: torch.Tensor, weight: torch.Ten
         check_scaled_activation_args(x, probs, activation, glu)
         if quantized_input is not None:
             raise ValueError("input_activation and quantized_input exclude each other: FC2's input is computed here")
-        if quantizers is None or not strategy.fuses_input_activation:  # nothing to fuse into: it runs first
+        fuses = quantizers is not None and strategy.fuses_input_activation
+        if not (fuses or recompute_activation):  # nothing to fuse into and nothing to rebuild: it runs first
             x, probs, activation, glu = expert_activation(x, probs, activation, glu), None, None, None
         else:
             activation = parse_activation(activation)
     plan = GroupedLinearPlan(strategy, quantizers, quantized_input=quantized_input, activation=activation,
-                             glu_interleave_size=glu, wgrad_sink=wgrad_sink)
+                             glu_interleave_size=glu, wgrad_sink=wgrad_sink, recompute_activation=recompute_activation)
     return GroupedLinearFunction.apply(plan, x, split_sizes, weight, bias, scales, probs)

@@ -116,11 +116,12 @@ class LinearPath:
         raise NotImplementedError
 
     def quantize_input(self, x, groups: Groups, quantizer: Quantizer, wgrad: bool,
-                       quantized_input: QuantizedTensor | None = None):
+                       quantized_input: QuantizedTensor | None = None, rowwise: bool = True):
         """x [R, K] (or an ActivatedRows where fused), rowwise for fprop and columnwise if `wgrad`.
 
         quantized_input: x's rows already quantized rowwise (expert-parallel dispatch), used as
         they are; wgrad's columnwise copy is then quantized from x's values.
+        rowwise=False: wgrad's columnwise copy only (rebuilt in the backward, recompute_activation).
         """
         raise NotImplementedError
 
@@ -154,9 +155,9 @@ class GroupedLinearPath(LinearPath):
         split_sizes = absorb_tail(split_sizes, x.shape[0])
         return Groups(split_sizes, _offsets(split_sizes), None, x.device)
 
-    def quantize_input(self, x, groups, quantizer, wgrad, quantized_input=None):
+    def quantize_input(self, x, groups, quantizer, wgrad, quantized_input=None, rowwise=True):
         if quantized_input is None:  # x: a tensor, or an ActivatedRows the kernels activate as they load
-            return GroupedTensor.quantize(x, groups.split_sizes, quantizer, rowwise=True, columnwise=wgrad,
+            return GroupedTensor.quantize(x, groups.split_sizes, quantizer, rowwise=rowwise, columnwise=wgrad,
                                           validate=False)
         xq = GroupedTensor.from_rows(quantized_input, groups.split_sizes)
         if wgrad:
@@ -203,10 +204,10 @@ class SplitLinearPath(LinearPath):
         return [quantizer.for_group(g, e, x.device).quantize(x[a:b], rowwise=rowwise, columnwise=columnwise)
                 if b > a else None for g, (a, b) in enumerate(bounds)]
 
-    def quantize_input(self, x, groups, quantizer, wgrad, quantized_input=None):
-        assert not isinstance(x, ActivatedRows), "the split path runs the activation before grouped_linear"
+    def quantize_input(self, x, groups, quantizer, wgrad, quantized_input=None, rowwise=True):
+        assert not isinstance(x, ActivatedRows), "the split path runs the activation before it quantizes"
         if quantized_input is None:
-            return self._per_group(x, groups.bounds, quantizer, True, wgrad)
+            return self._per_group(x, groups.bounds, quantizer, rowwise, wgrad)
         xs = GroupedTensor.from_rows(quantized_input, groups.split_sizes).split()
         if wgrad:
             for t, c in zip(xs, self._per_group(x, groups.bounds, quantizer, False, True)):

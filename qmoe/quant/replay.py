@@ -9,7 +9,9 @@ same order: the same code path asks for them in the same sequence.
 
 This layer holds the log and the list of regions a recompute re-enters; `qmoe.checkpoint` opens
 the log, the quantizers and the router read it, and `qmoe.autocast` registers its recipe region
-(`register_region`), so checkpoint and autocast stay independent of each other.
+(`register_region`), so checkpoint and autocast stay independent of each other. An op that
+rebuilds part of its own forward in its backward (grouped_linear's recompute_activation) opens a
+log of its own around that part, nested in the checkpoint's when there is one.
 """
 from __future__ import annotations
 
@@ -27,9 +29,15 @@ class ForwardLog:
 
     Entries are (owner, value): the owner (a delayed-scaling state, a router) is checked at
     replay, so a recompute that takes another path fails loudly instead of using wrong values.
+
+    parent: the log active where this one opens (or None). A log opened inside another (an
+    op that recomputes part of its own forward in its backward, run inside `qmoe.checkpoint`)
+    takes its values from the parent, which keeps or replays them as it does its own: the
+    values stay the first forward's however many recomputes sit in between.
     """
 
-    def __init__(self):
+    def __init__(self, parent: "ForwardLog | None" = None):
+        self.parent = parent
         self.entries: list[tuple[object, object]] = []
         self.replaying = False
         self._next = 0
@@ -43,7 +51,7 @@ class ForwardLog:
     def keep(self, owner: object, make: Callable[[], object]):
         """First run: `make()` (a copy of the value in force), remembered. Recompute: that copy."""
         if not self.replaying:
-            value = make()
+            value = make() if self.parent is None else self.parent.keep(owner, make)
             self.entries.append((owner, value))
             return value
         if self._next >= len(self.entries) or self.entries[self._next][0] is not owner:
@@ -57,6 +65,15 @@ class ForwardLog:
     def start_replay(self) -> None:
         self.replaying, self._next = True, 0
 
+    def recomputing(self) -> bool:
+        """Whether this log or one it draws from replays (the run repeats a forward already done)."""
+        log = self
+        while log is not None:
+            if log.replaying:
+                return True
+            log = log.parent
+        return False
+
 
 def active_log() -> ForwardLog | None:
     """The log of the checkpointed forward running here, or None (always None in compiled code, which
@@ -69,7 +86,7 @@ def active_log() -> ForwardLog | None:
 def recomputing() -> bool:
     """True inside `qmoe.checkpoint`'s recompute: record no amax, update no state."""
     log = active_log()
-    return log is not None and log.replaying
+    return log is not None and log.recomputing()
 
 
 # (capture, restore): capture() -> token at the checkpointed call, restore(token) -> a context manager
@@ -95,7 +112,8 @@ def restored_regions(captured: list[tuple[Callable, object]]):
 
 
 @contextlib.contextmanager
-def using_log(log: ForwardLog):
+def using_log(log: ForwardLog | None):
+    """Make `log` the active log inside the block (None: no log, as outside any checkpoint)."""
     token = _LOG.set(log)
     try:
         yield log

@@ -2,7 +2,8 @@
 
 For every recipe, both reentrant modes, the backward inside or outside the qmoe.autocast region
 (and torch.autocast on or off): outputs, input and parameter gradients, aux losses, expert
-biases and delayed-scaling states after the step are identical. `torch.utils.checkpoint`
+biases and delayed-scaling states after the step are identical (also with the MoE layer's
+recompute_activation inside the checkpoint). `torch.utils.checkpoint`
 used directly on qmoe modules raises a qmoe error naming qmoe.checkpoint in both modes.
 """
 import contextlib
@@ -26,9 +27,11 @@ def _qmoe_states(model):
             for role, q in m.recipe_state.quantizers.items() for k, t in q.state_dict().items()}
 
 
-def _step(recipe, checkpoint=None, backward_inside=False, device="cpu", amp=None, steps=2):
-    """Two training steps of TinyModel with its MoE block checkpointed (or not); everything observable."""
+def _step(recipe, checkpoint=None, backward_inside=False, device="cpu", amp=None, steps=2, recompute=False):
+    """Two training steps of TinyModel with its MoE block checkpointed (or not); everything observable.
+    recompute: the MoE layer's recompute_activation."""
     model = TinyModel(device)
+    model.moe.recompute_activation = recompute
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     grads = []
     for step in range(steps):
@@ -71,6 +74,18 @@ def test_checkpointed_gradients_equal_plain_bit_for_bit(recipe, reentrant, backw
     want = _step(recipe, backward_inside=backward_inside)
     torch.manual_seed(0)
     got = _step(recipe, _qmoe_checkpoint(reentrant), backward_inside=backward_inside)
+    _assert_same(got, want)
+
+
+@pytest.mark.parametrize("reentrant", MODES)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recompute_activation_inside_checkpoint_equals_plain(recipe, reentrant):
+    """MoELayer(recompute_activation=True) under qmoe.checkpoint: the layer's rebuild replays the
+    forward's state through the checkpoint's recompute, bit for bit."""
+    torch.manual_seed(0)
+    want = _step(recipe)
+    torch.manual_seed(0)
+    got = _step(recipe, _qmoe_checkpoint(reentrant), recompute=True)
     _assert_same(got, want)
 
 
