@@ -10,6 +10,9 @@ forward + backward (input, router and expert weight gradients). Reported per row
 median step time, the median replay time of the whole step captured in one CUDA graph
 (`torch.cuda.CUDAGraph`; when capture fails the error is recorded instead), tokens/s from the
 eager time, peak memory of the eager steps, and ratios to the peer and to qmoe bf16.
+`--recompute-activation` adds, after each recipe's row, the same layer with
+`recompute_activation=True` (FC2's input rebuilt in the backward instead of kept): its memory
+saved and its time against the default row.
 Writes benchmarks/results/moe.json.
 """
 from __future__ import annotations
@@ -118,11 +121,29 @@ def _measure(module, x, dy, recipe, warmup: int, iters: int, graphed: bool) -> d
     # what the step itself needs beyond what any training of this model holds (weights, their
     # gradients, the input): saved activations, quantized copies, workspaces
     out = dict(eager_ms=eager, peak_gib=peak, work_gib=peak - resident - grads - x.numel() * x.element_size() / 2 ** 30,
-               graphed_ms=None, graph_error=None)
+               held_gib=_held_gib(module, x, dy, recipe), graphed_ms=None, graph_error=None)
     if graphed:
         out["graphed_ms"], out["graph_error"] = _graphed_ms(step, warmup, iters)
     _drop_grads(module, x)
     return out
+
+
+def _held_gib(module, x, dy, recipe) -> float:
+    """Memory a forward leaves allocated for its backward (saved activations, quantized copies,
+    the output): what every layer of a model holds at once before the backward starts."""
+    import qmoe
+
+    _drop_grads(module, x)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with qmoe.autocast(recipe=recipe, enabled=recipe is not None):
+        y = module(x)
+    torch.cuda.synchronize()
+    held = (torch.cuda.memory_allocated() - before) / 2 ** 30
+    y.backward(dy)
+    del y
+    _drop_grads(module, x)
+    return held
 
 
 def _drop_grads(module, x):
@@ -137,7 +158,25 @@ def _free():
     torch.cuda.empty_cache()
 
 
-def bench_shape(rows, name, shape, recipes, warmup, iters, graphed, device="cuda"):
+def _recipe_row(layer, x, dy, recipe, warmup, iters, graphed, base: dict, bf16_ms) -> dict:
+    """One row: `base` (the shape, recipe, path, peer) with this layer's measurements."""
+    row = dict(base, eager_ms=None, graphed_ms=None, tokens_per_s=None, peak_gib=None, work_gib=None,
+               speedup_vs_peer=None, ratio_vs_qmoe_bf16=None, graph_error=None, error=None,
+               recompute_activation=layer.recompute_activation)
+    try:
+        row.update(_measure(layer, x, dy, recipe, warmup, iters, graphed))
+        row["tokens_per_s"] = x.shape[0] / (row["eager_ms"] / 1e3)
+        if row["peer_ms"]:
+            row["speedup_vs_peer"] = row["peer_ms"] / row["eager_ms"]
+        if bf16_ms:
+            row["ratio_vs_qmoe_bf16"] = bf16_ms / row["eager_ms"]
+    except Exception as e:  # noqa: BLE001 - one recipe failing must not stop the others
+        row["error"] = _err(e)
+    _free()
+    return row
+
+
+def bench_shape(rows, name, shape, recipes, warmup, iters, graphed, device="cuda", recompute=False):
     import qmoe
     from benchmarks.plain_moe import PlainMoE
     from qmoe.compare import resolve_path
@@ -171,24 +210,27 @@ def bench_shape(rows, name, shape, recipes, warmup, iters, graphed, device="cuda
     bf16_ms = None
     for rname in recipes:
         recipe = None if rname == "bf16" else recipe_from_config({"name": rname})
-        row = dict(shape=name, recipe=rname, **shape, eager_ms=None, graphed_ms=None, tokens_per_s=None,
-                   peak_gib=None, work_gib=None, peer_ms=peer["peer_ms"], speedup_vs_peer=None, ratio_vs_qmoe_bf16=None,
-                   path=resolve_path("bf16" if recipe is None else recipe, layer, device), graph_error=None,
-                   error=None, **{k: v for k, v in peer.items() if k != "peer_ms"})
-        try:
-            row.update(_measure(layer, x, dy, recipe, warmup, iters, graphed))
-            row["tokens_per_s"] = t / (row["eager_ms"] / 1e3)
-            if row["peer_ms"]:
-                row["speedup_vs_peer"] = row["peer_ms"] / row["eager_ms"]
-            if rname == "bf16":
-                bf16_ms = row["eager_ms"]
-            if bf16_ms:
-                row["ratio_vs_qmoe_bf16"] = bf16_ms / row["eager_ms"]
-        except Exception as e:  # noqa: BLE001 - one recipe failing must not stop the others
-            row["error"] = _err(e)
-        _free()
+        base = dict(shape=name, recipe=rname, **shape, peer_ms=peer["peer_ms"],
+                    path=resolve_path("bf16" if recipe is None else recipe, layer, device),
+                    **{k: v for k, v in peer.items() if k != "peer_ms"})
+        row = _recipe_row(layer, x, dy, recipe, warmup, iters, graphed, base, bf16_ms)
+        if rname == "bf16":
+            bf16_ms = row["eager_ms"]
+            row["ratio_vs_qmoe_bf16"] = 1.0 if bf16_ms else None
         rows.append(row)
         _print_row(row)
+        if recompute:
+            layer.recompute_activation = True
+            try:
+                again = _recipe_row(layer, x, dy, recipe, warmup, iters, graphed, base, bf16_ms)
+            finally:
+                layer.recompute_activation = False
+            if row["error"] is None and again["error"] is None:
+                again["held_gib_saved_vs_default"] = row["held_gib"] - again["held_gib"]
+                again["peak_gib_saved_vs_default"] = row["peak_gib"] - again["peak_gib"]
+                again["time_ratio_vs_default"] = again["eager_ms"] / row["eager_ms"]
+            rows.append(again)
+            _print_row(again)
 
 
 def _fmt(v, spec):
@@ -196,14 +238,19 @@ def _fmt(v, spec):
     return format(v, spec) if isinstance(v, (int, float)) else format("-", spec.split(".")[0] or "")
 
 
-HEADER = (f"{'shape':<16} {'recipe':<8} {'eager ms':>9} {'graph ms':>9} {'tok/s':>10} {'peak GiB':>9} {'work GiB':>9} "
-          f"{'peer ms':>9} {'vs peer':>8} {'vs bf16':>8}  note")
+HEADER = (f"{'shape':<16} {'recipe':<10} {'eager ms':>9} {'graph ms':>9} {'tok/s':>10} {'peak GiB':>9} "
+          f"{'work GiB':>9} {'held GiB':>9} {'peer ms':>9} {'vs peer':>8} {'vs bf16':>8}  note")
 
 
 def _print_row(r):
     note = r["error"] or (f"graph: {r['graph_error']}" if r["graph_error"] else r["path"])
-    print(f"{r['shape']:<16} {r['recipe']:<8} {_fmt(r['eager_ms'], '>9.3f')} {_fmt(r['graphed_ms'], '>9.3f')} "
+    recipe = r["recipe"] + ("+rc" if r["recompute_activation"] else "")
+    if r.get("held_gib_saved_vs_default") is not None:
+        note += (f"; recompute_activation: {r['held_gib_saved_vs_default']:.3f} GiB less held for the backward, "
+                 f"{r['peak_gib_saved_vs_default']:.3f} GiB less peak, {r['time_ratio_vs_default']:.2f}x the time")
+    print(f"{r['shape']:<16} {recipe:<10} {_fmt(r['eager_ms'], '>9.3f')} {_fmt(r['graphed_ms'], '>9.3f')} "
           f"{_fmt(r['tokens_per_s'], '>10.0f')} {_fmt(r['peak_gib'], '>9.2f')} {_fmt(r.get('work_gib'), '>9.2f')} "
+          f"{_fmt(r.get('held_gib'), '>9.2f')} "
           f"{_fmt(r['peer_ms'], '>9.3f')} "
           f"{_fmt(r['speedup_vs_peer'], '>7.2f')}x {_fmt(r['ratio_vs_qmoe_bf16'], '>7.2f')}x  {note}", flush=True)
 
@@ -216,6 +263,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 5, --quick 2)")
     parser.add_argument("--iters", type=int, default=None, help="timed steps (default 20, --quick 5)")
     parser.add_argument("--no-graph", action="store_true", help="skip CUDA-graph capture")
+    parser.add_argument("--recompute-activation", action="store_true",
+                        help="after each recipe, the same layer with recompute_activation=True (rows marked +rc)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                       "moe.json"))
     args = parser.parse_args(argv)
@@ -238,7 +287,8 @@ def main(argv=None) -> int:
     print(HEADER)
     rows = []
     for name in shapes:  # the file is rewritten after every shape: partial results survive a time limit
-        bench_shape(rows, name, SHAPES[name], recipes, warmup, iters, not args.no_graph)
+        bench_shape(rows, name, SHAPES[name], recipes, warmup, iters, not args.no_graph,
+                    recompute=args.recompute_activation)
         _write(args, header, rows, warmup, iters)
     print(f"wrote {args.out}")
     return 0
@@ -256,10 +306,15 @@ def _write(args, header, rows, warmup, iters) -> None:
                 f"max_memory_allocated over the eager steps (weights, grads and inputs included; peer_peak_gib "
                 f"excludes the qmoe layer's weights, resident meanwhile); work_gib: peak_gib less what was resident "
                 f"before the steps (weights, inputs), the parameters' gradients and dx: the step's own working memory "
-                f"(saved activations, quantized copies, workspaces); "
+                f"(saved activations, quantized copies, workspaces); held_gib: torch.cuda.memory_allocated after "
+                f"one forward less before it: what the layer holds for its backward (saved activations, quantized "
+                f"copies, the output), which a model of many layers holds for all of them at once; "
                 f"peer: benchmarks/plain_moe.py, plain PyTorch bf16 MoE on torch._grouped_mm, same weights, same run; "
                 f"speedup_vs_peer = peer_ms / eager_ms; ratio_vs_qmoe_bf16 = qmoe bf16 eager_ms / eager_ms "
-                f"(> 1 is faster than qmoe bf16)"),
+                f"(> 1 is faster than qmoe bf16); recompute_activation: the layer's option (True rows come from "
+                f"--recompute-activation, right after the same recipe's default row, same layer and inputs): "
+                f"held_gib_saved_vs_default and peak_gib_saved_vs_default = the default row's held_gib / peak_gib "
+                f"less this row's; time_ratio_vs_default = this eager_ms / default eager_ms"),
         quick=args.quick, targets=TARGETS, rows=rows,
     )
     write_results(args.out, header, result, quiet=True)
