@@ -338,4 +338,6 @@ def grouped_linear(x: torch.Tensor, split_sizes: torch.Tensor, weight: torch.Ten
             activation = parse_activation(activation)
     plan = GroupedLinearPlan(strategy, quantizers, quantized_input=quantized_input, activation=activation,
                              glu_interleave_size=glu, wgrad_sink=wgrad_sink, recompute_activation=recompute_activation)
+    if scales is not None and scales is probs:  # FC2's bias scaled by the probs it activates with
+        scales = scales.view_as(scales)  # torch.compile refuses one tensor as two Function inputs
     return GroupedLinearFunction.apply(plan, x, split_sizes, weight, bias, scales, probs)

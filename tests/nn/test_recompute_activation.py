@@ -3,7 +3,8 @@
 For every recipe and both grouped paths, a GroupedMLP / MoELayer with recompute_activation=True
 gives the outputs, gradients and delayed-scaling states of the default layer bit for bit over
 two steps, the backward running after the qmoe.autocast region closed (so delayed scaling's
-scales have moved on and the rebuild must use the forward's). The memory claim is measured:
+scales have moved on and the rebuild must use the forward's), with torch.autocast on and off,
+and compiled (fullgraph) as eager. The memory claim is measured:
 the bytes the autograd graph keeps for the backward shrink by the kept operand, at least
 R x F elements of the recipe's input format.
 """
@@ -18,7 +19,7 @@ from qmoe.quant.grouped import GroupedTensor
 from tests.nn.loop_cases import E, F, GPU_F, GPU_H, H, K, SPLITS
 from tests.nn.recipe_cases import QUANTIZED
 
-RECIPES = [pytest.param(None, id="fp32")] + QUANTIZED
+RECIPES = [pytest.param(None, id="plain")] + QUANTIZED
 PATHS = ["grouped", "split"]
 # bits per element of FC2's input operand (its columnwise copy under a recipe; fp32 without one)
 INPUT_BITS = {None: 32, "DelayedScaling": 8, "Float8CurrentScaling": 8, "Float8BlockScaling": 8,
@@ -30,8 +31,9 @@ def _states(module):
             for role, q in m.recipe_state.quantizers.items() for k, t in q.state_dict().items()}
 
 
-def _mlp_steps(recipe, recompute, path, device="cpu", steps=2, delay_wgrad=False):
-    """Two steps of a GroupedMLP (bias, probs taking gradients); everything observable."""
+def _mlp_steps(recipe, recompute, path, device="cpu", steps=2, delay_wgrad=False, amp=None):
+    """Two steps of a GroupedMLP (bias, probs taking gradients), under torch.autocast(amp) if
+    given; everything observable."""
     torch.manual_seed(0)
     h, f = (H, F) if device == "cpu" else (GPU_H, GPU_F)
     mlp = qmoe.nn.GroupedMLP(E, h, f, bias=True, grouped_path=path, recompute_activation=recompute,
@@ -42,9 +44,10 @@ def _mlp_steps(recipe, recompute, path, device="cpu", steps=2, delay_wgrad=False
         g = torch.Generator().manual_seed(step)
         x = torch.randn(sum(SPLITS), h, generator=g).to(device).requires_grad_(True)
         probs = torch.rand(sum(SPLITS), generator=g).to(device).requires_grad_(True)
-        with qmoe.autocast(recipe=recipe, enabled=recipe is not None):
+        region = torch.autocast(device, dtype=amp) if amp is not None else contextlib.nullcontext()
+        with region, qmoe.autocast(recipe=recipe, enabled=recipe is not None):
             y = mlp(x, splits, probs)
-        y.square().mean().backward()  # outside the region: delayed scaling's scales have moved on
+        y.float().square().mean().backward()  # outside the region: delayed scaling's scales have moved on
         if delay_wgrad:
             mlp.backward_dw()
         seen += [y.detach(), x.grad, probs.grad] + [p.grad.clone() for p in mlp.parameters()]
@@ -62,13 +65,14 @@ def _assert_equal(got, want):
         assert torch.equal(got_s[name], want_s[name]), f"state {name} differs"
 
 
+@pytest.mark.parametrize("amp", [pytest.param(None, id="fp32"), pytest.param(torch.bfloat16, id="autocast-bf16")])
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_recomputed_activation_gives_the_same_bits(recipe, path):
+def test_recomputed_activation_gives_the_same_bits(recipe, path, amp):
     torch.manual_seed(1)  # NVFP4's stochastic rounding draws from torch's generator: the same stream
-    want = _mlp_steps(recipe, False, path)
+    want = _mlp_steps(recipe, False, path, amp=amp)
     torch.manual_seed(1)
-    got = _mlp_steps(recipe, True, path)
+    got = _mlp_steps(recipe, True, path, amp=amp)
     _assert_equal(got, want)
 
 
@@ -169,6 +173,23 @@ def test_recompute_activation_arguments():
     assert not layer.experts.recompute_activation
     with pytest.raises(ValueError, match="needs input_activation"):
         qmoe.ops.grouped_linear(torch.randn(8, H), torch.tensor([8]), torch.randn(1, F, H), recompute_activation=True)
+
+
+@pytest.mark.parametrize("name, dtype", [pytest.param(None, torch.float32, id="fp32"),
+                                         pytest.param("mxfp8", torch.bfloat16, id="mxfp8")])
+def test_compiled_recompute_equals_eager_default(name, dtype):
+    """torch.compile (fullgraph, aot_eager on the CPU) of a layer with recompute_activation gives
+    the eager default layer's bits (no graph break: the rebuild keeps no log in compiled code)."""
+    from tests.nn.test_moe_compile import _inputs, _layer, _recipe, _step
+
+    layer = _layer(dtype)
+    x, g = _inputs(dtype)
+    want = _step(layer, layer, _recipe(name), x, g)
+    layer.recompute_activation = True
+    got = _step(layer, torch.compile(layer, backend="aot_eager", fullgraph=True), _recipe(name), x, g)
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
 
 
 # ---- the MoE layer on the GPU: the kernels, the same bits, less memory held after the forward
