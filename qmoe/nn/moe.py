@@ -14,7 +14,7 @@ from qmoe import ops
 from qmoe.autocast import RecipeState, autocast_state
 from qmoe.nn.grouped_mlp import GroupedMLP
 from qmoe.nn.mlp import MLP
-from qmoe.nn.router import TopKRouter
+from qmoe.nn.router import TopKRouter, detached_results
 from qmoe.contracts.carriers import num_permuted_rows
 from qmoe.contracts.validate import check_flag, check_layer_input, check_params_dtype, check_process_group, check_size
 from qmoe.ops.amp import cast_for_autocast
@@ -171,6 +171,10 @@ class MoELayer(nn.Module):
         if not isinstance(value, bool):
             raise TypeError(f"recompute_activation must be True or False, got {value!r}")
         self.experts.recompute_activation = value
+
+    def __getstate__(self):
+        # aux_loss holds the last forward's graph: a copied or saved layer keeps its value
+        return detached_results(super().__getstate__(), ("aux_loss",))
 
     def _set_aux_loss(self) -> None:
         self.aux_loss = self.router.aux_loss

@@ -85,6 +85,11 @@ class TopKRouter(nn.Module):
             self.expert_bias = bias.to(self.expert_bias.device)
         return out
 
+    def __getstate__(self):
+        # the last forward's results hold its autograd graph, which neither copy.deepcopy nor
+        # pickle can take: a copied or saved router keeps their values
+        return detached_results(super().__getstate__(), ("aux_loss", "tokens_per_expert", "logits"))
+
     def forward(self, x: torch.Tensor, seq_length: int | None = None):
         """x: [T, H] any float dtype; seq_length: tokens per sequence for the sequence-level loss
         (T must be a multiple; default: all T tokens form one sequence)."""
@@ -131,3 +136,12 @@ class TopKRouter(nn.Module):
         if self.z_loss_coeff:
             loss = loss + ops.z_loss(logits, self.z_loss_coeff)
         return loss
+
+
+def detached_results(state: dict, names: tuple[str, ...]) -> dict:
+    """A module's `__getstate__` with its per-forward result tensors detached (values kept)."""
+    for name in names:
+        value = state.get(name)
+        if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+            state[name] = value.detach()
+    return state

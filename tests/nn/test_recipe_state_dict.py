@@ -163,3 +163,33 @@ def test_bad_recipe_state_raises():
                                                                                 "amax_history": torch.zeros(8)}}}]}
     with pytest.raises(ValueError, match="amax_history_len=4"):
         layer.load_state_dict(sd)
+
+
+def test_model_copied_or_saved_whole_after_a_forward():
+    """copy.deepcopy and torch.save of a whole model after a forward (EMA copies, eval copies):
+    the MoE layer's aux loss and the router's logits hold that forward's graph; the copy keeps
+    their values, detached, and the same recipe state."""
+    import copy
+
+    model = TinyModel()
+    x, target = batch(0)
+    with qmoe.autocast(recipe=DELAYED):
+        loss_of(model, x, target).backward()
+    assert model.moe.aux_loss.grad_fn is not None and model.moe.router.logits.grad_fn is not None
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    twins = (copy.deepcopy(model), torch.load(buf, weights_only=False))
+    want = model.state_dict()
+    for twin in twins:
+        assert twin.moe.aux_loss.grad_fn is None and torch.equal(twin.moe.aux_loss, model.moe.aux_loss)
+        assert torch.equal(twin.moe.router.logits, model.moe.router.logits)
+        state = twin.state_dict()
+        assert state.keys() == want.keys()
+        for key in want:
+            if isinstance(want[key], torch.Tensor):
+                assert torch.equal(state[key], want[key]), key
+    model.eval()  # no expert-bias update; MXFP8 keeps no state: the forwards leave the model as it is
+    with torch.no_grad(), qmoe.autocast(recipe=MXFP8BlockScaling()):
+        for twin in twins:
+            assert torch.equal(twin.eval()(x), model(x))
