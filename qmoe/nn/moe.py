@@ -17,7 +17,7 @@ from qmoe.nn.mlp import MLP
 from qmoe.nn.router import TopKRouter, detached_results
 from qmoe.contracts.carriers import num_permuted_rows
 from qmoe.contracts.validate import check_flag, check_layer_input, check_params_dtype, check_process_group, check_size
-from qmoe.ops.amp import cast_for_autocast
+from qmoe.ops.amp import cast_for_autocast, torch_autocast_off
 from qmoe.quant.replay import active_log
 
 
@@ -158,7 +158,8 @@ class MoELayer(nn.Module):
         """Shared experts' output [T, H] in the tokens' dtype, times the sigmoid gate if there is one."""
         out = self.shared_experts(tokens)
         if self.shared_expert_gate is not None:
-            gate = torch.sigmoid(tokens.float() @ self.shared_expert_gate.weight.float().t())
+            with torch_autocast_off():  # fp32 under torch.autocast too, as the router
+                gate = torch.sigmoid(tokens.float() @ self.shared_expert_gate.weight.float().t())
             out = (out.float() * gate).to(out.dtype)
         return out.to(tokens.dtype)
 

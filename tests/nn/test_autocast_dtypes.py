@@ -128,3 +128,15 @@ def test_router_computes_in_fp32_and_keeps_expert_bias_fp32():
     assert not torch.equal(before, layer.router.expert_bias), "the fp32 bias takes its 1e-3 steps"
     layer.double()
     assert layer.router.expert_bias.dtype == torch.float32 and layer.router.weight.dtype == torch.float64
+
+
+def test_shared_expert_gate_stays_fp32_under_torch_autocast():
+    """The shared experts' sigmoid gate is fp32 (like the router), torch.autocast or not."""
+    torch.manual_seed(0)
+    layer = qmoe.nn.MoELayer(32, 64, 4, 2, shared_expert_ffn_hidden_size=64, shared_expert_gate=True)
+    tokens = torch.randn(16, 32).bfloat16()
+    gate = torch.sigmoid(tokens.float() @ layer.shared_expert_gate.weight.float().t())  # fp32, autocast off
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = layer._shared_experts(tokens)
+        dense = layer.shared_experts(tokens)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, (dense.float() * gate).bfloat16())
