@@ -43,12 +43,11 @@ class GroupedMLP(nn.Module):
                         ("ffn_hidden_size", ffn_hidden_size)):
             check_size(name, v, "GroupedMLP")
         for name, v in (("bias", bias), ("delay_wgrad_compute", delay_wgrad_compute),
-                        ("single_grouped_weight", single_grouped_weight)):
+                        ("single_grouped_weight", single_grouped_weight),
+                        ("recompute_activation", recompute_activation)):
             check_flag(name, v, "GroupedMLP")
         check_params_dtype(params_dtype, "GroupedMLP")
         self.activation = check_activation(activation)
-        if not isinstance(recompute_activation, bool):
-            raise TypeError(f"recompute_activation must be True or False, got {recompute_activation!r}")
         self.recompute_activation = recompute_activation
         glu = is_glu(activation)
         if glu_interleave_size is not None:

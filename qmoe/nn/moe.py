@@ -91,7 +91,8 @@ class MoELayer(nn.Module):
                         ("num_experts", num_experts), ("top_k", top_k)):
             check_size(name, v, "MoELayer")
         for name, v in (("pre_softmax", pre_softmax), ("expert_bias", expert_bias), ("bias", bias),
-                        ("delay_wgrad_compute", delay_wgrad_compute), ("quantized_dispatch", quantized_dispatch)):
+                        ("delay_wgrad_compute", delay_wgrad_compute), ("quantized_dispatch", quantized_dispatch),
+                        ("recompute_activation", recompute_activation)):
             check_flag(name, v, "MoELayer")
         check_params_dtype(params_dtype, "MoELayer")
         check_process_group("ep_group", ep_group)
@@ -169,8 +170,7 @@ class MoELayer(nn.Module):
 
     @recompute_activation.setter
     def recompute_activation(self, value: bool) -> None:
-        if not isinstance(value, bool):
-            raise TypeError(f"recompute_activation must be True or False, got {value!r}")
+        check_flag("recompute_activation", value, "MoELayer")
         self.experts.recompute_activation = value
 
     def __getstate__(self):

@@ -30,7 +30,7 @@ import torch
 
 from qmoe.contracts.carriers import ActivatedRows
 from qmoe.contracts.enums import Activation, GroupedPath, parse_activation, parse_grouped_path
-from qmoe.contracts.validate import check_scaled_activation_args, check_split_sizes
+from qmoe.contracts.validate import check_flag, check_scaled_activation_args, check_split_sizes
 from qmoe.dispatch import BIAS
 from qmoe.ops.activation import activation_backward, activation_forward, expert_activation
 from qmoe.ops.amp import autocast_off
@@ -306,8 +306,7 @@ def grouped_linear(x: torch.Tensor, split_sizes: torch.Tensor, weight: torch.Ten
     recipe) from them instead of keeping it: less memory held between forward and backward, one
     more activation (and quantization) in the backward, the same gradients bit for bit.
     """
-    if not isinstance(recompute_activation, bool):
-        raise TypeError(f"recompute_activation must be True or False, got {recompute_activation!r}")
+    check_flag("recompute_activation", recompute_activation, "grouped_linear")
     if recompute_activation and input_activation is None:
         raise ValueError("recompute_activation=True needs input_activation: it recomputes the input's activation")
     path = parse_grouped_path(path)
