@@ -58,8 +58,6 @@ def check_number(name: str, v, owner: str = "", *, minimum: float = 0.0, positiv
 
 
 PARAMS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# a module cast with .double() takes float64 activations (plain fp64 GEMMs; a recipe quantizes from fp32)
-INPUT_DTYPES = PARAMS_DTYPES + (torch.float64,)
 
 
 def check_params_dtype(params_dtype, owner: str = "") -> None:
@@ -69,13 +67,15 @@ def check_params_dtype(params_dtype, owner: str = "") -> None:
                         f"or torch.float16, got {params_dtype!r}")
 
 
-def check_layer_input(owner: str, x, width: int, layout: str = "[..., H]") -> None:
-    """A module's activation input: a float32/bfloat16/float16/float64 tensor whose last dimension is
-    `width` (`layout` "[R, K]" also asks for 2-D); TypeError for the type or dtype, ValueError for the shape."""
+def check_layer_input(owner: str, x, width: int, layout: str = "[..., H]", float64: bool = False) -> None:
+    """A module's activation input: a float32/bfloat16/float16 tensor whose last dimension is `width`
+    (`layout` "[R, K]" also asks for 2-D); TypeError for the type or dtype, ValueError for the shape.
+    float64: the module's weights are float64 (cast with `.double()`), so float64 inputs are its own."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{owner} input x must be a torch.Tensor {layout}, got {type(x).__name__}")
-    if x.dtype not in INPUT_DTYPES:
-        raise TypeError(f"{owner} input x must be float32, bfloat16, float16 or float64, got {x.dtype}")
+    if x.dtype not in PARAMS_DTYPES and not (float64 and x.dtype == torch.float64):
+        raise TypeError(f"{owner} input x must be float32, bfloat16 or float16 (float64 once the module is cast "
+                        f"with .double()), got {x.dtype}")
     if x.dim() < 1 or (layout.count(",") == 1 and "..." not in layout and x.dim() != 2) or x.shape[-1] != width:
         raise ValueError(f"{owner} expects x {layout} with last dimension {width}, got shape {tuple(x.shape)}")
 

@@ -13,7 +13,7 @@ from qmoe.ops.amp import cast_for_autocast, torch_autocast_off
 from qmoe.ops.grouped_gemm import select_grouped_path
 from qmoe.ops.grouped_linear import grouped_linear
 from qmoe.contracts.carriers import is_glu
-from qmoe.contracts.validate import (INPUT_DTYPES, check_activation, check_device, check_flag, check_layer_input,
+from qmoe.contracts.validate import (PARAMS_DTYPES, check_activation, check_device, check_flag, check_layer_input,
                                      check_params_dtype, check_size, check_split_sizes)
 
 _PER_EXPERT = re.compile(r"^(weight|bias)(\d+)$")
@@ -199,8 +199,9 @@ class GroupedLinear(nn.Module):
             if not isinstance(input_activation, tuple) or len(input_activation) != 3:
                 raise TypeError("input_activation must be (activation, probs or None, glu_interleave_size or None)")
             width *= 2 if is_glu(check_activation(input_activation[0])) else 1
-        if not isinstance(x, torch.Tensor) or x.dtype not in INPUT_DTYPES:
-            check_layer_input("GroupedLinear", x, width, f"[R, {width}]")
+        if not isinstance(x, torch.Tensor) or x.dtype not in PARAMS_DTYPES:
+            check_layer_input("GroupedLinear", x, width, f"[R, {width}]",
+                              float64=self.weights()[0].dtype == torch.float64)
         if x.dim() != 2 or x.shape[1] != width:
             what = f" (the {input_activation[0]} activation's input)" if input_activation is not None else ""
             raise ValueError(f"GroupedLinear expects x [R, {width}]{what}, got {tuple(x.shape)}")

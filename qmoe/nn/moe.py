@@ -133,7 +133,8 @@ class MoELayer(nn.Module):
         self.aux_loss: torch.Tensor = torch.zeros(())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        check_layer_input("MoELayer", x, self.hidden_size, f"[..., {self.hidden_size}]")
+        check_layer_input("MoELayer", x, self.hidden_size, f"[..., {self.hidden_size}]",
+                          float64=self.experts.fc1.weights()[0].dtype == torch.float64)
         shape = x.shape
         tokens = cast_for_autocast(x.reshape(-1, self.hidden_size))  # permute moves torch.autocast's dtype
         seq_length = shape[-2] if x.dim() >= 3 else None
