@@ -220,7 +220,7 @@ def test_nested_autocast_restores_the_outer_state_and_updates_at_the_outermost_e
     outer, inner = DelayedScaling(amax_history_len=4), MXFP8BlockScaling()
     assert autocast_state().active_recipe is None and not autocast_state().enabled
     q = outer.quantizer("input")
-    group = object()  # no process group is initialised, so a placeholder reduces over one rank
+    group = dist.ProcessGroup(dist.HashStore(), 0, 1)  # a real group object; none is initialised: one rank
     with qmoe.autocast(recipe=outer, amax_reduction_group=group):
         assert autocast_state().active_recipe == outer and autocast_state().amax_reduction_group is group
         with qmoe.autocast(recipe=inner):
