@@ -67,6 +67,8 @@ def train(steps: range, recipe, device, group=None, resume: bytes | None = None,
         model.load_state_dict(ckpt["model"])  # parameters, buffers (expert biases) and the recipe state
         opt.load_state_dict(ckpt["optim"])
         torch.set_rng_state(ckpt["rng"])
+        if ckpt["cuda_rng"] is not None:  # NVFP4's stochastic rounding draws from the device's generator
+            torch.cuda.set_rng_state_all(ckpt["cuda_rng"])
     ddp = torch.nn.parallel.DistributedDataParallel(model) if group is not None else model
     losses, saved = [], None
     for step in steps:
@@ -86,7 +88,9 @@ def train(steps: range, recipe, device, group=None, resume: bytes | None = None,
             model.train()
         if step + 1 == save_at:
             buf = io.BytesIO()
-            torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "rng": torch.get_rng_state()}, buf)
+            cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+            torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "rng": torch.get_rng_state(),
+                        "cuda_rng": cuda_rng}, buf)
             saved = buf.getvalue()
     return losses, saved
 

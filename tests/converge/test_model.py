@@ -35,7 +35,9 @@ def test_attention_is_causal():
     b[:, 7] = (b[:, 7] + 1) % 256
     with torch.no_grad():
         la, lb = model(a), model(b)
-    assert torch.equal(la[:, :7], lb[:, :7])  # routing is per token: earlier positions see the same inputs
+    # earlier positions see the same inputs; not bit for bit, since the changed token can move to
+    # another expert and a group's GEMM may block its rows differently when its size changes
+    torch.testing.assert_close(la[:, :7], lb[:, :7], rtol=1e-5, atol=1e-5)
     assert not torch.allclose(la[:, 7:], lb[:, 7:])
 
 
@@ -55,7 +57,8 @@ def test_rotary_preserves_norms_and_scores_depend_on_relative_position():
 def test_same_seed_same_initial_weights():
     a, b, c = (build_model(CFG, s, torch.device("cpu")) for s in (1, 1, 2))
     sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
-    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert sa.keys() == sb.keys()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa if isinstance(sa[k], torch.Tensor))  # _extra_state: recipe state
     assert not torch.equal(sa["blocks.0.moe.experts.fc1.weight"], sc["blocks.0.moe.experts.fc1.weight"])
 
 

@@ -59,6 +59,9 @@ def _compare(a, b, recipe, kind, what):
 def test_torch_autocast_equals_hand_cast_step(kind, recipe, device, amp):
     module = make(kind, device)
     x, extra = inputs(kind, device)
+    # values the autocast dtype holds exactly: both runs route every token to the same experts (a
+    # flipped near-tie would move a whole row, which no elementwise tolerance is meant to absorb)
+    x = x.to(amp).to(x.dtype)
     got = _step(module, kind, x, extra, recipe, amp=amp)
     assert got[0].dtype == amp, "outputs come out in torch.autocast's dtype"
     assert got[1].dtype == torch.float32 and all(g.dtype == torch.float32 for g in got[2].values())

@@ -37,7 +37,11 @@ def _train(model, opt, recipe, steps, amp=None):
 
 def _save(model, opt) -> bytes:
     buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "rng": torch.get_rng_state()}, buf)
+    # NVFP4's stochastic rounding draws from the tensor device's default generator: its state is
+    # part of a resumable run, as for dropout
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "rng": torch.get_rng_state(),
+                "cuda_rng": cuda_rng}, buf)
     return buf.getvalue()
 
 
@@ -50,6 +54,8 @@ def _load(blob: bytes, device="cpu"):
         model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["optim"])
     torch.set_rng_state(ckpt["rng"])
+    if ckpt["cuda_rng"] is not None:
+        torch.cuda.set_rng_state_all(ckpt["cuda_rng"])
     return model, opt
 
 

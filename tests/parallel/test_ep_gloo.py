@@ -476,5 +476,8 @@ def test_ep_group_without_torch_distributed_raises():
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
+    group = dist.ProcessGroup(dist.HashStore(), 0, 1)  # a real group object, with no default group initialised
     with pytest.raises(ValueError, match="init_process_group"):
+        qmoe.nn.MoELayer(H, F, E, 2, ep_group=group)
+    with pytest.raises(TypeError, match="ep_group"):  # anything else is named as the wrong type
         qmoe.nn.MoELayer(H, F, E, 2, ep_group=object())
