@@ -289,7 +289,10 @@ def _compare_on_gpu(logits, k, kw):
     bkw = {n: v for n, v in kw.items() if n in BACKWARD_ARGS}
     d_ref = reference.topk_route_backward(g, logits, m_ref, k, **bkw)
     d_k = kernels.topk_route_backward(g, logits, m_ref, k, **bkw)
-    torch.testing.assert_close(d_k, d_ref, rtol=1e-5, atol=1e-6, equal_nan=True)
+    # the logits' gradient is stored in the logits' dtype: fp32 sums in another order may round a
+    # bf16 value to its neighbour, so one unit in the last place (2**-7 relative at most) is allowed there
+    rtol = 2.0 ** -7 if logits.dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(d_k, d_ref, rtol=rtol, atol=1e-6, equal_nan=True)
 
 
 @pytest.mark.gpu
