@@ -59,7 +59,7 @@ class CompareRow:
     config: dict  # recipe_to_config(recipe), or {"name": "bf16"}
     error: str = ""  # why the run failed, if it did
     shape: dict = field(default_factory=dict)  # the problem: tokens, hidden, ffn, experts, top_k
-    device: str = ""  # where it ran, e.g. "cpu" or "cuda:0 (NVIDIA H200)"
+    device: str = ""  # where it ran, e.g. "cpu" or "cuda:0 (<device name>)"
 
     @property
     def errors(self) -> dict[str, float]:

@@ -13,7 +13,7 @@ SUITE = '''
 import pytest
 
 def test_passes():
-    assert True
+    pass  # a synthetic test that passes: what is checked is the record, in the parent
 
 @pytest.mark.parametrize("v", [1, 2])
 def test_fails_once(v):

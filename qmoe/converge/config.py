@@ -164,8 +164,8 @@ def _presets() -> dict:
         # loss that falls visibly within the budget
         "tiny": (ModelConfig(layers=2, hidden=64, heads=4, experts=8, top_k=2, ffn=64, aux_loss_coeff=0.01),
                  TrainConfig(), (BASELINE, "delayed", "current")),
-        # one H200: ~55M parameters (~15M active), 2000 steps of 8192 tokens; every run fits a
-        # 10-minute device call with room for the others
+        # one GPU: tens of millions of parameters, 2000 steps; sized so that bf16 and the five
+        # recipes fit one short device job (run times in benchmarks/results/convergence.json)
         "small": (ModelConfig(layers=4, hidden=512, heads=8, experts=16, top_k=2, ffn=512, aux_loss_coeff=0.01),
                   TrainConfig(steps=2000, batch=16, seq_len=512, lr=1e-3, warmup_steps=100, eval_every=100,
                               eval_batches=8, log_every=10, checkpoint_every=500),

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qmoe.kernels.launch import kernel_op, launch, wrapped
+from qmoe.kernels._launch import kernel_op, launch, wrapped
 from qmoe.contracts.carriers import (ACTIVATIONS, GELU_BETA, GELU_KAPPA, GLU_ACTIVATIONS, QGEGLU_ALPHA, QGEGLU_LIMIT,
                                      glu_block)
 from qmoe.contracts.validate import check_scaled_activation_args

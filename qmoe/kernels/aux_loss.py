@@ -32,9 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from qmoe.kernels.counters import is_last_to_arrive, sum_partials, tickets
-from qmoe.kernels.launch import wrapped
-from qmoe.kernels.layout import rows_contiguous
+from qmoe.kernels._counters import is_last_to_arrive, sum_partials, tickets
+from qmoe.kernels._launch import wrapped
+from qmoe.kernels._layout import rows_contiguous
 from qmoe.contracts.validate import (check_coeff, check_moe_aux_loss_args, check_scores, check_seq_aux_loss_args,
                                      check_update_expert_bias_args)
 

@@ -38,8 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from qmoe.kernels.launch import kernel_op, wrapped
-from qmoe.kernels.layout import group_pow2, rows_contiguous
+from qmoe.kernels._launch import kernel_op, wrapped
+from qmoe.kernels._layout import group_pow2, rows_contiguous
 from qmoe.contracts.carriers import row_groups
 
 @triton.jit

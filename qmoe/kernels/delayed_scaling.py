@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 
 from qmoe.contracts.formats import FLT_MAX
-from qmoe.kernels.arith import INF_BITS, abs_bits
-from qmoe.kernels.launch import wrapped
+from qmoe.kernels._arith import INF_BITS, abs_bits
+from qmoe.kernels._launch import wrapped
 
 _FLT_MAX = tl.constexpr(FLT_MAX)
 _BLOCK_L = 128  # window rows per step of the loop

@@ -34,9 +34,9 @@ import triton
 
 from qmoe.contracts.errors import UnsupportedError
 from qmoe.contracts.formats import ceil_div, nvfp4_tensor_scale
-from qmoe.kernels import grouped_gemm_triton as jit
-from qmoe.kernels.launch import kernel_op, wrapped
-from qmoe.kernels.layout import group_pow2
+from qmoe.kernels import _grouped_gemm_jit as jit
+from qmoe.kernels._launch import kernel_op, wrapped
+from qmoe.kernels._layout import group_pow2
 from qmoe.contracts.enums import GemmRoute, Scaling, is_grouped, parse_gemm_route, scaling_of
 
 _CODE = {Scaling.NONE: 0, Scaling.TENSOR: 1, Scaling.BLOCK: 2, Scaling.MX: 3, Scaling.NVFP4: 4}

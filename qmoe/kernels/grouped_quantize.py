@@ -31,7 +31,7 @@ from qmoe.contracts.carriers import ActivatedRows, glu_block
 from qmoe.contracts.errors import UnsupportedError
 from qmoe.contracts.formats import ElementFormat, ScaleMode
 from qmoe.kernels.activation import activation_code
-from qmoe.kernels.layout import as_rows, device_splits
+from qmoe.kernels._layout import as_rows, device_splits
 from qmoe.kernels.quantize import amax_op, fp8_block_op, fp8_block_supported, fp8_meta, fp8_tensorwise_op, mxfp8_op
 from qmoe.kernels.quantize_nvfp4 import check_nvfp4_shape, draw_seeds, nvfp4_op
 

@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from qmoe.kernels.launch import kernel_op, wrapped
-from qmoe.kernels.layout import rows_contiguous
+from qmoe.kernels._launch import kernel_op, wrapped
+from qmoe.kernels._layout import rows_contiguous
 from qmoe.contracts.carriers import RowIdMap, num_permuted_rows
 from qmoe.contracts.validate import check_merging_probs, check_permute_index_args, check_rows
 

@@ -27,11 +27,11 @@ import triton.language as tl
 from qmoe.contracts.errors import UnsupportedError
 from qmoe.contracts.formats import ElementFormat, ScaleMode, ceil_div
 from qmoe.kernels.activation import NO_ACTIVATION, input_width, load_rows
-from qmoe.kernels.arith import (atomic_max_bits, cast_bits, exp2_int, fp8_scale_from_amax, max_abs_bits, mx_exponent,
+from qmoe.kernels._arith import (atomic_max_bits, cast_bits, exp2_int, fp8_scale_from_amax, max_abs_bits, mx_exponent,
                                 reciprocal, saturate)
-from qmoe.kernels.launch import kernel_op, launch, prune_oversized, tile_configs, wrapped
-from qmoe.kernels.layout import as_rows, group_pow2
-from qmoe.kernels.tiles import (block_amax_2d, block_amax_first, block_amax_last, scale_2d, scale_last, store8,
+from qmoe.kernels._launch import kernel_op, launch, prune_oversized, tile_configs, wrapped
+from qmoe.kernels._layout import as_rows, group_pow2
+from qmoe.kernels._tiles import (block_amax_2d, block_amax_first, block_amax_last, scale_2d, scale_last, store8,
                                 tile_rows, tile_span)
 
 _TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}

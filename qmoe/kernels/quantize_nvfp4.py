@@ -26,12 +26,12 @@ import triton.language as tl
 
 from qmoe.contracts.formats import E2M1, E4M3, FLT_MAX, NVFP4_BLOCK, NVFP4_TENSOR_MAX, RHT_SIZE, ceil_div
 from qmoe.kernels.activation import NO_ACTIVATION, input_width, load_rows
-from qmoe.kernels.arith import (atomic_max_bits, cast_satfinite, clamp_nan, is_nan, max_abs_bits, reciprocal, saturate,
+from qmoe.kernels._arith import (atomic_max_bits, cast_satfinite, clamp_nan, is_nan, max_abs_bits, reciprocal, saturate,
                                 trans8)
-from qmoe.kernels.launch import kernel_op, launch, prune_oversized, tile_configs
-from qmoe.kernels.layout import as_rows, group_pow2
+from qmoe.kernels._launch import kernel_op, launch, prune_oversized, tile_configs
+from qmoe.kernels._layout import as_rows, group_pow2
 from qmoe.kernels.quantize import ORIENTED_KEY, prune_blocks, scale_width, tile_grid
-from qmoe.kernels.tiles import (RHT_SIGN_MASK, block_amax_2d, block_amax_first, block_amax_last, rht_last, scale_2d,
+from qmoe.kernels._tiles import (RHT_SIGN_MASK, block_amax_2d, block_amax_first, block_amax_last, rht_last, scale_2d,
                                 scale_first, scale_last, store8, tile_rows, tile_span, uniform_tile)
 
 _FLT_MAX = tl.constexpr(FLT_MAX)

@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from qmoe.kernels.launch import kernel_op, wrapped
-from qmoe.kernels.layout import rows_contiguous
+from qmoe.kernels._launch import kernel_op, wrapped
+from qmoe.kernels._layout import rows_contiguous
 from qmoe.contracts.carriers import NORMALIZE_EPS
 from qmoe.contracts.enums import ScoreFunction, parse_score_function
 from qmoe.contracts.validate import check_topk_route_args, group_score_count, resolve_normalize

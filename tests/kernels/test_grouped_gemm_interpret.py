@@ -6,7 +6,7 @@ offsets, swapped small-M tiles, masked K tails, the per-group scale layouts of e
 both MXFP8 / NVFP4 routes, the k-grouped wgrad, and hypothesis-drawn splits. As in test_routing_interpret.py the one
 test of the normal session re-runs this file in a fresh interpreter (TRITON_INTERPRET=1 must
 be set before Triton decorates the kernels). Under the interpreter tl.dot multiplies fp32
-tiles (the kernels hand it bf16 tiles as the same fp32 values, see grouped_gemm_triton.py)
+tiles (the kernels hand it bf16 tiles as the same fp32 values, see _grouped_gemm_jit.py)
 and the NVFP4 decode takes its arithmetic path instead of the inline-PTX one, so both sides
 are exact products summed in fp32 in different orders: rtol 1e-5 of the output's norm.
 """

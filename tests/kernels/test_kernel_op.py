@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from qmoe.kernels.launch import KernelOp, wrapped
+from qmoe.kernels._launch import KernelOp, wrapped
 
 
 def _twice(x: torch.Tensor) -> torch.Tensor:

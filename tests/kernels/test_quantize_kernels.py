@@ -170,7 +170,7 @@ def test_autotuned_shape_in_every_orientation(order):
     """Shapes large enough to autotune, quantized in one orientation and then the other: a tile
     tuned for rowwise-only must never be reused where columnwise blocks need taller tiles (a
     regression: 1x128 and MXFP8 once failed to compile on the second call)."""
-    from qmoe.kernels.launch import AUTOTUNE_MIN_ELEMENTS
+    from qmoe.kernels._launch import AUTOTUNE_MIN_ELEMENTS
 
     m, k = 2 * AUTOTUNE_MIN_ELEMENTS // 2048, 2048
     x = make_input(m, k, torch.bfloat16, seed=40, kind="normal")

@@ -228,9 +228,9 @@ def test_ops_are_graph_safe_with_a_device_token_count():
 @pytest.mark.gpu
 def test_losses_share_counters_safely_across_streams_and_graphs():
     # Eager launches share one arrival counter per stream and a captured launch keeps its own
-    # (qmoe.kernels.counters.tickets); the last program of each launch resets it. Here two
+    # (qmoe.kernels._counters.tickets); the last program of each launch resets it. Here two
     # streams run losses at once, and a graph replays on a third while eager launches run.
-    from qmoe.kernels.counters import tickets
+    from qmoe.kernels._counters import tickets
     t, e = 8192, 256
     probs, routing_map, counts, logits = _gpu_loss_inputs(t, e, seed=3)
     losses = [lambda: moe_aux_loss(probs, counts, t, e, 8, 1e-2),

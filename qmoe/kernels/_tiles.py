@@ -4,7 +4,7 @@
   bound on sum_g cdiv(M_g, BM)); `tile_rows` maps a tile to its group from the device split
   sizes, so no tile and no block crosses a group boundary and the host never reads the splits.
 - Block amaxes and scale broadcasts over runs of B along either axis of a [R, C] tile, or over
-  B x B blocks (exact: see `qmoe.kernels.arith`).
+  B x B blocks (exact: see `qmoe.kernels._arith`).
 - The random Hadamard transform of runs of 16, 8-bit stores, Philox uniforms for stochastic rounding.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from qmoe.contracts.formats import RHT_SIGNS
-from qmoe.kernels.arith import INF_BITS, abs_bits, bits_to_float
+from qmoe.kernels._arith import INF_BITS, abs_bits, bits_to_float
 
 # Bit i set where the RHT sign vector s has s_i = -1.
 RHT_SIGN_MASK = sum(1 << i for i, s in enumerate(RHT_SIGNS) if s < 0)
