@@ -104,7 +104,8 @@ def _cmd_converge(args) -> int:
                              precision=args.precision)
         results = run_converge(cfg, device=args.device, out=args.out, resume=args.resume,
                                checkpoints=args.checkpoint_dir, time_budget=args.time_budget,
-                               command="qmoe " + shlex.join(args.argv), progress=not args.no_progress)
+                               command="qmoe " + shlex.join(args.argv), progress=not args.no_progress,
+                               only=args.only, concurrent_jobs=args.concurrent_jobs)
     print(format_table(results))
     print(f"wrote {args.out}")
     if args.plot:
@@ -184,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "--resume continues")
     conv.add_argument("--ablations", action="store_true", help="add NVFP4 without RHT / stochastic rounding / "
                                                                "2-D weight scaling, and delayed with history 16")
+    conv.add_argument("--only", nargs="+", metavar="LABEL", help="train only these runs (labels as in the table: "
+                                                                 "bf16-s0, delayed, nvfp4-no-rht, ...)")
+    conv.add_argument("--concurrent-jobs", type=int, default=1, metavar="N",
+                      help="how many converge jobs share this device (recorded beside tokens/s)")
     conv.add_argument("--merge", nargs="+", metavar="FILE", help="join results files of the same config into "
                                                                 "--out (trains nothing)")
     conv.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -55,7 +55,7 @@ def load_results(path) -> dict:
 
 def run_converge(cfg: ConvergeConfig, *, device=None, out=None, resume: bool = False, progress: bool = True,
                  checkpoints=None, time_budget: float | None = None, stop_after: int | None = None,
-                 command: str | None = None, log=print) -> dict:
+                 command: str | None = None, only=None, concurrent_jobs: int = 1, log=print) -> dict:
     """Train every run of `cfg` (bf16 seeds first); returns the results dict, also written to `out`.
 
     resume: reuse `out`'s finished runs and continue interrupted ones from their checkpoints.
@@ -64,10 +64,17 @@ def run_converge(cfg: ConvergeConfig, *, device=None, out=None, resume: bool = F
     starts, so results and plots are written before an outside time limit kills the job.
     stop_after: stop every run after this many steps, leaving a checkpoint (for testing resume).
     command: the command line recorded in the results' header (default: this process's).
+    only: labels of the runs to train (default all): jobs that share one device each take some
+    and `merge_results` joins their files.
+    concurrent_jobs: how many such jobs share the device, recorded beside tokens/s (which it lowers).
     """
     deadline = time.monotonic() + time_budget if time_budget is not None else None
     device = device or default_device()
+    specs = select_runs(cfg, only)
+    if isinstance(concurrent_jobs, bool) or not isinstance(concurrent_jobs, int) or concurrent_jobs < 1:
+        raise ValueError(f"concurrent_jobs must be a positive integer, got {concurrent_jobs!r}")
     results = new_results(cfg, device, command)
+    results["header"]["concurrent_jobs"] = concurrent_jobs
     if resume and out is not None and Path(out).is_file():
         old = load_results(out)
         if _comparable(old["config"]) != _comparable(results["config"]):
@@ -78,7 +85,7 @@ def run_converge(cfg: ConvergeConfig, *, device=None, out=None, resume: bool = F
         results["runs"] = {k: v for k, v in old["runs"].items() if v.get("status") == "done"}
     corpus = load_corpus()
     ckpt_dir = Path(checkpoints) if checkpoints is not None else checkpoint_dir(out) if out is not None else None
-    for spec in cfg.runs():
+    for spec in specs:
         if spec.label in results["runs"] and results["runs"][spec.label]["status"] == "done":
             log(f"{spec.label}: done in {out}, skipped")
             continue
@@ -88,6 +95,7 @@ def run_converge(cfg: ConvergeConfig, *, device=None, out=None, resume: bool = F
         record = train_run(cfg, spec, corpus, device, progress=progress, resume=resume, stop_after=stop_after,
                            deadline=deadline,
                            checkpoint=ckpt_dir / f"{spec.label}.pt" if ckpt_dir is not None else None)
+        record["concurrent_jobs"] = concurrent_jobs
         results["runs"][spec.label] = record
         last = record["held_out"]["loss"][-1] if record["held_out"]["loss"] else float("nan")
         tps = f", {record['tokens_per_s']:.0f} tokens/s" if record["tokens_per_s"] else ""
@@ -101,6 +109,19 @@ def run_converge(cfg: ConvergeConfig, *, device=None, out=None, resume: bool = F
     if checkpoints is None and ckpt_dir is not None and ckpt_dir.is_dir() and not any(ckpt_dir.iterdir()):
         ckpt_dir.rmdir()
     return results
+
+
+def select_runs(cfg: ConvergeConfig, only=None) -> list:
+    """The runs of `cfg` whose labels `only` lists (all when None); an unknown label is an error."""
+    specs = cfg.runs()
+    if only is None:
+        return specs
+    labels = [s.label for s in specs]
+    unknown = [label for label in only if label not in labels]
+    if unknown or not only:
+        raise ValueError(f"--only: unknown run label(s) {unknown or only!r}; this config's runs are "
+                         f"{', '.join(labels)}")
+    return [s for s in specs if s.label in only]
 
 
 def merge_results(paths) -> dict:

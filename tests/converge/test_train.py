@@ -10,6 +10,7 @@ import torch
 from qmoe.cli import main
 from qmoe.converge import format_table, load_converge_config, merge_results, run_converge
 from qmoe.converge.data import load_corpus
+from qmoe.converge.report import summarize
 from qmoe.converge.run import checkpoint_dir
 from qmoe.converge.train import train_run
 
@@ -98,6 +99,23 @@ def test_results_file_resumes_and_merges(tmp_path):
     with pytest.raises(ValueError, match="another model or training config"):
         run_converge(_micro(recipes=["bf16"], seeds=1, train={**MICRO["train"], "steps": 8}), device="cpu",
                      out=out_a, resume=True, progress=False, log=logs.append)
+
+
+def test_jobs_split_by_label_merge_into_the_whole_run(tmp_path):
+    """Concurrent jobs each train some labels (--only); merged, they equal one job training all."""
+    cfg = _micro(recipes=["bf16", "current"], seeds=2)
+    whole = run_converge(cfg, device="cpu", progress=False, log=lambda _: None)
+    parts = [tmp_path / "j0.json", tmp_path / "j1.json"]
+    for out, only in zip(parts, (["bf16-s0", "current"], ["bf16-s1"])):
+        part = run_converge(cfg, device="cpu", out=out, only=only, concurrent_jobs=2, progress=False,
+                            log=lambda _: None)
+        assert set(part["runs"]) == set(only)
+    merged = merge_results(parts)
+    assert _curves(merged) == _curves(whole)
+    assert merged["summary"] == summarize(whole)
+    assert all(r["concurrent_jobs"] == 2 for r in merged["runs"].values())
+    with pytest.raises(ValueError, match="unknown run label.*'nvfp4'.*bf16-s0, bf16-s1, current"):
+        run_converge(cfg, device="cpu", only=["nvfp4"], progress=False)
 
 
 def test_tiny_preset_end_to_end(tmp_path, capsys):
