@@ -11,6 +11,12 @@ router's logits, so `output_router_logits=True` and the HF auxiliary loss work u
 
 The original block stays attached to its wrapper, its tensors moved to the meta device (no
 memory); `restore` rebuilds it on the layer's device and writes the trained weights into it.
+
+A converted model pickles (`torch.save(model)`, `copy.deepcopy`): the tap's class, made at run
+time, pickles as the HF class it extends; and transformers' recording hooks, closures that pickle
+cannot take, are dropped from the model when it is pickled and marked uninstalled, so transformers
+installs them again at the next forward that records outputs (of the saved copy and of the
+original alike).
 """
 from __future__ import annotations
 
@@ -34,11 +40,22 @@ class RouterLogitsTap(nn.Module):
     def forward(self, logits: torch.Tensor):
         return (logits,) * self.width
 
+    def __reduce_ex__(self, protocol):
+        # pickle finds classes by name and `_tap_class` makes this one at run time: name the HF class
+        recorded = getattr(type(self), "_qmoe_recorded_class", None)
+        if recorded is None:
+            return super().__reduce_ex__(protocol)
+        return _rebuild_tap, (recorded, self.width), self.__getstate__()
+
 
 @functools.cache
 def _tap_class(target: type) -> type:
     # A subclass of the recorded class (isinstance matches), with the tap's methods first.
-    return type(f"{target.__name__}LogitsTap", (RouterLogitsTap, target), {})
+    return type(f"{target.__name__}LogitsTap", (RouterLogitsTap, target), {"_qmoe_recorded_class": target})
+
+
+def _rebuild_tap(target: type, width: int) -> RouterLogitsTap:
+    return _tap_class(target)(width)
 
 
 class HFMoEBlock(nn.Module):
@@ -73,6 +90,35 @@ def _return_kind(block: nn.Module) -> str:
     if isinstance(out, torch.Tensor):
         return "tensor"
     return "none" if family == "gpt_oss" else "logits"
+
+
+def _is_output_capturing_hook(fn) -> bool:
+    """A forward hook transformers installed to record outputs (a closure: pickle cannot take it)."""
+    return (getattr(fn, "__module__", "") or "").startswith("transformers") \
+        and "output_captur" in getattr(fn, "__qualname__", "")
+
+
+def _drop_output_capturing_hooks(root: nn.Module) -> None:
+    """Remove transformers' recording hooks under `root` (and from the HF blocks its wrappers keep)
+    and mark them uninstalled, so transformers installs them again on the next recording forward."""
+    modules = list(root.modules())
+    for wrapper in [m for m in modules if isinstance(m, HFMoEBlock)]:
+        modules.extend(wrapper.hf_block.modules())
+        wrapper.__dict__["hf_router_hooked"] = False
+    for module in modules:
+        for key, fn in list(module._forward_hooks.items()):
+            if _is_output_capturing_hook(fn):
+                del module._forward_hooks[key]
+                module._forward_hooks_with_kwargs.pop(key, None)
+                module._forward_hooks_always_called.pop(key, None)
+        if getattr(module, "_output_capturing_hooks_installed", False):
+            module._output_capturing_hooks_installed = False
+
+
+def _state_without_output_hooks(model: nn.Module) -> dict:
+    """`model.__getstate__` for converted models: pickling starts here, before any submodule's hooks."""
+    _drop_output_capturing_hooks(model)
+    return nn.Module.__getstate__(model)
 
 
 def _owner_recording_logits(model: nn.Module, name: str):
@@ -137,6 +183,10 @@ def convert(model: nn.Module) -> nn.Module:
         block.to("meta")
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, wrapper)
+        if owner is not None:
+            owner.__dict__["__getstate__"] = functools.partial(_state_without_output_hooks, owner)
+    # an instance attribute, so only this model (and a saved copy of it) changes how it pickles
+    model.__dict__["__getstate__"] = functools.partial(_state_without_output_hooks, model)
     return model
 
 
@@ -155,4 +205,8 @@ def restore(model: nn.Module) -> nn.Module:
             _install_router_logits_hook(_owner_recording_logits(model, name), [block, *block.modules()])
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, block)
+    for module in model.modules():  # and transformers' own pickling back
+        if isinstance(module.__dict__.get("__getstate__"), functools.partial) \
+                and module.__dict__["__getstate__"].func is _state_without_output_hooks:
+            del module.__dict__["__getstate__"]
     return model
