@@ -15,6 +15,7 @@ from qmoe.autocast import RecipeState, autocast_state
 from qmoe.nn.grouped_mlp import GroupedMLP
 from qmoe.nn.mlp import MLP
 from qmoe.nn.router import TopKRouter, detached_results
+from qmoe.nn.side_stream import side_stream_for
 from qmoe.contracts.carriers import num_permuted_rows
 from qmoe.contracts.validate import check_flag, check_layer_input, check_params_dtype, check_process_group, check_size
 from qmoe.ops.amp import cast_for_autocast, torch_autocast_off
@@ -50,6 +51,9 @@ class MoELayer(nn.Module):
     [H, Fs]`), quantized under the active recipe, runs on every token and adds to the routed output;
     with `shared_expert_gate=True` its output is scaled by `sigmoid(x @ shared_expert_gate.weight.T)`
     (`shared_expert_gate.weight [1, H]`, Qwen2-MoE), computed in fp32 and never quantized.
+    overlap_shared_experts=True runs the shared experts (forward, and so their backward) on a side
+    CUDA stream while the current stream routes and runs the routed experts, joined before the
+    sum (`qmoe.nn.side_stream`): the same bits, captured by CUDA graphs too; CPU runs in line.
 
     Expert parallelism (`ep_group`, a torch.distributed group of ep ranks; `qmoe.parallel`): each
     rank holds L = E / ep experts, rank r the global experts r*L .. r*L+L-1, and exchanges tokens
@@ -85,14 +89,16 @@ class MoELayer(nn.Module):
                  shared_expert_ffn_hidden_size: int | None = None, shared_expert_gate: bool = False,
                  params_dtype=None, device=None, glu_interleave_size: int | None = None,
                  grouped_path: str = "auto", delay_wgrad_compute: bool = False, ep_group=None,
-                 quantized_dispatch: bool = True, recompute_activation: bool = False):
+                 quantized_dispatch: bool = True, recompute_activation: bool = False,
+                 overlap_shared_experts: bool = False):
         super().__init__()
         for name, v in (("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size),
                         ("num_experts", num_experts), ("top_k", top_k)):
             check_size(name, v, "MoELayer")
         for name, v in (("pre_softmax", pre_softmax), ("expert_bias", expert_bias), ("bias", bias),
                         ("delay_wgrad_compute", delay_wgrad_compute), ("quantized_dispatch", quantized_dispatch),
-                        ("recompute_activation", recompute_activation)):
+                        ("recompute_activation", recompute_activation),
+                        ("overlap_shared_experts", overlap_shared_experts)):
             check_flag(name, v, "MoELayer")
         check_params_dtype(params_dtype, "MoELayer")
         check_process_group("ep_group", ep_group)
@@ -130,6 +136,7 @@ class MoELayer(nn.Module):
                 self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, dtype=torch.float32, device=device)
         elif shared_expert_gate:
             raise ValueError("shared_expert_gate=True needs shared experts: set shared_expert_ffn_hidden_size")
+        self.overlap_shared_experts = overlap_shared_experts
         self.aux_loss: torch.Tensor = torch.zeros(())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -138,14 +145,17 @@ class MoELayer(nn.Module):
         shape = x.shape
         tokens = cast_for_autocast(x.reshape(-1, self.hidden_size))  # permute moves torch.autocast's dtype
         seq_length = shape[-2] if x.dim() >= 3 else None
+        shared, side = None, None
+        if self.shared_experts is not None:
+            side = side_stream_for(tokens.device) if self.overlap_shared_experts else None
+            shared = self._shared_experts(tokens) if side is None else side.run(self._shared_experts, tokens)
         probs, routing_map = self.router(tokens, seq_length=seq_length)
-        shared = self._shared_experts(tokens) if self.shared_experts is not None else None
         recipe = autocast_state().active_recipe
         align = recipe.align_size if recipe is not None else 1
         if self.dispatcher is not None:
             out = self.dispatcher(tokens, probs, routing_map, self.experts, align)
             self._set_aux_loss()
-            return (out if shared is None else out + shared).reshape(shape)
+            return self._add_shared(out, shared, side).reshape(shape)
         # R rounded up to whole blocks: the zero tail joins the last expert's group (absorb_tail)
         # without breaking any block a recipe needs (NVFP4's 16-row Hadamard runs, say)
         rows = -(-num_permuted_rows(tokens.shape[0], self.top_k, self.num_experts, align) // align) * align
@@ -154,7 +164,13 @@ class MoELayer(nn.Module):
         y = self.experts(permuted, split_sizes.to(torch.int64), row_probs)
         out = ops.moe_unpermute(y, row_id_map)
         self._set_aux_loss()
-        return (out if shared is None else out + shared).reshape(shape)
+        return self._add_shared(out, shared, side).reshape(shape)
+
+    @staticmethod
+    def _add_shared(out: torch.Tensor, shared: torch.Tensor | None, side) -> torch.Tensor:
+        if shared is None:
+            return out
+        return out + (shared if side is None else side.join(shared))
 
     def _shared_experts(self, tokens: torch.Tensor) -> torch.Tensor:
         """Shared experts' output [T, H] in the tokens' dtype, times the sigmoid gate if there is one."""
@@ -164,6 +180,17 @@ class MoELayer(nn.Module):
                 gate = torch.sigmoid(tokens.float() @ self.shared_expert_gate.weight.float().t())
             out = (out.float() * gate).to(out.dtype)
         return out.to(tokens.dtype)
+
+    @property
+    def overlap_shared_experts(self) -> bool:
+        return self.__dict__.get("_overlap_shared_experts", False)  # False in layers pickled before the option
+
+    @overlap_shared_experts.setter
+    def overlap_shared_experts(self, value: bool) -> None:
+        check_flag("overlap_shared_experts", value, "MoELayer")
+        if value and self.shared_experts is None:
+            raise ValueError("overlap_shared_experts=True needs shared experts: set shared_expert_ffn_hidden_size")
+        self._overlap_shared_experts = value
 
     @property
     def recompute_activation(self) -> bool:
