@@ -13,6 +13,9 @@ eager time, peak memory of the eager steps, and ratios to the peer and to qmoe b
 `--recompute-activation` adds, after each recipe's row, the same layer with
 `recompute_activation=True` (FC2's input rebuilt in the backward instead of kept): its memory
 saved and its time against the default row.
+`--shared-expert` adds, per shape, the layer with one shared expert of the routed experts' size
+(DeepSeek-V3: `shared_expert_ffn_hidden_size` = ffn) run in line and then with
+`overlap_shared_experts=True` (on a side CUDA stream), in bf16 and FP8 block scaling (or --recipes).
 Writes benchmarks/results/moe.json.
 """
 from __future__ import annotations
@@ -233,6 +236,47 @@ def bench_shape(rows, name, shape, recipes, warmup, iters, graphed, device="cuda
             _print_row(again)
 
 
+SHARED_EXPERT_RECIPES = ("bf16", "block")
+
+
+def bench_shared_expert(rows, name, shape, recipes, warmup, iters, graphed, device="cuda"):
+    """Rows of the layer with a shared expert (Fs = ffn), overlap off then on, per recipe; the on
+    row carries time_ratio_overlap_vs_inline = its eager_ms / the off row's."""
+    import qmoe
+    from qmoe.compare import resolve_path
+    from qmoe.recipes import recipe_from_config
+
+    t, h = shape["tokens"], shape["hidden"]
+    torch.manual_seed(0)
+    layer = qmoe.nn.MoELayer(h, shape["ffn"], shape["experts"], shape["top_k"], params_dtype=torch.bfloat16,
+                             device=device, shared_expert_ffn_hidden_size=shape["ffn"])
+    x = torch.randn(t, h, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(t, h, device=device, dtype=torch.bfloat16)
+    bf16_ms = None
+    for rname in recipes:
+        recipe = None if rname == "bf16" else recipe_from_config({"name": rname})
+        base = dict(shape=name, recipe=rname, **shape, peer_ms=None, shared_expert_ffn=shape["ffn"],
+                    path=resolve_path("bf16" if recipe is None else recipe, layer, device))
+        inline = None
+        for overlap in (False, True):
+            layer.overlap_shared_experts = overlap
+            row = _recipe_row(layer, x, dy, recipe, warmup, iters, graphed, dict(base, overlap_shared_experts=overlap),
+                              bf16_ms)
+            if rname == "bf16" and not overlap:
+                bf16_ms = row["eager_ms"]
+                row["ratio_vs_qmoe_bf16"] = 1.0 if bf16_ms else None
+            if overlap and inline is not None and inline["error"] is None and row["error"] is None:
+                row["time_ratio_overlap_vs_inline"] = row["eager_ms"] / inline["eager_ms"]
+                if row["graphed_ms"] and inline["graphed_ms"]:
+                    row["graphed_ratio_overlap_vs_inline"] = row["graphed_ms"] / inline["graphed_ms"]
+            if not overlap:
+                inline = row
+            rows.append(row)
+            _print_row(row)
+    del layer, x, dy
+    _free()
+
+
 def _fmt(v, spec):
     """format(v, spec), or a right-aligned '-' of the same width for a missing value."""
     return format(v, spec) if isinstance(v, (int, float)) else format("-", spec.split(".")[0] or "")
@@ -244,10 +288,15 @@ HEADER = (f"{'shape':<16} {'recipe':<10} {'eager ms':>9} {'graph ms':>9} {'tok/s
 
 def _print_row(r):
     note = r["error"] or (f"graph: {r['graph_error']}" if r["graph_error"] else r["path"])
-    recipe = r["recipe"] + ("+rc" if r["recompute_activation"] else "")
+    recipe = r["recipe"] + ("+rc" if r["recompute_activation"] else "") + \
+        ("+sh" if r.get("shared_expert_ffn") else "") + ("+ov" if r.get("overlap_shared_experts") else "")
     if r.get("held_gib_saved_vs_default") is not None:
         note += (f"; recompute_activation: {r['held_gib_saved_vs_default']:.3f} GiB less held for the backward, "
                  f"{r['peak_gib_saved_vs_default']:.3f} GiB less peak, {r['time_ratio_vs_default']:.2f}x the time")
+    if r.get("time_ratio_overlap_vs_inline") is not None:
+        note += f"; overlap: {r['time_ratio_overlap_vs_inline']:.3f}x the in-line time (eager)"
+        if r.get("graphed_ratio_overlap_vs_inline") is not None:
+            note += f", {r['graphed_ratio_overlap_vs_inline']:.3f}x graphed"
     print(f"{r['shape']:<16} {recipe:<10} {_fmt(r['eager_ms'], '>9.3f')} {_fmt(r['graphed_ms'], '>9.3f')} "
           f"{_fmt(r['tokens_per_s'], '>10.0f')} {_fmt(r['peak_gib'], '>9.2f')} {_fmt(r.get('work_gib'), '>9.2f')} "
           f"{_fmt(r.get('held_gib'), '>9.2f')} "
@@ -265,6 +314,9 @@ def main(argv=None) -> int:
     parser.add_argument("--no-graph", action="store_true", help="skip CUDA-graph capture")
     parser.add_argument("--recompute-activation", action="store_true",
                         help="after each recipe, the same layer with recompute_activation=True (rows marked +rc)")
+    parser.add_argument("--shared-expert", action="store_true",
+                        help="per shape, also the layer with a shared expert (Fs = ffn), overlap_shared_experts off "
+                             f"and on (rows marked +sh, +sh+ov), in {' and '.join(SHARED_EXPERT_RECIPES)} or --recipes")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                       "moe.json"))
     args = parser.parse_args(argv)
@@ -289,6 +341,9 @@ def main(argv=None) -> int:
     for name in shapes:  # the file is rewritten after every shape: partial results survive a time limit
         bench_shape(rows, name, SHAPES[name], recipes, warmup, iters, not args.no_graph,
                     recompute=args.recompute_activation)
+        if args.shared_expert:
+            bench_shared_expert(rows, name, SHAPES[name], recipes if args.recipes else SHARED_EXPERT_RECIPES,
+                                warmup, iters, not args.no_graph)
         _write(args, header, rows, warmup, iters)
     print(f"wrote {args.out}")
     return 0
@@ -314,7 +369,11 @@ def _write(args, header, rows, warmup, iters) -> None:
                 f"(> 1 is faster than qmoe bf16); recompute_activation: the layer's option (True rows come from "
                 f"--recompute-activation, right after the same recipe's default row, same layer and inputs): "
                 f"held_gib_saved_vs_default and peak_gib_saved_vs_default = the default row's held_gib / peak_gib "
-                f"less this row's; time_ratio_vs_default = this eager_ms / default eager_ms"),
+                f"less this row's; time_ratio_vs_default = this eager_ms / default eager_ms; shared_expert_ffn rows "
+                f"(--shared-expert): the layer with a shared expert of that size, overlap_shared_experts off then on "
+                f"(same layer and inputs; no peer; ratio_vs_qmoe_bf16 against the shared-expert bf16 in-line row); "
+                f"time_ratio_overlap_vs_inline / graphed_ratio_overlap_vs_inline = the on row's eager_ms / graphed_ms "
+                f"over the off row's (< 1: overlap is faster)"),
         quick=args.quick, targets=TARGETS, rows=rows,
     )
     write_results(args.out, header, result, quiet=True)
