@@ -30,7 +30,23 @@ def compute_scores(logits: torch.Tensor, fn: ScoreFunction, pre_softmax: bool) -
         return torch.softmax(x, dim=-1) if pre_softmax else x
     if fn is ScoreFunction.SIGMOID:
         return torch.sigmoid(x)
-    return torch.sqrt(torch.nn.functional.softplus(x))
+    return _SqrtSoftplus.apply(x)
+
+
+class _SqrtSoftplus(torch.autograd.Function):
+    """sqrt(softplus(x)) whose derivative, sigmoid(x) / (2 s), is 0 where s underflows to 0 (its
+    limit at x -> -inf), not autograd's inf * 0 = NaN: a masked (-inf) logit gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        s = torch.sqrt(torch.nn.functional.softplus(x))
+        ctx.save_for_backward(x, s)
+        return s
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, s = ctx.saved_tensors
+        return grad * torch.where(s > 0, torch.sigmoid(x) / (2 * s), torch.zeros_like(s))
 
 
 def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:

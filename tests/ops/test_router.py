@@ -114,6 +114,20 @@ def test_normalize_topk_probs_false_keeps_the_raw_scores(fn):
     torch.testing.assert_close(probs1.sum(1), torch.ones(16), rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("fn", ["softmax", "sigmoid", "sqrtsoftplus"])
+def test_masked_expert_gets_zero_gradient_not_nan(fn):
+    """A -inf logit (a masked expert) chosen anyway has score 0; its gradient is the limit 0, and the
+    other experts' gradients stay finite (autograd of sqrt(softplus) would give inf * 0 = NaN)."""
+    logits = torch.tensor([[float("-inf"), -0.29, -2.18, 0.57]], requires_grad=True)
+    probs, routing_map = reference.topk_route(logits, 4, score_function=fn)
+    assert routing_map.all()
+    g = torch.tensor([[0.3, -1.0, 0.5, 2.0]])
+    (grad,) = torch.autograd.grad(probs, logits, g)
+    assert torch.isfinite(grad).all() and grad[0, 0] == 0
+    twin = reference.topk_route_backward(g, logits.detach(), routing_map, 4, score_function=fn)
+    torch.testing.assert_close(twin, grad, rtol=1e-6, atol=1e-7)
+
+
 def test_pre_softmax_normalised_equals_softmax_after_topk():
     logits = torch.randn(32, 8, generator=torch.Generator().manual_seed(6))
     p_after, m_after = _route(logits, 3)
