@@ -13,7 +13,8 @@
 # STEPS (default: the preset's), JOBS (default 1): how many `qmoe converge --only` jobs share the GPU at once, each taking every
 # JOBS-th run; their files are merged into one. The small presets leave the GPU mostly idle (each
 # step is bound by the host), so JOBS up to the CPU cores runs them side by side at nearly solo
-# speed; the results record concurrent_jobs beside tokens/s.
+# speed; the results record concurrent_jobs beside tokens/s. ONLY="label ..." (with JOBS > 1)
+# trains just those runs, e.g. the ones an earlier job left unfinished; merge the files after.
 #
 # Every run is written to the JSON as soon as it finishes. If BUDGET runs out first, the job
 # stops at a step boundary, writes what it has and exits 0; put that JSON at
@@ -57,7 +58,7 @@ cfg = with_overrides(preset(name), recipes=recipes, seeds=seeds, ablations=ablat
 print(" ".join(s.label for s in cfg.runs()))
 PY
 )
-read -ra all <<< "$labels"
+read -ra all <<< "${ONLY:-$labels}"
 parts=() pids=()
 mkdir -p "$OUT_DIR/$NAME.parts"
 for ((j = 0; j < JOBS && j < ${#all[@]}; j++)); do
