@@ -7,6 +7,6 @@ pass a kernel-vs-reference test by being wrong on both sides.
     errors      UnsupportedError, refuse_compile
     formats     ElementFormat (E4M3, E5M2, E2M1), block sizes, scale helpers
     enums       Scaling, ScoreFunction, Activation, GroupedPath, GemmRoute and their parsers
-    carriers    RowIdMap, ActivatedRows, activation constants, row/group helpers
+    carriers    RowIdMap, ActivatedRows, RowsWithAmax, AmaxSlot, activation constants, row/group helpers
     validate    one validator per concept (split sizes, routing, aux losses, permute, activation)
 """

@@ -1,5 +1,5 @@
-"""What ops hand each other: the permutation map, fused-activation rows, and the constants both
-the kernels and their reference twins compute with.
+"""What ops hand each other: the permutation map, fused-activation rows, rows with a known amax,
+and the constants both the kernels and their reference twins compute with.
 
 Dimensions: T tokens, K top-k, E experts (groups), R permuted rows, F ffn columns.
 """
@@ -87,6 +87,73 @@ class ActivatedRows(NamedTuple):
 
     def dim(self) -> int:
         return 2
+
+
+
+# ---------------------------------------------------------------- amaxes from the kernel that wrote the rows
+
+class RowsWithAmax(NamedTuple):
+    """Rows [R, K] with the amax of each group already known, reduced by the kernel that wrote them.
+
+    A per-tensor current-scaling quantizer needs each group's max|x| before it can cast: measured
+    by the quantizer itself, that is a second read of the rows. The kernels that make the expert
+    GEMMs' operands (the permute of FC1's input, the unpermute backward of FC2's grad_output, the
+    activation backward of FC1's grad_output) hold every value in registers as they store it, so
+    they also reduce the amax (an atomic max of |x|'s float bits per group: exact, order-free)
+    and hand it over here; `GroupedTensor.quantize` of a RowsWithAmax then only casts
+    (`Quantizer.takes_amax`; every other quantizer reads the rows alone).
+
+    rows: [R, K] bf16 / fp16 / fp32. amax: [G] fp32, for each group of the consumer's split sizes
+    the max of |rows| over its finite values (0 for a group with none): bit for bit what the
+    quantizer would measure (`qmoe.reference.quantize.group_amax`). Rows outside every group
+    must be zero (padding).
+    """
+
+    rows: torch.Tensor
+    amax: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.rows.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.rows.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.rows.device
+
+    def dim(self) -> int:
+        return self.rows.dim()
+
+
+class AmaxSlot:
+    """A gradient's per-group amax, handed from the backward that computes the gradient to the
+    backward that quantizes it: autograd passes tensors only, so the two ends share this slot.
+
+    The producing backward calls `put(rows, amax)`; the consuming one calls `take(dy)`, which
+    returns the amax only when dy *is* those rows (the very tensor object). A gradient hook, a
+    second consumer adding its gradient, or a dtype cast in between makes dy another tensor, and
+    the consumer then measures its own amax. `take` empties the slot either way, so it holds the
+    gradient no longer than autograd does.
+    """
+
+    __slots__ = ("rows", "amax")
+
+    def __init__(self):
+        self.rows = self.amax = None
+
+    def put(self, rows: torch.Tensor, amax: torch.Tensor) -> None:
+        self.rows, self.amax = rows, amax
+
+    def take(self, dy: torch.Tensor) -> torch.Tensor | None:
+        amax = self.amax if dy is self.rows else None
+        self.rows = self.amax = None
+        return amax
+
+    def __repr__(self) -> str:
+        return f"AmaxSlot(filled={self.rows is not None})"
 
 
 # ---------------------------------------------------------------- routing and permutation

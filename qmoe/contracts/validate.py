@@ -407,3 +407,23 @@ def check_merging_probs(merging_probs, row_id_map) -> None:
     if tuple(merging_probs.shape) != (t, e) or merging_probs.device != row_id_map.rows.device:
         raise ValueError(f"merging_probs must be [T, E]=({t}, {e}) on {row_id_map.rows.device}, got "
                          f"{tuple(merging_probs.shape)} on {merging_probs.device}")
+
+
+_AMAX_ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_amax_rows(name: str, t) -> None:
+    """Rows whose producer also reduces their amax (`RowsWithAmax`): a 2-D bf16 / fp16 / fp32 tensor,
+    the dtypes a quantizer reads (its amax is taken on those values, exactly)."""
+    if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype not in _AMAX_ROW_DTYPES:
+        raise ValueError(f"with_amax needs {name} as a 2-D float32, bfloat16 or float16 tensor, got "
+                         f"{getattr(t, 'dtype', type(t).__name__)} of shape {tuple(getattr(t, 'shape', ()))}")
+
+
+def check_group_amax(name: str, amax, num_groups: int, device) -> None:
+    """A producer's per-group amax (`RowsWithAmax.amax`): fp32 [num_groups] on `device`."""
+    if not isinstance(amax, torch.Tensor) or amax.dtype != torch.float32 or tuple(amax.shape) != (num_groups,):
+        raise ValueError(f"{name} must be a float32 tensor [{num_groups}] (one amax per group), got "
+                         f"{getattr(amax, 'dtype', type(amax).__name__)} {tuple(getattr(amax, 'shape', ()))}")
+    if amax.device != device:
+        raise ValueError(f"{name} is on {amax.device} but its rows are on {device}")

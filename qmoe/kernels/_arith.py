@@ -57,6 +57,34 @@ def atomic_max_bits(ptr, value):
 
 
 @triton.jit
+def finite_abs_bits(x):
+    """|x|'s int32 pattern for fp32 x, 0 where x is inf or NaN: the terms of a per-tensor amax."""
+    b = abs_bits(x)
+    return tl.where(b >= INF_BITS, 0, b)
+
+
+@triton.jit
+def atomic_max_by_group(amax_ptr, offsets_ptr, G, rows, row_ok, row_bits, G_P2: tl.constexpr):
+    """Raise amax[g] (int32 bits) to each row's `row_bits`, g the row's group: rows
+    offsets[g]:offsets[g+1] (offsets [G+1] on the device, offsets[0] = 0); rows in no group skipped.
+
+    For a producer that writes whole rows in any order (not tiles of one group): a tile inside
+    one group (the common case) takes one atomic, a tile across groups one per row.
+    """
+    idx = tl.arange(0, G_P2)
+    ends = tl.load(offsets_ptr + 1 + idx, mask=idx < G, other=0)
+    g = tl.sum(((ends[None, :] <= rows[:, None]) & (idx < G)[None, :]).to(tl.int32), 1)
+    ok = row_ok & (g < G)
+    g_lo = tl.min(tl.where(ok, g, G), 0)
+    g_hi = tl.max(tl.where(ok, g, -1), 0)
+    if g_lo == g_hi:
+        atomic_max_bits(amax_ptr + g_lo, tl.max(tl.where(ok, row_bits, 0), 0))
+    else:
+        current = tl.load(amax_ptr + g, mask=ok, other=0)
+        tl.atomic_max(amax_ptr + g, row_bits, mask=ok & (row_bits > current))
+
+
+@triton.jit
 def trans8(t):
     """Transpose a small 8-bit tile as uint8 bits through int32 (see cast_bits)."""
     return tl.trans(t.to(tl.uint8, bitcast=True).to(tl.int32)).to(tl.uint8)

@@ -13,6 +13,10 @@ writes dh (nothing is saved from the forward but h). The GLU halves are read in 
 and its linear part k columns further, so no deinterleaved copy is ever made. Rows take any
 stride; columns must be unit-stride (the launchers copy otherwise).
 
+Either launch can also reduce the amax of what it writes per group of rows (`amax_offsets`:
+a's for FC2's input, dh's for FC1's grad_output), so a current-scaling quantizer of it only
+casts (`RowsWithAmax`): an atomic max of |value|'s float bits per group, exact in any order.
+
 dprobs[r] = sum_j da[r, j] * act(h)[r, j] is a reduction over F. It is done by one program per
 row block that loops over all F columns in a fixed order and writes each dprobs entry once: no
 atomics, so the result is bit-identical from call to call and in CUDA-graph replays. Because a
@@ -38,9 +42,11 @@ import torch
 import triton
 import triton.language as tl
 
+from qmoe.kernels._arith import atomic_max_by_group, finite_abs_bits
 from qmoe.kernels._launch import kernel_op, launch, wrapped
+from qmoe.kernels._layout import group_pow2
 from qmoe.contracts.carriers import (ACTIVATIONS, GELU_BETA, GELU_KAPPA, GLU_ACTIVATIONS, QGEGLU_ALPHA, QGEGLU_LIMIT,
-                                     glu_block)
+                                     RowsWithAmax, glu_block)
 from qmoe.contracts.validate import check_scaled_activation_args
 
 # The one place where an activation name becomes a kernel constant: its index in ACTIVATIONS,
@@ -202,22 +208,34 @@ def _tile_configs(tiles) -> list[triton.Config]:
 _CONFIGS = _tile_configs(((8, 256, 4), (16, 256, 4), (32, 256, 8), (16, 512, 8)))
 # R and F set the grid; the activation sets the bytes per output and the arithmetic; the GLU
 # block sets how contiguous the accesses are (dtypes join the key on their own).
-_KEY = ["R", "F", "ACT", "GLU_BLOCK"]
+_KEY = ["R", "F", "ACT", "GLU_BLOCK", "AMAX"]
 # Problems below launch()'s autotune threshold: one modest tile, no tuning runs.
 _SMALL = triton.Config({"BM": 16, "BN": 128}, num_warps=4, num_stages=1)
 
 
+@triton.jit
+def _row_peaks(t, mask):
+    """Per row of a stored tile, max|t| over its finite values as int32 bits (masked entries 0)."""
+    return tl.max(tl.where(mask, finite_abs_bits(t.to(tl.float32)), 0), 1)
+
+
+# Tiles never span groups of rows here (the grid is plain row blocks); an atomic max to each
+# row's group (`atomic_max_by_group`) is exact in any order and idempotent, so an autotuner's
+# repeated runs leave the same amax and need no reset.
 @triton.autotune(configs=_CONFIGS, key=_KEY)
 @triton.jit
 def _forward_kernel(
         # pointers
-        h_ptr, probs_ptr, a_ptr,
+        h_ptr, probs_ptr, a_ptr, offsets_ptr, amax_ptr,
         # sizes
-        R, F,
+        R, F, G,
         # strides (columns are unit-stride)
         stride_h, stride_p, stride_a,
         # meta
-        ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, HAS_PROBS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, HAS_PROBS: tl.constexpr, AMAX: tl.constexpr,
+        G_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """a = act(h) * probs; AMAX: amax[g] (int32 bits) raised to max|a| over the finite values
+    of each group's rows (groups: offsets [G+1])."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     row_ok = rows < R
@@ -226,47 +244,60 @@ def _forward_kernel(
     act = _activated(h_ptr + rows64[:, None] * stride_h, cols, mask, F, ACT, GLU_BLOCK)
     if HAS_PROBS:
         act = act * tl.load(probs_ptr + rows64 * stride_p, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    tl.store(a_ptr + rows64[:, None] * stride_a + cols[None, :], act.to(a_ptr.dtype.element_ty), mask=mask)
+    a = act.to(a_ptr.dtype.element_ty)
+    tl.store(a_ptr + rows64[:, None] * stride_a + cols[None, :], a, mask=mask)
+    if AMAX:
+        atomic_max_by_group(amax_ptr, offsets_ptr, G, rows, row_ok, _row_peaks(a, mask), G_P2)
 
 
 @triton.jit
 def _backward_tile(h_ptr, da_ptr, dh_ptr, rows64, row_ok, p, col0, F, stride_h, stride_da, stride_dh,
-                   ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, BN: tl.constexpr):
-    """dh of one [BM, BN] tile of output columns from col0; returns sum_j da * act per row (fp32)."""
+                   ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, AMAX: tl.constexpr, BN: tl.constexpr):
+    """dh of one [BM, BN] tile of output columns from col0; returns (sum_j da * act per row (fp32),
+    per row max|dh| over the finite values stored, as int32 bits (zeros without AMAX))."""
     cols = col0 + tl.arange(0, BN)
     mask = row_ok[:, None] & (cols < F)[None, :]
     da = tl.load(da_ptr + rows64[:, None] * stride_da + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     dact = da * p[:, None]
     h_rows = h_ptr + rows64[:, None] * stride_h
     dh_rows = dh_ptr + rows64[:, None] * stride_dh
+    peaks = tl.zeros([rows64.shape[0]], tl.int32)
     if ACT < _FIRST_POINTWISE:
         gate, linear = _glu_columns(cols, F, GLU_BLOCK)
         g = tl.load(h_rows + gate[None, :], mask=mask, other=0.0).to(tl.float32)
         y = tl.load(h_rows + linear[None, :], mask=mask, other=0.0).to(tl.float32)
         act, dg, dy = _activation(g, y, dact, ACT)
-        tl.store(dh_rows + gate[None, :], dg.to(dh_ptr.dtype.element_ty), mask=mask)
-        tl.store(dh_rows + linear[None, :], dy.to(dh_ptr.dtype.element_ty), mask=mask)
+        dg = dg.to(dh_ptr.dtype.element_ty)
+        dy = dy.to(dh_ptr.dtype.element_ty)
+        tl.store(dh_rows + gate[None, :], dg, mask=mask)
+        tl.store(dh_rows + linear[None, :], dy, mask=mask)
+        if AMAX:
+            peaks = tl.maximum(_row_peaks(dg, mask), _row_peaks(dy, mask))
     else:
         x = tl.load(h_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         act, dx, _ = _activation(x, x, dact, ACT)
-        tl.store(dh_rows + cols[None, :], dx.to(dh_ptr.dtype.element_ty), mask=mask)
-    return tl.sum(tl.where(mask, da * act, 0.0), axis=1)
+        dx = dx.to(dh_ptr.dtype.element_ty)
+        tl.store(dh_rows + cols[None, :], dx, mask=mask)
+        if AMAX:
+            peaks = _row_peaks(dx, mask)
+    return tl.sum(tl.where(mask, da * act, 0.0), axis=1), peaks
 
 
 @triton.autotune(configs=_CONFIGS, key=_KEY)
 @triton.jit
 def _backward_kernel(
         # pointers
-        h_ptr, probs_ptr, da_ptr, dh_ptr, dprobs_ptr,
+        h_ptr, probs_ptr, da_ptr, dh_ptr, dprobs_ptr, offsets_ptr, amax_ptr,
         # sizes
-        R, F,
+        R, F, G,
         # strides (columns are unit-stride)
         stride_h, stride_p, stride_da, stride_dh,
         # meta
         ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, HAS_PROBS: tl.constexpr, NEED_DPROBS: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr):
+        AMAX: tl.constexpr, G_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """NEED_DPROBS: grid (row blocks,), each program loops over all F columns and writes its rows'
-    dprobs once. Otherwise: grid (row blocks, column blocks), one tile each."""
+    dprobs once. Otherwise: grid (row blocks, column blocks), one tile each. AMAX: amax[g] (int32
+    bits) raised to max|dh| over the finite values of each group's rows (groups: offsets [G+1])."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     row_ok = rows < R
     rows64 = rows.to(tl.int64)
@@ -276,13 +307,18 @@ def _backward_kernel(
         p = tl.full([BM], 1.0, tl.float32)  # x * 1 == x exactly: the same bits as no scale
     if NEED_DPROBS:
         acc = tl.zeros([BM], dtype=tl.float32)
+        peaks = tl.zeros([BM], dtype=tl.int32)
         for col0 in range(0, F, BN):
-            acc += _backward_tile(h_ptr, da_ptr, dh_ptr, rows64, row_ok, p, col0, F, stride_h, stride_da,
-                                  stride_dh, ACT, GLU_BLOCK, BN)
+            dots, tile_peaks = _backward_tile(h_ptr, da_ptr, dh_ptr, rows64, row_ok, p, col0, F, stride_h,
+                                              stride_da, stride_dh, ACT, GLU_BLOCK, AMAX, BN)
+            acc += dots
+            peaks = tl.maximum(peaks, tile_peaks)
         tl.store(dprobs_ptr + rows, acc, mask=row_ok)
     else:
-        _backward_tile(h_ptr, da_ptr, dh_ptr, rows64, row_ok, p, tl.program_id(1) * BN, F, stride_h, stride_da,
-                       stride_dh, ACT, GLU_BLOCK, BN)
+        _, peaks = _backward_tile(h_ptr, da_ptr, dh_ptr, rows64, row_ok, p, tl.program_id(1) * BN, F, stride_h,
+                                  stride_da, stride_dh, ACT, GLU_BLOCK, AMAX, BN)
+    if AMAX:
+        atomic_max_by_group(amax_ptr, offsets_ptr, G, rows, row_ok, peaks, G_P2)
 
 
 def _reducing_config(rows: int) -> triton.Config:
@@ -304,36 +340,51 @@ def _out_width(h: torch.Tensor, act: int) -> int:
     return h.shape[1] // 2 if act < len(GLU_ACTIVATIONS) else h.shape[1]
 
 
+def _amax_buffers(offsets: Optional[torch.Tensor], like: torch.Tensor):
+    """(zeroed int32 amax bits [G] (G = 0 without offsets), offsets or a dummy pointer, G, G_P2)."""
+    g = offsets.shape[0] - 1 if offsets is not None else 0
+    bits = torch.zeros(g, dtype=torch.int32, device=like.device)
+    return bits, offsets if offsets is not None else bits, g, group_pow2(max(g, 1))
+
+
 @kernel_op("qmoe::scaled_activation_forward")
-def _forward_op(h: torch.Tensor, probs: Optional[torch.Tensor], act: int, glu_block: int) -> torch.Tensor:
-    """a [R, F] in h's dtype."""
+def _forward_op(h: torch.Tensor, probs: Optional[torch.Tensor], act: int, glu_block: int,
+                amax_offsets: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a [R, F] in h's dtype, amax [G] fp32 per group of amax_offsets [G+1], or [0] without them)."""
     r, f = h.shape[0], _out_width(h, act)
     a = torch.empty(r, f, dtype=h.dtype, device=h.device)
+    bits, offsets, g, g_p2 = _amax_buffers(amax_offsets, h)
     if a.numel():
         has_probs = probs is not None
         grid = lambda meta: (triton.cdiv(r, meta["BM"]), triton.cdiv(f, meta["BN"]))  # noqa: E731
         launch(_forward_kernel, grid,
-               (h, probs if has_probs else h, a, r, f, h.stride(0), probs.stride(0) if has_probs else 0, a.stride(0)),
-               _SMALL, a.numel(), ACT=act, GLU_BLOCK=glu_block, HAS_PROBS=has_probs)
-    return a
+               (h, probs if has_probs else h, a, offsets, bits, r, f, g, h.stride(0),
+                probs.stride(0) if has_probs else 0, a.stride(0)),
+               _SMALL, a.numel(), ACT=act, GLU_BLOCK=glu_block, HAS_PROBS=has_probs, AMAX=amax_offsets is not None,
+               G_P2=g_p2)
+    return a, bits.view(torch.float32)
 
 
 @kernel_op("qmoe::scaled_activation_backward")
 def _backward_op(h: torch.Tensor, probs: Optional[torch.Tensor], da: torch.Tensor, act: int, glu_block: int,
-                 need_dprobs: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dh like h (contiguous), dprobs [R] fp32 | [0] when not needed)."""
+                 need_dprobs: bool,
+                 amax_offsets: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dh like h (contiguous), dprobs [R] fp32 | [0] when not needed, amax [G] fp32 | [0] as _forward_op)."""
     r, f = h.shape[0], _out_width(h, act)
     has_probs = probs is not None
     need_dprobs = need_dprobs and has_probs
     dh = torch.empty(h.shape, dtype=h.dtype, device=h.device)
     dprobs = torch.empty(r if need_dprobs else 0, dtype=torch.float32, device=h.device)
+    bits, offsets, g, g_p2 = _amax_buffers(amax_offsets, h)
+    amax = bits.view(torch.float32)
     if r == 0:
-        return dh, dprobs
+        return dh, dprobs, amax
     if f == 0:
-        return dh, dprobs.zero_()
-    args = (h, probs if has_probs else h, da, dh, dprobs, r, f,
+        return dh, dprobs.zero_(), amax
+    args = (h, probs if has_probs else h, da, dh, dprobs, offsets, bits, r, f, g,
             h.stride(0), probs.stride(0) if has_probs else 0, da.stride(0), dh.stride(0))
-    meta = dict(ACT=act, GLU_BLOCK=glu_block, HAS_PROBS=has_probs, NEED_DPROBS=need_dprobs)
+    meta = dict(ACT=act, GLU_BLOCK=glu_block, HAS_PROBS=has_probs, NEED_DPROBS=need_dprobs,
+                AMAX=amax_offsets is not None, G_P2=g_p2)
     if need_dprobs:
         cfg = _reducing_config(r)
         wrapped(_backward_kernel.fn)[(triton.cdiv(r, cfg.kwargs["BM"]),)](
@@ -341,7 +392,7 @@ def _backward_op(h: torch.Tensor, probs: Optional[torch.Tensor], da: torch.Tenso
     else:
         grid = lambda meta: (triton.cdiv(r, meta["BM"]), triton.cdiv(f, meta["BN"]))  # noqa: E731
         launch(_backward_kernel, grid, args, _SMALL, r * f, **meta)
-    return dh, dprobs
+    return dh, dprobs, amax
 
 
 # ---------------------------------------------------------------- public twins of the reference
@@ -359,23 +410,40 @@ def _unit_columns(x: torch.Tensor) -> torch.Tensor:
 
 
 def scaled_activation_forward(h: torch.Tensor, probs: torch.Tensor | None, activation: str,
-                              glu_interleave_size: int | None = None) -> torch.Tensor:
+                              glu_interleave_size: int | None = None, amax_offsets: torch.Tensor | None = None):
     """act(h) * probs[:, None]: h [R, 2F] or [R, F] (fp32 / bf16 / fp16), probs [R] float or None
-    -> a [R, F] in h's dtype, computed in fp32. One launch."""
+    -> a [R, F] in h's dtype, computed in fp32. One launch.
+
+    amax_offsets: [G + 1] int row groups on h's device: the launch also reduces each group's
+    max|a| over finite values, returned as `RowsWithAmax(a, amax [G] fp32)`.
+    """
     _check(h, probs, activation, glu_interleave_size)
-    return _forward_op(_unit_columns(h), probs, _ACT_CODES[activation],
-                       glu_block(activation, glu_interleave_size))
+    a, amax = _forward_op(_unit_columns(h), probs, _ACT_CODES[activation],
+                          glu_block(activation, glu_interleave_size), _offsets(amax_offsets))
+    return a if amax_offsets is None else RowsWithAmax(a, amax)
 
 
 def scaled_activation_backward(h: torch.Tensor, probs: torch.Tensor | None, da: torch.Tensor, activation: str,
-                               glu_interleave_size: int | None = None, need_dprobs: bool = True):
+                               glu_interleave_size: int | None = None, need_dprobs: bool = True,
+                               amax_offsets: torch.Tensor | None = None):
     """(dh in h's shape, dtype and GLU layout, dprobs [R] fp32 or None) for da [R, F]. One launch.
 
     dprobs is None when probs is None or need_dprobs is False (then the launch is a 2-D grid
-    without the reduction).
+    without the reduction). amax_offsets: as in the forward; dh comes as `RowsWithAmax(dh, amax)`.
     """
     _check(h, probs, activation, glu_interleave_size, da)
-    dh, dprobs = _backward_op(
+    dh, dprobs, amax = _backward_op(
         _unit_columns(h), probs, _unit_columns(da), _ACT_CODES[activation],
-        glu_block(activation, glu_interleave_size), bool(need_dprobs))
-    return dh, (dprobs if probs is not None and need_dprobs else None)
+        glu_block(activation, glu_interleave_size), bool(need_dprobs), _offsets(amax_offsets))
+    return dh if amax_offsets is None else RowsWithAmax(dh, amax), (dprobs if probs is not None and need_dprobs
+                                                                    else None)
+
+
+def _offsets(amax_offsets: torch.Tensor | None) -> torch.Tensor | None:
+    """Row-group offsets [G+1] as the kernels read them (contiguous), or None."""
+    if amax_offsets is None:
+        return None
+    if not isinstance(amax_offsets, torch.Tensor) or amax_offsets.dim() != 1 or amax_offsets.numel() < 1 \
+            or amax_offsets.is_floating_point():
+        raise ValueError("amax_offsets must be an int tensor [G + 1] of row-group offsets")
+    return amax_offsets.contiguous()

@@ -14,7 +14,10 @@ give every (token, expert) pair its row: offset[e] + tokens before it in column 
 - the backward of each is the other, plus the probability gradients.
 
 Data is moved as raw bits (int views of the same width), so FP8 rows, E8M0 scales or any dtype
-permute alike.
+permute alike. With `with_amax`, the permute of float rows and the unpermute backward also
+reduce each expert group's max|row| over finite values as they store the rows (atomic max of
+the float bits, exact in any order), so a current-scaling quantizer of the permuted rows (FC1's
+input) or of grad_y (FC2's grad_output) need not read them again (`RowsWithAmax`).
 """
 from __future__ import annotations
 
@@ -24,10 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
+from qmoe.kernels._arith import atomic_max_bits, finite_abs_bits
 from qmoe.kernels._launch import kernel_op, wrapped
 from qmoe.kernels._layout import rows_contiguous
-from qmoe.contracts.carriers import RowIdMap, num_permuted_rows
-from qmoe.contracts.validate import check_merging_probs, check_permute_index_args, check_rows
+from qmoe.contracts.carriers import RowIdMap, RowsWithAmax, num_permuted_rows
+from qmoe.contracts.validate import check_amax_rows, check_merging_probs, check_permute_index_args, check_rows
 
 _INDEX_BLOCK_T = 64      # tokens per chunk of the plan: tile [64, BLOCK_E] of the routing map
 _INDEX_BLOCK_E = 128
@@ -38,6 +42,8 @@ _PAD_BLOCK_R = 16
 _ROW_BYTES_PER_PROGRAM = 4096  # bytes of one row a data program moves (16-byte vectors x 256)
 
 _RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# how the amax of permuted rows reads their raw bits (check_amax_rows admits these dtypes only)
+_TL_FLOAT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
@@ -164,22 +170,32 @@ def _copy_weight(probs_row_ptr, experts_ptr, slot, ok):
 @triton.jit
 def _scatter_rows_kernel(
     # pointers
-    x_ptr, rows_ptr, out_ptr,
+    x_ptr, rows_ptr, experts_ptr, out_ptr, amax_ptr,
     # sizes
     N, R,
     # strides (rows)
     stride_x, stride_out,
     # meta
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    TOP_K: tl.constexpr, AMAX: tl.constexpr, FLOAT: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """out[rows[t, k]] = x[t] for each used copy: one read of x, K writes."""
+    """out[rows[t, k]] = x[t] for each used copy: one read of x, K writes.
+
+    AMAX: also raise amax[expert of each used copy] (int32 bits) to max|x[t]| over its finite
+    values, x's raw bits read as FLOAT: each expert group's amax, without reading `out` again.
+    """
     t, nb = tl.program_id(0).to(tl.int64), tl.program_id(1)
     cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    v = tl.load(x_ptr + t * stride_x + cols, mask=col_ok)
+    v = tl.load(x_ptr + t * stride_x + cols, mask=col_ok, other=0)
     for k in tl.static_range(TOP_K):
         r, ok = _copy_row(rows_ptr, t * TOP_K + k, R, cols)
         tl.store(out_ptr + r * stride_out + cols, v, mask=col_ok & ok)
+    if AMAX:
+        m = tl.max(finite_abs_bits(v.to(FLOAT, bitcast=True).to(tl.float32)), 0)
+        for k in tl.static_range(TOP_K):
+            r = tl.load(rows_ptr + t * TOP_K + k)
+            if (r >= 0) & (r < R):
+                atomic_max_bits(amax_ptr + tl.load(experts_ptr + t * TOP_K + k), m)
 
 
 @triton.jit
@@ -210,22 +226,25 @@ def _gather_rows_kernel(
 @triton.jit
 def _scatter_grad_rows_kernel(
     # pointers
-    g_ptr, y_ptr, rows_ptr, experts_ptr, probs_ptr, grad_y_ptr, grad_probs_ptr,
+    g_ptr, y_ptr, rows_ptr, experts_ptr, probs_ptr, grad_y_ptr, grad_probs_ptr, amax_ptr,
     # sizes
     N, R,
     # strides (rows)
     stride_g, stride_y, stride_probs, stride_grad_y, stride_grad_probs,
     # meta
-    TOP_K: tl.constexpr, HAS_PROBS: tl.constexpr, PROBS_GRAD: tl.constexpr,
+    TOP_K: tl.constexpr, HAS_PROBS: tl.constexpr, PROBS_GRAD: tl.constexpr, AMAX: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Backward of the weighted gather: grad_y[rows[t, k]] = g[t] * p, grad_p = <g[t], y[row]>.
 
     One program per token walks the whole row, so each dot product is finished in registers.
+    AMAX: also raise amax[expert] (int32 bits) to max|grad_y row| over its finite values, as
+    stored, for each used copy: each expert group's amax of grad_y.
     """
     t = tl.program_id(0).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
     dots = tl.zeros([BLOCK_K], tl.float32)
+    peaks = tl.zeros([BLOCK_K], tl.int32)
     for n0 in range(0, N, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < N
@@ -236,17 +255,24 @@ def _scatter_grad_rows_kernel(
                 gw = g * _copy_weight(probs_ptr + t * stride_probs, experts_ptr, t * TOP_K + k, ok)
             else:
                 gw = g
-            tl.store(grad_y_ptr + r * stride_grad_y + cols, gw.to(grad_y_ptr.dtype.element_ty),
-                     mask=col_ok & ok)
+            stored = gw.to(grad_y_ptr.dtype.element_ty)
+            tl.store(grad_y_ptr + r * stride_grad_y + cols, stored, mask=col_ok & ok)
             if PROBS_GRAD:
                 yv = tl.load(y_ptr + r * stride_y + cols, mask=col_ok & ok, other=0.0).to(tl.float32)
                 dots = tl.where(ks == k, dots + tl.sum(g * yv, axis=0), dots)
-    if PROBS_GRAD:
+            if AMAX:
+                peak = tl.max(finite_abs_bits(stored.to(tl.float32)), 0)  # masked columns hold 0
+                peaks = tl.where(ks == k, tl.maximum(peaks, peak), peaks)
+    if PROBS_GRAD or AMAX:
         r = tl.load(rows_ptr + t * TOP_K + ks, mask=ks < TOP_K, other=-1)
         e = tl.load(experts_ptr + t * TOP_K + ks, mask=ks < TOP_K, other=0)
         ok = (r >= 0) & (r < R)
-        tl.store(grad_probs_ptr + t * stride_grad_probs + e,
-                 dots.to(grad_probs_ptr.dtype.element_ty), mask=ok)
+        if PROBS_GRAD:
+            tl.store(grad_probs_ptr + t * stride_grad_probs + e,
+                     dots.to(grad_probs_ptr.dtype.element_ty), mask=ok)
+        if AMAX:
+            current = tl.load(amax_ptr + e, mask=ok, other=0)
+            tl.atomic_max(amax_ptr + e, peaks, mask=ok & (peaks > current))
 
 
 @triton.jit
@@ -381,26 +407,32 @@ def _map_args(row_id_map: RowIdMap) -> tuple:
     return row_id_map.rows, row_id_map.experts, row_id_map.counts, row_id_map.offsets, row_id_map.num_rows
 
 
-def permute_rows(x, row_id_map):
-    """Triton twin of `qmoe.reference.permute.permute_rows`: [T, N] any dtype -> [R, N]."""
+def permute_rows(x, row_id_map, with_amax=False):
+    """Triton twin of `qmoe.reference.permute.permute_rows`: [T, N] any dtype -> [R, N]
+    (with_amax: `RowsWithAmax(out, amax [E] fp32)`, reduced as the rows are copied)."""
     check_rows("x", x, row_id_map.rows.shape[0], row_id_map.rows.device)
-    return _permute_rows_op(x, *_map_args(row_id_map))
+    if with_amax:
+        check_amax_rows("x", x)
+    out, amax = _permute_rows_op(x, *_map_args(row_id_map), bool(with_amax))
+    return RowsWithAmax(out, amax) if with_amax else out
 
 
 @kernel_op("qmoe::permute_rows")
 def _permute_rows_op(x: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor,
-                     offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
+                     offsets: torch.Tensor, num_rows: int, with_amax: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [R, N] x's dtype, amax [E] fp32 or [0] without with_amax)."""
     raw = _raw_2d(x)
     t, n = raw.shape
     out = torch.empty(num_rows, n, dtype=raw.dtype, device=raw.device)
+    bits = torch.zeros(counts.shape[0] if with_amax else 0, dtype=torch.int32, device=raw.device)
     if t and n:
         block_n = _block_n(n, raw.element_size())
         wrapped(_scatter_rows_kernel)[(t, triton.cdiv(n, block_n))](
-            raw, rows, out, n, num_rows, raw.stride(0), out.stride(0),
-            TOP_K=rows.shape[1], BLOCK_N=block_n)
+            raw, rows, experts, out, bits, n, num_rows, raw.stride(0), out.stride(0),
+            TOP_K=rows.shape[1], AMAX=with_amax, FLOAT=_TL_FLOAT.get(x.dtype, tl.float32), BLOCK_N=block_n)
     _zero_padding_rows(out, counts, offsets)
     out = out.view(x.dtype)
-    return out if x.dim() == 2 else out.squeeze(1)
+    return out if x.dim() == 2 else out.squeeze(1), bits.view(torch.float32)
 
 
 def permute_probs(probs, row_id_map):
@@ -475,21 +507,25 @@ def permute_rows_backward(grad_out, row_id_map):
     return unpermute_rows(grad_out, row_id_map)
 
 
-def unpermute_rows_backward(grad_out, y, row_id_map, merging_probs=None, need_probs_grad=True):
-    """Triton twin of `qmoe.reference.permute.unpermute_rows_backward`: (grad_y, grad_probs)."""
+def unpermute_rows_backward(grad_out, y, row_id_map, merging_probs=None, need_probs_grad=True, with_amax=False):
+    """Triton twin of `qmoe.reference.permute.unpermute_rows_backward`: (grad_y, grad_probs)
+    (with_amax: grad_y as `RowsWithAmax(grad_y, amax [E] fp32)`, reduced as it is stored)."""
     probs_grad = merging_probs is not None and need_probs_grad
-    grad_y, grad_probs = _unpermute_rows_backward_op(
+    if with_amax:
+        check_amax_rows("y", y)
+    grad_y, grad_probs, amax = _unpermute_rows_backward_op(
         rows_contiguous(grad_out), rows_contiguous(y),
         rows_contiguous(merging_probs) if merging_probs is not None else None, probs_grad,
-        *_map_args(row_id_map))
-    return grad_y, (grad_probs if probs_grad else None)
+        *_map_args(row_id_map), bool(with_amax))
+    return RowsWithAmax(grad_y, amax) if with_amax else grad_y, (grad_probs if probs_grad else None)
 
 
 @kernel_op("qmoe::unpermute_rows_backward")
 def _unpermute_rows_backward_op(grad_out: torch.Tensor, y: torch.Tensor, merging_probs: Optional[torch.Tensor],
                                 probs_grad: bool, rows: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor,
-                                offsets: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grad_y [R, N], grad_probs [T, E], or [0] without probs_grad)."""
+                                offsets: torch.Tensor, num_rows: int,
+                                with_amax: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_y [R, N], grad_probs [T, E] or [0] without probs_grad, amax [E] fp32 or [0] without with_amax)."""
     t, k = rows.shape
     n = y.shape[1]
     grad_y = torch.empty(num_rows, n, dtype=y.dtype, device=y.device)
@@ -497,14 +533,15 @@ def _unpermute_rows_backward_op(grad_out: torch.Tensor, y: torch.Tensor, merging
         grad_probs = torch.zeros(merging_probs.shape, dtype=merging_probs.dtype, device=y.device)
     else:
         grad_probs = torch.empty(0, dtype=torch.float32, device=y.device)
+    bits = torch.zeros(counts.shape[0] if with_amax else 0, dtype=torch.int32, device=y.device)
     if t and n:
         probs = merging_probs if merging_probs is not None else y
         gp = grad_probs if probs_grad else y  # dummy, never written
         wrapped(_scatter_grad_rows_kernel)[(t,)](
-            grad_out, y, rows, experts, probs, grad_y, gp,
+            grad_out, y, rows, experts, probs, grad_y, gp, bits,
             n, num_rows,
             grad_out.stride(0), y.stride(0), probs.stride(0), grad_y.stride(0), gp.stride(0),
-            TOP_K=k, HAS_PROBS=merging_probs is not None, PROBS_GRAD=probs_grad,
+            TOP_K=k, HAS_PROBS=merging_probs is not None, PROBS_GRAD=probs_grad, AMAX=with_amax,
             BLOCK_N=min(_block_n(n, 4), 1024), BLOCK_K=triton.next_power_of_2(k))
     _zero_padding_rows(grad_y, counts, offsets)
-    return grad_y, grad_probs
+    return grad_y, grad_probs, bits.view(torch.float32)

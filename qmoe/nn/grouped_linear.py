@@ -10,6 +10,7 @@ from torch import nn
 from qmoe.autocast import (RecipeState, autocast_state, load_recipe_state, recipe_state_pre_hook,
                            refuse_foreign_recompute)
 from qmoe.ops.amp import cast_for_autocast, torch_autocast_off
+from qmoe.contracts.enums import GroupedPath
 from qmoe.ops.grouped_gemm import select_grouped_path
 from qmoe.ops.grouped_linear import grouped_linear
 from qmoe.contracts.carriers import is_glu
@@ -17,6 +18,7 @@ from qmoe.contracts.validate import (PARAMS_DTYPES, check_activation, check_devi
                                      check_params_dtype, check_size, check_split_sizes)
 
 _PER_EXPERT = re.compile(r"^(weight|bias)(\d+)$")
+_AMAX_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what producers reduce amaxes of
 
 
 class GroupedLinear(nn.Module):
@@ -153,8 +155,22 @@ class GroupedLinear(nn.Module):
                     state_dict[f"{prefix}{name}{g}"] = stacked[g].clone()
 
     # ---- compute
+    def takes_amax(self, role: str, x: torch.Tensor) -> bool:
+        """Whether a forward on x here would use a producer's per-group amax for `role`: "input"
+        (forward's input_amax) or "grad_output" (grad_output_amax): under a recipe whose quantizer
+        of that role takes one (`Quantizer.takes_amax`), on the grouped path, for bf16 / fp16 /
+        fp32 x. A producer asks first, so it reduces the amax only when it will be used."""
+        state = autocast_state()
+        recipe = state.active_recipe
+        if recipe is None or x.dtype not in _AMAX_DTYPES:
+            return False
+        if select_grouped_path(self.grouped_path, x.device) is not GroupedPath.GROUPED:
+            return False
+        return self.recipe_state.get(recipe, state.amax_reduction_group)[role].takes_amax
+
     def forward(self, x: torch.Tensor, split_sizes: torch.Tensor, scales: torch.Tensor | None = None,
-                quantized_input=None, *, input_activation: tuple | None = None, recompute_activation: bool = False):
+                quantized_input=None, *, input_activation: tuple | None = None, recompute_activation: bool = False,
+                input_amax: torch.Tensor | None = None, grad_output_amax=None, grad_input_amax=None):
         """quantized_input: optional QuantizedTensor, x's rows already quantized rowwise by the recipe's
         input format (expert-parallel quantized dispatch); the forward GEMM uses it as it is and x
         (its dequantized values) takes the gradient and gives wgrad's columnwise copy.
@@ -165,7 +181,11 @@ class GroupedLinear(nn.Module):
         under a recipe (GroupedMLP's FC2 uses it).
 
         recompute_activation: with input_activation, the backward rebuilds the weight gradient's
-        input operand from h and probs instead of keeping it (`qmoe.ops.grouped_linear`)."""
+        input operand from h and probs instead of keeping it (`qmoe.ops.grouped_linear`).
+
+        input_amax ([E] fp32), grad_output_amax and grad_input_amax (`AmaxSlot`s): amaxes the
+        kernels producing x and dy reduce, and this layer's backward reduces for dx, so the
+        current-scaling quantizers only cast (`qmoe.ops.grouped_linear`; ask `takes_amax`)."""
         self._check_inputs(x, split_sizes, scales, input_activation)
         refuse_foreign_recompute("qmoe.nn.GroupedLinear")
         state = autocast_state()
@@ -178,8 +198,12 @@ class GroupedLinear(nn.Module):
             # deferred weight gradients arrive in backward_dw(): a stand-in leaf keeps autograd from
             # running the weights' post-accumulate-grad hooks (with no gradient) during backward
             weight = weight.detach().requires_grad_(weight.requires_grad)
-        x = cast_for_autocast(x)  # torch.autocast's dtype in and out; the recipe owns the GEMMs
+        cast = cast_for_autocast(x)  # torch.autocast's dtype in and out; the recipe owns the GEMMs
+        if cast is not x:  # values the producer's amax was not taken on
+            input_amax = None
+        x = cast
         bias = self.stacked_bias()
+        amaxes = dict(input_amax=input_amax, grad_output_amax=grad_output_amax, grad_input_amax=grad_input_amax)
         if x.dtype == torch.float64:
             if quantizers is None:
                 path = "split"  # plain fp64 matmuls per group; the grouped GEMMs stop at fp32
@@ -191,7 +215,7 @@ class GroupedLinear(nn.Module):
                                           quantized_input, input_activation, recompute_activation).double()
         with torch_autocast_off():
             return grouped_linear(x, split_sizes, weight, bias, scales if self.scale_bias else None, quantizers,
-                                  path, sink, quantized_input, input_activation, recompute_activation)
+                                  path, sink, quantized_input, input_activation, recompute_activation, **amaxes)
 
     def _check_inputs(self, x, split_sizes, scales, input_activation=None):
         width = self.in_features

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from qmoe.nn.grouped_linear import GroupedLinear
-from qmoe.contracts.carriers import deinterleave_glu, interleave_glu, is_glu
+from qmoe.contracts.carriers import AmaxSlot, deinterleave_glu, interleave_glu, is_glu
 from qmoe.contracts.validate import check_activation, check_flag, check_params_dtype, check_size
 
 
@@ -92,18 +92,41 @@ class GroupedMLP(nn.Module):
 
     # ---- compute
     def forward(self, x: torch.Tensor, split_sizes: torch.Tensor, probs: torch.Tensor | None = None,
-                quantized_input=None) -> torch.Tensor:
+                quantized_input=None, *, input_amax: torch.Tensor | None = None,
+                grad_output_amax=None) -> torch.Tensor:
         """quantized_input: optional QuantizedTensor of x's rows quantized before an expert-parallel
-        dispatch; FC1 multiplies it as it is (see `GroupedLinear.forward`)."""
+        dispatch; FC1 multiplies it as it is (see `GroupedLinear.forward`).
+
+        input_amax: x's per-expert amax [E] fp32 from the kernel that wrote x (FC1's input_amax);
+        grad_output_amax: the `AmaxSlot` the output gradient's producer fills (FC2's). FC2's
+        backward hands FC1 the amax of FC1's output gradient itself (the activation backward
+        reduces it). All for the current-scaling quantizers, which then only cast."""
         if probs is not None and (probs.shape != (x.shape[0],) or not probs.is_floating_point()):
             raise ValueError(f"probs must be a float tensor [R] = [{x.shape[0]}], got {tuple(probs.shape)}")
-        h = self.fc1(x, split_sizes, quantized_input=quantized_input)
+        # FC1's output gradient comes from FC2's backward (its fused activation's backward)
+        inner = AmaxSlot() if self.takes_amax("hidden_grad", x) else None
+        h = self.fc1(x, split_sizes, quantized_input=quantized_input, input_amax=input_amax,
+                     grad_output_amax=inner)
         scales = None
         if self.fc2.scale_bias:
             scales = probs.to(h.dtype) if probs is not None else torch.ones(x.shape[0], dtype=h.dtype, device=x.device)
         # the activation runs inside FC2: fused into the quantization of FC2's input under a recipe
         return self.fc2(h, split_sizes, scales, input_activation=(self.activation, probs, self.glu_interleave_size),
-                        recompute_activation=self.recompute_activation)
+                        recompute_activation=self.recompute_activation, grad_output_amax=grad_output_amax,
+                        grad_input_amax=inner)
+
+    def takes_amax(self, operand: str, x: torch.Tensor) -> bool:
+        """Whether a forward on x [R, H] would use a producer's per-group amax of `operand`: "input"
+        (x: FC1's input), "grad_output" (the output's gradient: FC2's grad_output) or
+        "hidden_grad" (FC1's output gradient, reduced by FC2's activation backward; not while
+        torch.compile traces, where the hand-over between the backwards is not kept)."""
+        if operand == "input":
+            return self.fc1.takes_amax("input", x)
+        if operand == "grad_output":
+            return self.fc2.takes_amax("grad_output", x) and not torch.compiler.is_compiling()
+        if operand == "hidden_grad":
+            return self.fc1.takes_amax("grad_output", x) and not torch.compiler.is_compiling()
+        raise ValueError(f"operand must be 'input', 'grad_output' or 'hidden_grad', got {operand!r}")
 
     def backward_dw(self) -> None:
         self.fc1.backward_dw()

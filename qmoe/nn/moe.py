@@ -16,7 +16,7 @@ from qmoe.nn.grouped_mlp import GroupedMLP
 from qmoe.nn.mlp import MLP
 from qmoe.nn.router import TopKRouter, detached_results
 from qmoe.nn.side_stream import side_stream_for
-from qmoe.contracts.carriers import num_permuted_rows
+from qmoe.contracts.carriers import AmaxSlot, num_permuted_rows
 from qmoe.contracts.validate import check_flag, check_layer_input, check_params_dtype, check_process_group, check_size
 from qmoe.ops.amp import cast_for_autocast, torch_autocast_off
 from qmoe.quant.replay import active_log
@@ -159,10 +159,16 @@ class MoELayer(nn.Module):
         # R rounded up to whole blocks: the zero tail joins the last expert's group (absorb_tail)
         # without breaking any block a recipe needs (NVFP4's 16-row Hadamard runs, say)
         rows = -(-num_permuted_rows(tokens.shape[0], self.top_k, self.num_experts, align) // align) * align
+        # under current scaling the permute and the unpermute backward also reduce the amaxes of the
+        # experts' input and output gradient, so those quantizers only cast
+        with_amax = self.experts.takes_amax("input", tokens)
+        grad_slot = AmaxSlot() if self.experts.takes_amax("grad_output", tokens) else None
         permuted, row_probs, row_id_map, split_sizes = ops.moe_permute(
-            tokens, routing_map, probs, align_size=align, top_k=self.top_k, num_rows=rows)
-        y = self.experts(permuted, split_sizes.to(torch.int64), row_probs)
-        out = ops.moe_unpermute(y, row_id_map)
+            tokens, routing_map, probs, align_size=align, top_k=self.top_k, num_rows=rows, with_amax=with_amax)
+        permuted, input_amax = permuted if with_amax else (permuted, None)
+        y = self.experts(permuted, split_sizes.to(torch.int64), row_probs, input_amax=input_amax,
+                         grad_output_amax=grad_slot)
+        out = ops.moe_unpermute(y, row_id_map, grad_amax=grad_slot)
         self._set_aux_loss()
         return self._add_shared(out, shared, side).reshape(shape)
 

@@ -43,18 +43,20 @@ class _ExpertActivation(torch.autograd.Function):
         return dh if ctx.needs_input_grad[0] else None, dprobs, None, None
 
 
-def activation_forward(h, probs, activation, glu_interleave_size):
+def activation_forward(h, probs, activation, glu_interleave_size, amax_offsets=None):
     """act(h) * probs without autograd: the one forward shared with consumers that rebuild the
-    activation themselves (qmoe.ops.grouped_linear's recompute_activation)."""
-    return _twin("scaled_activation_forward", h, probs)(h, probs, activation, glu_interleave_size)
+    activation themselves (qmoe.ops.grouped_linear's recompute_activation). amax_offsets [G+1]:
+    the result comes as `RowsWithAmax` (each row group's amax, reduced by the same launch)."""
+    return _twin("scaled_activation_forward", h, probs)(h, probs, activation, glu_interleave_size, amax_offsets)
 
 
-def activation_backward(h, probs, da, activation, glu_interleave_size, need_dprobs):
+def activation_backward(h, probs, da, activation, glu_interleave_size, need_dprobs, amax_offsets=None):
     """(dh, dprobs in probs' dtype or None) of expert_activation: the one backward shared with
-    activations fused into their consumer (qmoe.ops.grouped_linear's input_activation)."""
+    activations fused into their consumer (qmoe.ops.grouped_linear's input_activation).
+    amax_offsets [G+1]: dh comes as `RowsWithAmax` (each row group's amax of dh)."""
     need_dprobs = probs is not None and need_dprobs
     dh, dprobs = _twin("scaled_activation_backward", h, probs, da)(h, probs, da, activation, glu_interleave_size,
-                                                                   need_dprobs)
+                                                                   need_dprobs, amax_offsets)
     return dh, dprobs.to(probs.dtype) if need_dprobs else None
 
 

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from qmoe.contracts.carriers import ActivatedRows
+from qmoe.contracts.carriers import ActivatedRows, AmaxSlot, RowsWithAmax
 from qmoe.contracts.enums import Activation, GroupedPath, parse_activation, parse_grouped_path
-from qmoe.contracts.validate import check_flag, check_scaled_activation_args, check_split_sizes
+from qmoe.contracts.validate import check_flag, check_group_amax, check_scaled_activation_args, check_split_sizes
 from qmoe.dispatch import BIAS
 from qmoe.ops.activation import activation_backward, activation_forward, expert_activation
 from qmoe.ops.amp import autocast_off
@@ -76,6 +76,10 @@ class GroupedLinearPlan:
     recompute_activation: keep h and probs only; the backward rebuilds wgrad's input operand
     (the quantized columnwise copy of act(h) * probs, or that output itself without a recipe)
     instead of keeping it from the forward (`rebuild_input`).
+    input_amax: x's per-group amax [E] from the kernel that wrote x (`RowsWithAmax`), or None.
+    grad_output_amax: the `AmaxSlot` dy's producer fills in its backward, or None.
+    grad_input_amax: an `AmaxSlot` this plan's backward fills with dx (the gradient of h with a
+    fused activation) and its per-group amax, for the layer that produced h; or None.
     """
 
     path: LinearPath
@@ -85,6 +89,9 @@ class GroupedLinearPlan:
     glu_interleave_size: int | None = None
     wgrad_sink: list | None = None
     recompute_activation: bool = False
+    input_amax: torch.Tensor | None = None
+    grad_output_amax: AmaxSlot | None = None
+    grad_input_amax: AmaxSlot | None = None
 
     @property
     def fuses_activation(self) -> bool:
@@ -99,6 +106,8 @@ class GroupedLinearPlan:
                 x = activation_forward(x, probs, self.activation.value, self.glu_interleave_size)
         if self.quantizers is None:
             return x
+        if self.input_amax is not None:  # the permute reduced it: the quantizer only casts
+            x = RowsWithAmax(x, self.input_amax)
         out = self.path.quantize_input(x, groups, self.quantizers["input"], wgrad, self.quantized_input,
                                        rowwise=rowwise)
         if _observer is not None:
@@ -131,11 +140,15 @@ class GroupedLinearPlan:
             _observer(self, "quantize_weight", (weight,), out)
         return out
 
-    def quantize_grad(self, dy: torch.Tensor, groups: Groups, dtype: torch.dtype, dgrad: bool, wgrad: bool):
+    def quantize_grad(self, dy: torch.Tensor, groups: Groups, dtype: torch.dtype, dgrad: bool, wgrad: bool,
+                      amax: torch.Tensor | None = None):
+        """amax: dy's per-group amax from its producer (`grad_output_amax`), or None."""
         if self.quantizers is None:
             return dy.to(dtype)
         if not (dgrad or wgrad):  # only the bias and scales take gradients: they read dy itself
             return None
+        if amax is not None:
+            dy = RowsWithAmax(dy, amax)
         out = self.path.quantize_grad(dy, groups, self.quantizers["grad_output"], dgrad, wgrad)
         if _observer is not None:
             _observer(self, "quantize_grad", (dy, groups), out)
@@ -251,9 +264,10 @@ class GroupedLinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         plan, needs, saved = ctx.plan, ctx.needs, _Saved.unstash(ctx)
         groups = saved.groups
+        dy_amax = plan.grad_output_amax.take(dy) if plan.grad_output_amax is not None else None
         dy = dy.contiguous()
         dx = dw = dbias = dscales = dprobs = None
-        g_op = plan.quantize_grad(dy, groups, saved.x_dtype, dgrad=needs.dgrad, wgrad=needs.weight)
+        g_op = plan.quantize_grad(dy, groups, saved.x_dtype, dgrad=needs.dgrad, wgrad=needs.weight, amax=dy_amax)
         if needs.dgrad:
             dx = plan.dgrad(g_op, saved.w_operand, groups, saved.x_shape, out_dtype=dy.dtype)
         if needs.weight:
@@ -276,8 +290,13 @@ class GroupedLinearFunction(torch.autograd.Function):
             dscales = dscales.to(saved.scales.dtype) if dscales is not None else None
         ctx.saved = None  # the quantized operands live on only in a deferred wgrad
         if plan.activation is not None and dx is not None:  # dx is the activation output's gradient
+            slot = plan.grad_input_amax if needs.x else None
             dx, dprobs = activation_backward(saved.h, saved.probs, dx, plan.activation.value,
-                                             plan.glu_interleave_size, needs.probs)
+                                             plan.glu_interleave_size, needs.probs,
+                                             amax_offsets=groups.offsets if slot is not None else None)
+            if slot is not None:  # dh and its per-group amax, for the grad_output quantizer of h's layer
+                slot.put(*dx)
+                dx = dx.rows
         return None, dx if needs.x else None, None, dw, dbias, dscales, dprobs
 
 
@@ -285,7 +304,9 @@ def grouped_linear(x: torch.Tensor, split_sizes: torch.Tensor, weight: torch.Ten
                    scales: torch.Tensor | None = None, quantizers: dict | None = None,
                    path: GroupedPath | str = GroupedPath.GROUPED, wgrad_sink: list | None = None,
                    quantized_input: QuantizedTensor | None = None,
-                   input_activation: tuple | None = None, recompute_activation: bool = False) -> torch.Tensor:
+                   input_activation: tuple | None = None, recompute_activation: bool = False, *,
+                   input_amax: torch.Tensor | None = None, grad_output_amax: AmaxSlot | None = None,
+                   grad_input_amax: AmaxSlot | None = None) -> torch.Tensor:
     """y [R, N] = grouped x [R, K] @ weight[g]^T (+ bias[g] (* scales[row])).
 
     split_sizes: [E] int on x's device; rows past their sum join the last group (absorb_tail).
@@ -305,6 +326,16 @@ def grouped_linear(x: torch.Tensor, split_sizes: torch.Tensor, weight: torch.Ten
     rebuilds the weight gradient's input operand (act(h) * probs, quantized columnwise under a
     recipe) from them instead of keeping it: less memory held between forward and backward, one
     more activation (and quantization) in the backward, the same gradients bit for bit.
+
+    Amaxes from the kernels that produce the operands, for a current-scaling quantizer
+    (`Quantizer.takes_amax`) on the grouped path, which then only casts (same bits):
+    input_amax: [E] fp32, x's per-group amax (`moe_permute(..., with_amax=True)`; the groups
+    are split_sizes', the tail rows past their sum zeros). grad_output_amax: an `AmaxSlot` that
+    dy's producer fills in the backward (`moe_unpermute(..., grad_amax=slot)`, or another
+    grouped_linear's grad_input_amax). grad_input_amax: an `AmaxSlot` this op's backward fills
+    with x's gradient and its per-group amax, with input_activation (the activation backward
+    reduces it): pass it as the grad_output_amax of the layer that produced x (h).
+    Elsewhere (split path, other quantizers) they are ignored.
     """
     check_flag("recompute_activation", recompute_activation, "grouped_linear")
     if recompute_activation and input_activation is None:
@@ -318,6 +349,7 @@ def grouped_linear(x: torch.Tensor, split_sizes: torch.Tensor, weight: torch.Ten
     # sync) and are trusted
     check_split_sizes(split_sizes, device=x.device, num_rows=x.shape[0],
                       read="always" if path is GroupedPath.SPLIT else "host", max_rows=True)
+    _check_amax_args(x, split_sizes, input_amax, grad_output_amax, grad_input_amax, input_activation)
     if quantized_input is not None:
         if quantizers is None:
             raise ValueError("quantized_input needs a recipe's quantizers (run inside qmoe.autocast)")
@@ -336,7 +368,20 @@ def grouped_linear(x: torch.Tensor, split_sizes: torch.Tensor, weight: torch.Ten
         else:
             activation = parse_activation(activation)
     plan = GroupedLinearPlan(strategy, quantizers, quantized_input=quantized_input, activation=activation,
-                             glu_interleave_size=glu, wgrad_sink=wgrad_sink, recompute_activation=recompute_activation)
+                             glu_interleave_size=glu, wgrad_sink=wgrad_sink, recompute_activation=recompute_activation,
+                             input_amax=input_amax, grad_output_amax=grad_output_amax,
+                             grad_input_amax=grad_input_amax if activation is not None else None)
     if scales is not None and scales is probs:  # FC2's bias scaled by the probs it activates with
         scales = scales.view_as(scales)  # torch.compile refuses one tensor as two Function inputs
     return GroupedLinearFunction.apply(plan, x, split_sizes, weight, bias, scales, probs)
+
+
+def _check_amax_args(x, split_sizes, input_amax, grad_output_amax, grad_input_amax, input_activation) -> None:
+    if input_amax is not None:
+        if input_activation is not None:
+            raise ValueError("input_amax and input_activation exclude each other: the input is computed here")
+        check_group_amax("input_amax", input_amax, split_sizes.shape[0] if isinstance(split_sizes, torch.Tensor)
+                         else len(split_sizes), x.device)
+    for name, slot in (("grad_output_amax", grad_output_amax), ("grad_input_amax", grad_input_amax)):
+        if slot is not None and not isinstance(slot, AmaxSlot):
+            raise TypeError(f"{name} must be an AmaxSlot or None, got {type(slot).__name__}")

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from qmoe.contracts.carriers import ActivatedRows
+from qmoe.contracts.carriers import ActivatedRows, RowsWithAmax
 from qmoe.contracts.enums import GroupedPath
 from qmoe.ops.grouped_gemm import k_grouped_gemm, m_grouped_gemm, quantize_weights
 from qmoe.quant import GroupedTensor, QuantizedTensor, Quantizer
@@ -119,6 +119,8 @@ class LinearPath:
                        quantized_input: QuantizedTensor | None = None, rowwise: bool = True):
         """x [R, K] (or an ActivatedRows where fused), rowwise for fprop and columnwise if `wgrad`.
 
+        x and quantize_grad's dy may come as a `RowsWithAmax` (their producer's per-group amax).
+
         quantized_input: x's rows already quantized rowwise (expert-parallel dispatch), used as
         they are; wgrad's columnwise copy is then quantized from x's values.
         rowwise=False: wgrad's columnwise copy only (rebuilt in the backward, recompute_activation).
@@ -206,6 +208,7 @@ class SplitLinearPath(LinearPath):
 
     def quantize_input(self, x, groups, quantizer, wgrad, quantized_input=None, rowwise=True):
         assert not isinstance(x, ActivatedRows), "the split path runs the activation before it quantizes"
+        x = _rows(x)
         if quantized_input is None:
             return self._per_group(x, groups.bounds, quantizer, rowwise, wgrad)
         xs = GroupedTensor.from_rows(quantized_input, groups.split_sizes).split()
@@ -221,7 +224,7 @@ class SplitLinearPath(LinearPath):
                 for g in range(e)]
 
     def quantize_grad(self, dy, groups, quantizer, dgrad, wgrad):
-        return self._per_group(dy, groups.bounds, quantizer, dgrad, wgrad)
+        return self._per_group(_rows(dy), groups.bounds, quantizer, dgrad, wgrad)
 
     @staticmethod
     def _operand(op, g, a, b):
@@ -249,6 +252,11 @@ class SplitLinearPath(LinearPath):
             if b > a:
                 out[g] = group_gemm_nt(self._operand(dy, g, a, b), self._operand(x, g, a, b), True, True, acc)
         return out
+
+
+def _rows(x):
+    """The rows of a RowsWithAmax (each group is quantized on its own here, measuring its amax)."""
+    return x.rows if isinstance(x, RowsWithAmax) else x
 
 
 def _out_features(w) -> int:

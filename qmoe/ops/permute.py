@@ -15,8 +15,9 @@ import torch
 from qmoe.backend import use_kernels
 from qmoe.ops.amp import autocast_off
 from qmoe.reference import permute as reference
-from qmoe.contracts.carriers import RowIdMap
-from qmoe.contracts.validate import check_merging_probs, check_permute_index_args, check_routing_top_k, check_rows
+from qmoe.contracts.carriers import AmaxSlot, RowIdMap, RowsWithAmax
+from qmoe.contracts.validate import (check_amax_rows, check_flag, check_merging_probs, check_permute_index_args,
+                                     check_routing_top_k, check_rows)
 from qmoe.dispatch import PERMUTE
 
 __all__ = ["moe_permute", "moe_unpermute", "RowIdMap"]
@@ -25,14 +26,18 @@ __all__ = ["moe_permute", "moe_unpermute", "RowIdMap"]
 class _PermuteRows(torch.autograd.Function):
     @staticmethod
     @autocast_off
-    def forward(ctx, x, row_id_map):
+    def forward(ctx, x, row_id_map, with_amax):
         ctx.row_id_map = row_id_map
-        return PERMUTE.kernel("permute_rows")(x, row_id_map)
+        out = PERMUTE.kernel("permute_rows")(x, row_id_map, with_amax)
+        if not with_amax:
+            return out
+        ctx.mark_non_differentiable(out.amax)
+        return tuple(out)
 
     @staticmethod
     @autocast_off
-    def backward(ctx, grad_out):
-        return PERMUTE.kernel("permute_rows_backward")(grad_out, ctx.row_id_map), None
+    def backward(ctx, grad_out, grad_amax=None):
+        return PERMUTE.kernel("permute_rows_backward")(grad_out, ctx.row_id_map), None, None
 
 
 class _PermuteProbs(torch.autograd.Function):
@@ -51,14 +56,16 @@ class _PermuteProbs(torch.autograd.Function):
 class _UnpermuteRows(torch.autograd.Function):
     # y's values are read back only for the merging probs' gradient; without it the backward
     # keeps y's shape alone (the expert outputs, R x H: 940 MB of bf16 at the DeepSeek-V3 shard).
+    # The kernels' path runs the kernels; the reference path comes here only to fill a grad_amax
+    # slot (its plain autograd graph has no place to hand the amax over), with the twins.
     @staticmethod
     @autocast_off
-    def forward(ctx, y, merging_probs, row_id_map):
+    def forward(ctx, y, merging_probs, row_id_map, grad_amax):
         keep_y = merging_probs is not None and ctx.needs_input_grad[1]
         ctx.save_for_backward(y if keep_y else None, merging_probs)
         ctx.y_meta = (y.shape, y.dtype, y.device)
-        ctx.row_id_map = row_id_map
-        return PERMUTE.kernel("unpermute_rows")(y, row_id_map, merging_probs)
+        ctx.row_id_map, ctx.grad_amax = row_id_map, grad_amax
+        return PERMUTE.pick("unpermute_rows", y, row_id_map.rows)(y, row_id_map, merging_probs)
 
     @staticmethod
     @autocast_off
@@ -67,9 +74,14 @@ class _UnpermuteRows(torch.autograd.Function):
         if y is None:  # a stand-in with y's shape and dtype: one row, never read
             shape, dtype, device = ctx.y_meta
             y = torch.empty(1, shape[1], dtype=dtype, device=device).expand(shape)
-        grad_y, grad_probs = PERMUTE.kernel("unpermute_rows_backward")(
-            grad_out, y, ctx.row_id_map, merging_probs, need_probs_grad=ctx.needs_input_grad[1])
-        return grad_y, grad_probs, None
+        slot = ctx.grad_amax
+        grad_y, grad_probs = PERMUTE.pick("unpermute_rows_backward", grad_out, ctx.row_id_map.rows)(
+            grad_out, y, ctx.row_id_map, merging_probs, need_probs_grad=ctx.needs_input_grad[1],
+            with_amax=slot is not None)
+        if slot is not None:
+            slot.put(*grad_y)
+            grad_y = grad_y.rows
+        return grad_y, grad_probs, None, None
 
 
 def _check_permute_args(x, routing_map, probs, align_size, top_k, row_scales):
@@ -90,7 +102,8 @@ def _check_permute_args(x, routing_map, probs, align_size, top_k, row_scales):
         check_rows("row_scales", row_scales, t, routing_map.device)
 
 
-def moe_permute(x, routing_map, probs=None, align_size=1, *, top_k=None, row_scales=None, num_rows=None):
+def moe_permute(x, routing_map, probs=None, align_size=1, *, top_k=None, row_scales=None, num_rows=None,
+                with_amax=False):
     """Group token copies by expert, each group padded with zero rows to `align_size`.
 
     Args:
@@ -108,11 +121,15 @@ def moe_permute(x, routing_map, probs=None, align_size=1, *, top_k=None, row_sca
         row_scales: optional [T, S] (or [T]) per-row tensor of any dtype, e.g. FP8 1x128 or
             MXFP8 E8M0 scales of a quantized `x`, permuted the same way; padding rows get zero
             bytes.
+        with_amax: x bf16 / fp16 / fp32: `out` comes as `RowsWithAmax(rows, amax)`, amax [E]
+            fp32 each expert group's max|row| over finite values, reduced while the rows are
+            copied: hand it to the experts' current-scaling quantizer (`GroupedLinear(...,
+            input_amax=amax)`), which then only casts.
 
     Returns:
         out: [R, H] x's dtype, R = T * K + E * (align_size - 1): rows grouped by expert in
             expert order, token order kept inside each group, zero padding after each group and
-            zero rows after the last.
+            zero rows after the last. A `RowsWithAmax` with with_amax.
         out_probs: [R] probs' dtype (0 on padding), or None without probs.
         row_id_map: `RowIdMap`, pass it to `moe_unpermute`.
         split_sizes: [E] int32 on the device, padded rows per expert (sum <= R).
@@ -128,15 +145,19 @@ def moe_permute(x, routing_map, probs=None, align_size=1, *, top_k=None, row_sca
         >>> y = moe_unpermute(out, row_id_map, probs)   # == x * probs.sum(1, keepdim=True)
     """
     _check_permute_args(x, routing_map, probs, align_size, top_k, row_scales)
+    check_flag("with_amax", with_amax, "moe_permute")
+    if with_amax:
+        check_amax_rows("x", x)
     if not use_kernels(x, routing_map, probs, row_scales):
         return reference.moe_permute(x, routing_map, probs, align_size, top_k=top_k,
-                                     row_scales=row_scales, num_rows=num_rows)
+                                     row_scales=row_scales, num_rows=num_rows, with_amax=with_amax)
     if top_k is None:  # host read, documented above
         top_k = max(int(routing_map.sum(dim=1).max()), 1) if routing_map.numel() else 1
     row_id_map, split_sizes = PERMUTE.kernel("permute_index")(routing_map, top_k, align_size)
     row_id_map = reference.with_num_rows(row_id_map, num_rows)
     if x.is_floating_point() and x.element_size() >= 2:
-        out = _PermuteRows.apply(x, row_id_map)
+        out = _PermuteRows.apply(x, row_id_map, with_amax)
+        out = RowsWithAmax(*out) if with_amax else out
     else:  # quantized bits: nothing to differentiate
         out = PERMUTE.kernel("permute_rows")(x, row_id_map)
     out_probs = None if probs is None else _PermuteProbs.apply(probs, row_id_map)
@@ -145,7 +166,7 @@ def moe_permute(x, routing_map, probs=None, align_size=1, *, top_k=None, row_sca
     return out, out_probs, row_id_map, split_sizes, PERMUTE.kernel("permute_rows")(row_scales, row_id_map)
 
 
-def moe_unpermute(y, row_id_map, merging_probs=None, restore_shape=None):
+def moe_unpermute(y, row_id_map, merging_probs=None, restore_shape=None, *, grad_amax=None):
     """Add each token's expert outputs back together: [R, H] -> [T, H].
 
     out[t] = sum over the experts e that t was sent to of y[row of (t, e)] * merging_probs[t, e]
@@ -156,6 +177,9 @@ def moe_unpermute(y, row_id_map, merging_probs=None, restore_shape=None):
         row_id_map: from `moe_permute`.
         merging_probs: optional [T, E] float (e.g. topk_route's probs); gets the gradient.
         restore_shape: optional shape [..., H] for the result (e.g. the input's [B, S, H]).
+        grad_amax: optional `AmaxSlot`: the backward reduces y's gradient's amax per expert
+            group as it writes it and puts both there, for the experts' current-scaling
+            grad_output quantizer (`GroupedLinear(..., grad_output_amax=slot)`).
 
     Returns: [T, H] (or restore_shape) in y's dtype.
     """
@@ -174,7 +198,11 @@ def moe_unpermute(y, row_id_map, merging_probs=None, restore_shape=None):
                 torch.Size(restore_shape).numel() != t * y.shape[1]:
             raise ValueError(f"restore_shape {restore_shape} must be [..., H={y.shape[1]}] with "
                              f"{t} tokens in all")
-    if use_kernels(y, merging_probs, row_id_map.rows):
-        out = _UnpermuteRows.apply(y, merging_probs, row_id_map)
+    if grad_amax is not None:
+        if not isinstance(grad_amax, AmaxSlot):
+            raise TypeError(f"grad_amax must be an AmaxSlot or None, got {type(grad_amax).__name__}")
+        check_amax_rows("y", y)
+    if use_kernels(y, merging_probs, row_id_map.rows) or grad_amax is not None:
+        out = _UnpermuteRows.apply(y, merging_probs, row_id_map, grad_amax)
         return out if restore_shape is None else out.view(restore_shape)
     return reference.moe_unpermute(y, row_id_map, merging_probs, restore_shape)

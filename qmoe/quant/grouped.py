@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 from qmoe.backend import use_kernels
-from qmoe.contracts.carriers import ActivatedRows
+from qmoe.contracts.carriers import ActivatedRows, RowsWithAmax
 from qmoe.contracts.formats import pack_e2m1, unpack_e2m1
-from qmoe.contracts.validate import check_dequantize_dtype, check_flag, check_split_sizes
+from qmoe.contracts.validate import check_dequantize_dtype, check_flag, check_group_amax, check_split_sizes
 from qmoe.dispatch import ACTIVATION
 from qmoe.quant.quantizer import NVFP4Quantizer, Quantizer, check_float_input
 from qmoe.quant.tensor import QuantizedTensor
@@ -60,14 +60,19 @@ class GroupedTensor:
         return self.split_sizes.device
 
     @classmethod
-    def quantize(cls, x: torch.Tensor | ActivatedRows, split_sizes, quantizer: Quantizer, rowwise: bool = True,
-                 columnwise: bool = True, validate: bool = True) -> "GroupedTensor":
+    def quantize(cls, x: torch.Tensor | ActivatedRows | RowsWithAmax, split_sizes, quantizer: Quantizer,
+                 rowwise: bool = True, columnwise: bool = True, validate: bool = True) -> "GroupedTensor":
         """Quantize x [sum M_g, K] group by group with `quantizer`.
 
         x may be an `ActivatedRows` (act(h) * probs, qmoe.reference.activation): the kernels
         apply the activation while loading h, and the [sum M_g, K] activation output is never
         written; the result is the same as quantizing that output (computed first where the
-        kernels do not run, and for quantizers that do not fuse: `Quantizer.fuses_activation`).
+        kernels do not run, and for quantizers that do not fuse: `Quantizer.fuses_activation`;
+        a quantizer that `takes_amax` then gets the activation's amax from the same launch).
+
+        x may be a `RowsWithAmax` (rows and their per-group amax [G] fp32, from the kernel that
+        wrote them): a quantizer that `takes_amax` uses that amax instead of measuring it, so the
+        rows are read once; the result is the same as quantizing the rows alone.
 
         split_sizes: [G] int tensor (on x's device, or the host) or a list of ints; zeros allowed.
         validate=False skips the sign/sum check, which reads device splits on the host; pass it
@@ -78,12 +83,12 @@ class GroupedTensor:
         >>> gt.split()[2].rowwise_data.shape
         torch.Size([64, 64])
         """
+        amax = None
+        if isinstance(x, RowsWithAmax):
+            x, amax = x.rows, x.amax
         check_float_input(x.h if isinstance(x, ActivatedRows) else x, "GroupedTensor.quantize")
         if not isinstance(quantizer, Quantizer):
             raise TypeError(f"quantizer must be a qmoe Quantizer (recipe.quantizer(role)), got {quantizer!r}")
-        if isinstance(x, ActivatedRows) and not (use_kernels(x.h) and quantizer.fuses_activation):
-            # the fusion lives in the kernels: compute the rows first, as the unfused layer would
-            x = ACTIVATION.pick("scaled_activation_forward", x.h)(*x)
         if x.dim() != 2:
             raise ValueError(f"GroupedTensor.quantize needs a 2-D input [sum M_g, K], got shape {tuple(x.shape)}")
         check_flag("rowwise", rowwise)
@@ -91,10 +96,23 @@ class GroupedTensor:
         if not (rowwise or columnwise):
             raise ValueError("GroupedTensor.quantize needs rowwise=True, columnwise=True or both")
         splits = _device_splits(split_sizes, x.shape[0], x.device, validate)
+        if amax is not None:
+            if isinstance(x, ActivatedRows):
+                raise TypeError("a RowsWithAmax holds the rows themselves, not an ActivatedRows")
+            check_group_amax("the RowsWithAmax's amax", amax, splits.numel(), x.device)
+        if isinstance(x, ActivatedRows) and not (use_kernels(x.h) and quantizer.fuses_activation):
+            # the fusion lives in the kernels: compute the rows first, as the unfused layer would,
+            # with the groups' amax from the same launch where the quantizer takes one
+            offsets = torch.cat((splits.new_zeros(1), splits.cumsum(0))) if quantizer.takes_amax else None
+            x = ACTIVATION.pick("scaled_activation_forward", x.h)(*x, amax_offsets=offsets)
+            if offsets is not None:
+                x, amax = x.rows, x.amax
         quantizer.check_shape(x.shape[0], x.shape[1], rowwise, columnwise)
         if validate:  # the sizes were read on the host anyway: check each group's own needs
             for m in splits.tolist():
                 quantizer.check_group_rows(m, columnwise)
+        if amax is not None and quantizer.takes_amax:
+            x = RowsWithAmax(x, amax)
         parts = quantizer._quantize_grouped(x, splits, rowwise, columnwise)
         return cls(quantizer, x.shape, x.dtype, splits, **parts)
 

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from qmoe.contracts.carriers import ActivatedRows
+from qmoe.contracts.carriers import ActivatedRows, RowsWithAmax
 from qmoe.contracts.errors import refuse_compile
 from qmoe.contracts.validate import check_flag
 from qmoe.contracts.formats import (E2M1, FP8_BLOCK, MXFP8_BLOCK, NVFP4_BLOCK, RHT_SIZE, ElementFormat, ScaleMode,
@@ -43,6 +43,9 @@ class Quantizer:
     block: tuple[int, int] | None = None  # rowwise block (rows, cols); None = one scale per tensor
     # whether the grouped kernels apply an ActivatedRows' activation as they load (same bits either way)
     fuses_activation: bool = True
+    # whether the grouped quantize takes a producer's per-group amax (a RowsWithAmax input) instead
+    # of reading the rows for it: only a scale that is a function of the group's amax alone can
+    takes_amax: bool = False
 
     def __init__(self, role: str, fmt: ElementFormat):
         self.role, self.fmt = role, fmt
@@ -123,12 +126,18 @@ class Quantizer:
 class Float8CurrentQuantizer(Quantizer):
     """FP8 with one scale per tensor from the tensor's own amax.
 
+    Grouped, it takes the amax from the kernel that produced the rows where that kernel reduced
+    it (`RowsWithAmax`, `takes_amax`): then the quantize is a single cast pass over the rows
+    instead of an amax pass and a cast pass, with the same scales and codes bit for bit.
+
     amax_reduction_group (set by `qmoe.autocast`'s amax_reduction_group): the weight role's
     amaxes are MAX all-reduced over it, so every rank quantizes a shared weight (replicated, or
     sharded across the group) with the same scales. Activations and gradients keep per-rank
     amaxes. Expert-parallel experts hold different experts per rank and are left out
     (`RecipeState(local_amax=True)`).
     """
+
+    takes_amax = True
 
     def __init__(self, role, fmt, power_2_scale: bool = False, amax_epsilon: float = 0.0):
         super().__init__(role, fmt)
@@ -166,12 +175,17 @@ class Float8CurrentQuantizer(Quantizer):
     def _recorded(self, amax: torch.Tensor) -> None:
         """Hook for delayed scaling, which keeps the amax it did not use."""
 
-    def _grouped_scales(self, x, splits):
-        amax = self._impl(GROUPED_QUANTIZE, "grouped_tensor_amax", x)(x, splits)
+    def _grouped_scales(self, x, splits, amax=None):
+        """Per-group scales [G]; amax: the groups' amax from the rows' producer, or None to measure it."""
+        if amax is None:
+            amax = self._impl(GROUPED_QUANTIZE, "grouped_tensor_amax", x)(x, splits)
         return self.compute_scale(self._shared_amax(amax))
 
     def _quantize_grouped(self, x, splits, rowwise, columnwise):
-        scales = self._grouped_scales(x, splits)
+        amax = None
+        if isinstance(x, RowsWithAmax):  # GroupedTensor.quantize checked it (takes_amax)
+            x, amax = x.rows, x.amax
+        scales = self._grouped_scales(x, splits, amax)
         row, col, amax = self._impl(GROUPED_QUANTIZE, "grouped_quantize_fp8_tensorwise", x)(
             x, splits, scales, self.fmt, rowwise, columnwise)
         self._recorded(amax)
@@ -187,6 +201,8 @@ class Float8CurrentQuantizer(Quantizer):
 
 class Float8DelayedQuantizer(Float8CurrentQuantizer):
     """FP8 per tensor with the slot's scale from past amaxes; records this call's amax."""
+
+    takes_amax = False  # the scale in force comes from the history; the cast records the amax itself
 
     def __init__(self, role, fmt, history_len: int = 1024, margin: int = 0, algo: str = "max",
                  reduce_amax: bool = True):
@@ -212,7 +228,7 @@ class Float8DelayedQuantizer(Float8CurrentQuantizer):
         self.state.ensure(x.device, None)
         return self.state.scale_in_force()  # kept with its data
 
-    def _grouped_scales(self, x, splits):
+    def _grouped_scales(self, x, splits, amax=None):
         self._refuse_compile()
         self.state.ensure(x.device, splits.numel())
         return self.state.scale_in_force()

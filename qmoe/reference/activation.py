@@ -26,8 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from qmoe.contracts.carriers import (ACTIVATIONS, GELU_BETA, GELU_KAPPA, QGEGLU_ALPHA, QGEGLU_LIMIT, ActivatedRows,
-                                     glu_block, is_glu)
-from qmoe.contracts.validate import check_activation, check_scaled_activation_args
+                                     RowsWithAmax, glu_block, is_glu)
+from qmoe.contracts.validate import check_activation, check_amax_rows, check_scaled_activation_args
+from qmoe.reference.quantize import group_amax
 
 def compute_dtype(h: torch.Tensor) -> torch.dtype:
     """fp32 for fp32 / bf16 / fp16 h, fp64 for fp64 h."""
@@ -87,9 +88,17 @@ def scaled_activation(h: torch.Tensor, probs: torch.Tensor | None, activation: s
 # ---------------------------------------------------------------- kernel twins
 
 def scaled_activation_forward(h: torch.Tensor, probs: torch.Tensor | None, activation: str,
-                              glu_interleave_size: int | None = None) -> torch.Tensor:
-    """act(h) * probs[:, None]: h [R, 2F] or [R, F], probs [R] or None -> a [R, F] in h's dtype."""
+                              glu_interleave_size: int | None = None, amax_offsets: torch.Tensor | None = None):
+    """act(h) * probs[:, None]: h [R, 2F] or [R, F], probs [R] or None -> a [R, F] in h's dtype.
+
+    amax_offsets: [G + 1] int on h's device (row groups, as `group_amax`): return
+    `RowsWithAmax(a, amax [G] fp32)`, each group's max|a| over finite values.
+    """
     check_scaled_activation_args(h, probs, activation, glu_interleave_size)
+    if amax_offsets is not None:
+        check_amax_rows("h", h)
+        a = scaled_activation_forward(h, probs, activation, glu_interleave_size)
+        return RowsWithAmax(a, group_amax(a, amax_offsets))
     k = glu_block(activation, glu_interleave_size)
     if k:
         h = join_glu(*split_glu(h, k))  # the logical layout [gate | linear]
@@ -97,14 +106,19 @@ def scaled_activation_forward(h: torch.Tensor, probs: torch.Tensor | None, activ
 
 
 def scaled_activation_backward(h: torch.Tensor, probs: torch.Tensor | None, da: torch.Tensor, activation: str,
-                               glu_interleave_size: int | None = None, need_dprobs: bool = True):
+                               glu_interleave_size: int | None = None, need_dprobs: bool = True,
+                               amax_offsets: torch.Tensor | None = None):
     """Gradients of `scaled_activation_forward` for the output gradient da [R, F].
 
     Returns (dh [R, 2F] or [R, F] in h's dtype and layout, dprobs [R] fp32 (fp64 for fp64 h), or
     None when probs is None or need_dprobs is False). Nothing is read from a forward: act(h) is
-    recomputed.
+    recomputed. amax_offsets: [G + 1] row groups; dh comes as `RowsWithAmax(dh, amax [G] fp32)`.
     """
     check_scaled_activation_args(h, probs, activation, glu_interleave_size, da)
+    if amax_offsets is not None:
+        check_amax_rows("h", h)
+        dh, dprobs = scaled_activation_backward(h, probs, da, activation, glu_interleave_size, need_dprobs)
+        return RowsWithAmax(dh, group_amax(dh, amax_offsets)), dprobs
     ct = compute_dtype(h)
     dout = da.to(ct)
     dact = dout * probs.to(ct)[:, None] if probs is not None else dout

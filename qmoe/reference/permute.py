@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from qmoe.contracts.carriers import RowIdMap, num_permuted_rows
-from qmoe.contracts.validate import check_merging_probs, check_permute_index_args, check_rows
+from qmoe.contracts.carriers import RowIdMap, RowsWithAmax, num_permuted_rows
+from qmoe.contracts.validate import check_amax_rows, check_merging_probs, check_permute_index_args, check_rows
+from qmoe.reference.quantize import group_amax
 
 
 def _byte_movable(t: torch.Tensor) -> torch.Tensor:
@@ -62,9 +63,17 @@ def _destinations(row_id_map):
     return torch.where((rows >= 0) & (rows < r), rows, r).flatten()
 
 
-def permute_rows(x, row_id_map):
-    """Copy token rows to their permuted places: x [T, N] any dtype -> [R, N], padding zero."""
+def permute_rows(x, row_id_map, with_amax=False):
+    """Copy token rows to their permuted places: x [T, N] any dtype -> [R, N], padding zero.
+
+    with_amax (x bf16 / fp16 / fp32 [T, N]): return `RowsWithAmax(out, amax [E] fp32)`, each
+    expert group's max|out| over finite values, for a current-scaling quantizer of `out`.
+    """
     check_rows("x", x, row_id_map.rows.shape[0], row_id_map.rows.device)
+    if with_amax:
+        check_amax_rows("x", x)
+        out = permute_rows(x, row_id_map)
+        return RowsWithAmax(out, group_amax(out, row_id_map.offsets))
     data = _byte_movable(x)
     flat = data if data.dim() == 2 else data.unsqueeze(1)
     k = row_id_map.rows.shape[1]
@@ -123,8 +132,16 @@ def permute_probs_backward(grad_out_probs, row_id_map, probs_dtype=torch.float32
     return grad.scatter(1, experts, picked.to(probs_dtype))[:, :e]
 
 
-def unpermute_rows_backward(grad_out, y, row_id_map, merging_probs=None, need_probs_grad=True):
-    """Gradients of `unpermute_rows`: (grad_y [R, H], grad_merging_probs [T, E] or None)."""
+def unpermute_rows_backward(grad_out, y, row_id_map, merging_probs=None, need_probs_grad=True, with_amax=False):
+    """Gradients of `unpermute_rows`: (grad_y [R, H], grad_merging_probs [T, E] or None).
+
+    with_amax: grad_y comes as `RowsWithAmax(grad_y, amax [E] fp32)` (per expert group, as
+    `permute_rows`), for a current-scaling quantizer of the experts' output gradient.
+    """
+    if with_amax:
+        check_amax_rows("y", y)
+        grad_y, grad_probs = unpermute_rows_backward(grad_out, y, row_id_map, merging_probs, need_probs_grad)
+        return RowsWithAmax(grad_y, group_amax(grad_y, row_id_map.offsets)), grad_probs
     need_probs_grad = need_probs_grad and merging_probs is not None
     with torch.enable_grad():
         y = y.detach().requires_grad_(True)
@@ -148,17 +165,19 @@ def with_num_rows(row_id_map: RowIdMap, num_rows: int | None) -> RowIdMap:
     return row_id_map._replace(num_rows=num_rows)
 
 
-def moe_permute(x, routing_map, probs=None, align_size=1, *, top_k=None, row_scales=None, num_rows=None):
+def moe_permute(x, routing_map, probs=None, align_size=1, *, top_k=None, row_scales=None, num_rows=None,
+                with_amax=False):
     """Permute tokens for the experts (reference of `qmoe.ops.moe_permute`, same contract).
 
     Returns (out [R, H], out_probs [R] or None, row_id_map, split_sizes [E] int32), and a fifth
-    item, the permuted row_scales [R, S], when `row_scales` is given.
+    item, the permuted row_scales [R, S], when `row_scales` is given. with_amax: out is a
+    `RowsWithAmax` (out.rows [R, H], out.amax [E] fp32).
     """
     if top_k is None:  # the reference may read the device; the kernels' path asks for top_k
         top_k = int(routing_map.sum(dim=1).max()) if routing_map.numel() else 1
     row_id_map, split_sizes = permute_index(routing_map, top_k, align_size)
     row_id_map = with_num_rows(row_id_map, num_rows)
-    out = permute_rows(x, row_id_map)
+    out = permute_rows(x, row_id_map, with_amax)
     out_probs = None if probs is None else permute_probs(probs, row_id_map)
     if row_scales is None:
         return out, out_probs, row_id_map, split_sizes

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from qmoe.contracts.carriers import row_groups
 from qmoe.contracts.formats import E8M0_BIAS, E8M0_NAN, FLT_MAX, ElementFormat, ScaleMode
 
 _MANTISSA_MASK = 0x007FFFFF
@@ -51,6 +52,22 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float32, device=x.device)
     a = x.abs().float()
     return torch.where(torch.isfinite(a), a, torch.zeros_like(a)).amax()
+
+
+
+def group_amax(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """`tensor_amax` of each group of rows at once: [G] fp32 (0 for an empty group).
+
+    x: [R, K]; offsets: [G + 1] int on x's device, group g = rows offsets[g]:offsets[g+1]
+    (offsets[0] = 0); rows past offsets[G] join no group. Device ops only (no host read), so a
+    producer's reference twin can hand it over (`qmoe.contracts.carriers.RowsWithAmax`).
+    """
+    g = offsets.numel() - 1
+    a = x.abs().float()
+    a = torch.where(torch.isfinite(a), a, torch.zeros_like(a))
+    per_row = a.amax(dim=1) if x.shape[1] else a.new_zeros(x.shape[0])
+    out = torch.zeros(g + 1, dtype=torch.float32, device=x.device)  # slot g: the rows of no group
+    return out.scatter_reduce(0, row_groups(offsets, x.shape[0]), per_row, "amax")[:g]
 
 
 def observed_amax(x: torch.Tensor) -> torch.Tensor:

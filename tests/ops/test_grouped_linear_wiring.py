@@ -23,7 +23,9 @@ from qmoe.ops.grouped_linear_paths import Groups
 from qmoe.quant import GroupedTensor
 from qmoe.recipes import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling,
                           NVFP4BlockScaling)
+from qmoe.contracts.carriers import RowsWithAmax
 from qmoe.reference.activation import scaled_activation_forward
+from qmoe.reference.grouped_quantize import grouped_tensor_amax
 from tests.tolerances import assert_bit_identical, assert_gemm_within_contract
 
 RECIPES = [pytest.param(DelayedScaling(), id="delayed"), pytest.param(Float8CurrentScaling(), id="current"),
@@ -84,8 +86,12 @@ def _bounds(split_sizes) -> list[tuple[int, int]]:
     return out
 
 
-def _values(x):
-    """The values a quantize step received: a tensor, or act(h) * probs (a fused activation)."""
+def _values(x, split_sizes):
+    """The values a quantize step received: a tensor, act(h) * probs (a fused activation), or the
+    rows of a RowsWithAmax, whose amax (reduced by the rows' producer) must be the groups' own."""
+    if isinstance(x, RowsWithAmax):
+        assert_bit_identical(x.amax, grouped_tensor_amax(x.rows, split_sizes), "the producer's amax")
+        return x.rows
     return x if isinstance(x, torch.Tensor) else scaled_activation_forward(*x)
 
 
@@ -99,7 +105,7 @@ def _expected(recipe, step, inputs, path):
 
     if step == "quantize_weight":
         return [fresh().quantize(w, rowwise=True, columnwise=True) for w in inputs[0]]
-    x, split_sizes = _values(inputs[0]), inputs[1]
+    x, split_sizes = _values(inputs[0], inputs[1]), inputs[1]
     if path == "grouped":  # one call for all groups: stochastic rounding draws as the layer's did
         return GroupedTensor.quantize(x, split_sizes, fresh(), rowwise=True, columnwise=True).split()
     return [fresh().quantize(x[a:b], rowwise=True, columnwise=True) if b > a else None
