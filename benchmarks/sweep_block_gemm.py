@@ -1,0 +1,218 @@
+"""FP8 block grouped GEMM (1x128 activations x 128x128 weights): the current kernel against the
+warp-specialised Gluon kernel (qmoe/kernels/_block_gemm_ws.py) and the persistent TMA Triton
+variants (qmoe/kernels/_block_gemm_tl.py), side by side, on uneven expert splits.
+
+Every variant is checked against the current kernel's bf16 output (max abs / rel difference,
+bit equality, and NUMERICS.md's GEMM bound ||out - ref|| / ||ref|| <= 1e-3 against the same
+kernel) and timed with benchmarks.harness.median_ms; a variant that fails to compile or run is
+recorded with its error. The results file is rewritten before and after every variant, so a
+run that hangs (a deadlocked kernel) leaves the variant it was running marked "started".
+
+    PYTHONPATH=. python3 -m benchmarks.sweep_block_gemm --out $OUT/block_gemm.json
+    TRITON_INTERPRET=1 PYTHONPATH=. python3 -m benchmarks.sweep_block_gemm --tiny --out /tmp/block_gemm.json
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import os
+import sys
+import time
+
+import torch
+
+from benchmarks.harness import median_ms, run_header, write_results
+
+SHAPES = {  # name: (experts, mean rows per expert, K, N) as in benchmarks/bench_gemm.py
+    "dsv3-fc1": (32, 2048, 7168, 4096),
+    "dsv3-fc2": (32, 2048, 2048, 7168),
+    "mixtral-fc1": (8, 4096, 4096, 28672),
+}
+CASES = [("dsv3-fc1", "fprop", "uneven"), ("dsv3-fc1", "fprop", "even"), ("dsv3-fc2", "fprop", "uneven"),
+         ("dsv3-fc1", "dgrad", "uneven"), ("mixtral-fc1", "fprop", "uneven")]
+TINY = {"dsv3-fc1": (4, 100, 256, 256), "dsv3-fc2": (4, 100, 256, 256), "mixtral-fc1": (2, 150, 256, 384)}
+PAD_ROWS = 40  # rows past the last group (static buffers): every kernel must write them as zeros
+
+
+def variants():
+    """name -> keyword arguments of the launcher ("current": qmoe's dispatched kernel). The Triton
+    LAG knob is left out: its compiled loop still waits for each product before promoting it."""
+    v = {"current": None}
+    for pipe, stages in ((0, 5), (1, 5), (2, 5), (1, 4), (2, 6)):
+        v[f"gluon-ws pipe{pipe} s{stages}"] = dict(kind="ws", pipe=pipe, stages=stages)
+    v["tl-autows w4 s4"] = dict(kind="tl", ws=True, warps=4, stages=4)  # Triton's own Hopper warp specialisation
+    v["tl w8 s4"] = dict(kind="tl", warps=8, stages=4)  # the current body, persistent over TMA descriptors
+    v["tl-split w8 s4"] = dict(kind="tl", split=True, warps=8, stages=4)
+    return v
+
+
+def uneven_splits(experts: int, rows: int, seed: int, empty: bool) -> list[int]:
+    """Token counts around `rows` per expert (relative spread ~35%; expert experts // 3 empty
+    when `empty`), summing to experts * rows: group boundaries fall inside 128-row tiles."""
+    g = torch.Generator().manual_seed(seed)
+    w = (1 + 0.35 * torch.randn(experts, generator=g)).clamp(min=0.1)
+    if empty:
+        w[experts // 3] = 0
+    s = (w / w.sum() * experts * rows).floor().long()
+    s[-1] += experts * rows - int(s.sum())
+    return [int(v) for v in s]
+
+
+def _operands(e, splits, k, n, layout, device, seed):
+    from qmoe.ops.grouped_gemm import quantize_weights
+    from qmoe.quant import GroupedTensor
+    from qmoe.recipes import Float8BlockScaling
+
+    recipe = Float8BlockScaling()
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    t = sum(splits) + PAD_ROWS
+    w = (torch.randn(e, n, k, generator=g) / k ** 0.5).to(device=device, dtype=torch.bfloat16)
+    if layout == "fprop":
+        x = torch.randn(t, k, generator=g).to(device=device, dtype=torch.bfloat16)
+        role = "input"
+    else:  # dgrad: dx = dy W, contraction over the weights' N
+        x = torch.randn(t, n, generator=g).to(device=device, dtype=torch.bfloat16)
+        role = "grad_output"
+    x[sum(splits):] = 0
+    before = os.environ.get("QMOE_BACKEND")
+    os.environ["QMOE_BACKEND"] = "reference"  # the same bits as the kernels, without their compiles and autotuning
+    try:
+        a = GroupedTensor.quantize(x, torch.tensor(splits), recipe.quantizer(role), columnwise=False, validate=False)
+        b = quantize_weights(w, recipe.quantizer("weight"), rowwise=layout == "fprop", columnwise=layout == "dgrad")
+    finally:
+        if before is None:
+            del os.environ["QMOE_BACKEND"]
+        else:
+            os.environ["QMOE_BACKEND"] = before
+    return a, b
+
+
+def _runner(name, kw, a, b, columnwise, programs, info):
+    from qmoe.contracts.enums import Scaling
+    from qmoe.kernels import grouped_gemm as gg
+
+    if kw is None:
+        return lambda: gg.m_grouped_gemm_with(a, b, b_columnwise=columnwise)
+    a_op = gg.activation_operand(a, Scaling.BLOCK)
+    b_op, n_out, k = gg.weight_operand(b, Scaling.BLOCK, columnwise)
+    args = (a_op, b_op, a.offsets, a.shape[0], n_out, k, b.num_groups, torch.bfloat16)
+    kw = dict(kw)
+    kind = kw.pop("kind")
+    if kind == "ws":
+        from qmoe.kernels._block_gemm_ws import launch_block_gemm_ws
+        return lambda: launch_block_gemm_ws(*args, b_columnwise=columnwise, programs=programs, info=info, **kw)
+    from qmoe.kernels._block_gemm_tl import launch_block_gemm_tl
+    return lambda: launch_block_gemm_tl(*args, b_columnwise=columnwise, programs=programs, info=info, **kw)
+
+
+def _compare(out, ref) -> dict:
+    d = (out.float() - ref.float()).abs()
+    scale = ref.float().abs().max().clamp(min=1e-30)
+    rel_fro = float((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30))
+    return dict(exact=bool(torch.equal(out, ref)), max_abs=float(d.max()), max_rel=float(d.max() / scale),
+                rel_fro=rel_fro, within_numerics=rel_fro <= 1e-3 and bool(torch.isfinite(out).all()))
+
+
+def _time(fn, on_gpu: bool) -> float:
+    if on_gpu:
+        return median_ms(fn, warmup=10, rep=40)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _dense_peer(t, n, k):
+    """ms of dense F.scaled_mm 1x128 x 128x128 at the same work (the cuBLAS ceiling), or None."""
+    from benchmarks.bench_gemm import _peer_dense_block
+    return _peer_dense_block(t - t % 128, n, k, "cuda")
+
+
+def run(args, header) -> list[dict]:
+    on_gpu = torch.cuda.is_available() and not args.tiny
+    device = "cuda" if on_gpu else "cpu"
+    shapes = TINY if args.tiny else SHAPES
+    programs = torch.cuda.get_device_properties(0).multi_processor_count if on_gpu else 3
+    wanted = variants()
+    if args.variants:
+        wanted = {k: v for k, v in wanted.items() if k == "current" or any(s in k for s in args.variants)}
+    rows, start = [], time.monotonic()
+
+    def save(partial=None):
+        write_results(args.out, header, {"suite": "sweep_block_gemm", "programs": programs,
+                                         "rows": rows + ([partial] if partial else [])}, indent=1, quiet=True)
+
+    for ci, (shape, layout, split_kind) in enumerate(CASES):
+        e, m, k, n = shapes[shape]
+        empty = shape.startswith("dsv3")  # 32 experts per rank: one may get no token
+        splits = [m] * e if split_kind == "even" else uneven_splits(e, m, seed=ci, empty=empty)
+        a, b = _operands(e, splits, k, n, layout, device, seed=ci)
+        t = sum(splits)
+        k_c, n_c = (k, n) if layout == "fprop" else (n, k)
+        flops = 2.0 * t * n_c * k_c
+        case = dict(shape=shape, layout=layout, splits=split_kind, experts=e, rows=t, pad_rows=PAD_ROWS, K=k_c, N=n_c,
+                    min_split=min(splits), max_split=max(splits))
+        ref = None
+        if on_gpu and layout == "fprop":
+            ms = _dense_peer(t, n_c, k_c)
+            rows.append(dict(case, variant="F.scaled_mm dense (peer)", status="ok" if ms else "error", ms=ms,
+                             tflops=round(flops / ms / 1e9, 1) if ms else None))
+        for name, kw in wanted.items():
+            if time.monotonic() - start > args.budget_s:
+                rows.append(dict(case, variant=name, status="skipped", error="time budget spent"))
+                continue
+            row = dict(case, variant=name, status="started")
+            save(row)
+            info = {}
+            try:
+                fn = _runner(name, kw, a, b, layout == "dgrad", programs, info)
+                out = fn()
+                if on_gpu:
+                    torch.cuda.synchronize()
+                if name == "current":
+                    ref = out
+                row.update(_compare(out, ref) if ref is not None else {})
+                row["pad_rows_zero"] = bool((out[t:] == 0).all())
+                ms = _time(fn, on_gpu)
+                row.update(status="ok", ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1), **info)
+            except Exception as err:  # compile or launch failure: recorded, the sweep goes on
+                if on_gpu:
+                    torch.cuda.synchronize()
+                row.update(status="error", error=f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:300]}"
+                           if str(err).strip() else type(err).__name__, **info)
+            rows.append(row)
+            save()
+            print(f"{shape:12s} {layout:6s} {split_kind:7s} {name:22s} {row['status']:7s} "
+                  f"{row.get('tflops', '-')!s:>8} TF/s exact={row.get('exact', '-')} rel={row.get('rel_fro', '-')}"
+                  f"{'  ' + row['error'] if 'error' in row else ''}", flush=True)
+        cur = next((r for r in rows if r.get("variant") == "current" and r["shape"] == shape and r["layout"] == layout
+                    and r["splits"] == split_kind and r.get("tflops")), None)
+        for r in rows:
+            if cur and r is not cur and r.get("tflops") and r["shape"] == shape and r["layout"] == layout \
+                    and r["splits"] == split_kind:
+                r["vs_current"] = round(r["tflops"] / cur["tflops"], 3)
+        del a, b, ref
+        if on_gpu:
+            torch.cuda.empty_cache()
+        save()
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="sweep_block_gemm", description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU: run with TRITON_INTERPRET=1)")
+    p.add_argument("--variants", nargs="*", help="only variants whose name contains one of these (current always)")
+    p.add_argument("--budget-s", type=float, default=100.0, help="skip the variants left after this many seconds")
+    p.add_argument("--watchdog-s", type=float, default=115.0, help="end the process (a hung kernel) after this long")
+    args = p.parse_args(argv)
+    faulthandler.dump_traceback_later(args.watchdog_s, exit=True)
+    header = run_header("benchmarks.sweep_block_gemm", argv)
+    rows = run(args, header)
+    faulthandler.cancel_dump_traceback_later()
+    ok = [r for r in rows if r.get("status") == "ok"]
+    print(f"\n{len(ok)} of {len(rows)} rows ran; wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""FP8 block-scaled m-grouped GEMM (1x128 activations x 128x128 weights) with warp specialisation,
+in Triton's Gluon dialect (private helper of `qmoe/kernels/grouped_gemm.py`; not dispatched yet).
+
+Same contract and bits as `m_grouped_gemm_kernel` under BLOCK scaling with one weight scale per
+tile and step: each 128-deep step's FP8 product is accumulated by the tensor cores from zero,
+then promoted to the fp32 total as `acc + p * (a_scale[row, step] * b_scale[col block, step])`
+(one FMA per element), steps in order.
+
+Why a second kernel: in the single-partition kernel every warp waits for its product and then
+promotes it on the CUDA cores while the tensor cores idle, and the pipeline's CTA-wide barriers
+keep both warpgroups in lockstep, so the promotion never overlaps an MMA. Here one warp issues
+TMA loads into a ring of shared-memory stages (mbarriers, no CTA-wide barrier), and each half of
+the 128-row tile belongs to its own consumer warpgroup, which runs free of the other: one's
+promotion runs while the other's MMA occupies the tensor cores. With PIPE a consumer also issues
+step i+1's MMA before promoting step i (two product registers sets), so it overlaps with itself.
+
+Tiles walk the groups exactly as `m_grouped_gemm_kernel` does (device offsets, persistent
+programs, the same swizzle); every partition derives the same tile sequence. Full 64-row
+halves leave through a TMA store; a half that crosses its group's end is stored with a mask.
+"""
+from __future__ import annotations
+
+try:  # Gluon ships with triton >= 3.5; qmoe never needs it (the Triton kernel is the fallback)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton
+    gluon = None
+
+import torch
+import triton
+
+from qmoe.kernels._block_gemm_tl import b_group_offsets, check_block_operands, kernel_info
+
+GLUON_ERROR = None if gluon is not None else "triton.experimental.gluon is not available in this triton"
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _add(a, b):
+        return a + b
+
+    @gluon.jit
+    def _group_table(offs_ptr, total_rows, num_groups, num_n, BM: gl.constexpr, GP: gl.constexpr,
+                     WARPS: gl.constexpr):
+        """Per group (the pseudo-group G holds rows offs[G]:total_rows): start, end, tiles, cumulative tiles."""
+        # each warp holds every group (replicated over warps): reductions stay inside a warp, no barrier
+        SPT: gl.constexpr = GP // 32 if GP >= 32 else 1
+        layout: gl.constexpr = gl.BlockedLayout([SPT], [32], [WARPS], [0])
+        gi = gl.arange(0, GP, layout=layout)
+        starts = gl.load(offs_ptr + gi, mask=gi <= num_groups, other=0).to(gl.int32)
+        ends = gl.load(offs_ptr + gi + 1, mask=gi < num_groups, other=0).to(gl.int32)
+        ends = gl.where(gi == num_groups, total_rows, ends)
+        tiles = gl.cdiv(gl.maximum(ends - starts, 0), BM) * num_n
+        tile_end = gl.associative_scan(tiles, 0, _add)
+        return gi, starts, ends, tiles, tile_end
+
+    @gluon.jit
+    def _locate(t, gi, starts, ends, tiles, tile_end, num_n, BM: gl.constexpr, GROUP_M: gl.constexpr):
+        """Tile t -> (group, first row of the group, its end, row tile, column tile)."""
+        g = gl.sum((tile_end <= t).to(gl.int32), 0)
+        sel = gi == g
+        m_start = gl.sum(gl.where(sel, starts, 0), 0)
+        m_end = gl.sum(gl.where(sel, ends, 0), 0)
+        local = t - gl.sum(gl.where(sel, tile_end - tiles, 0), 0)
+        num_m = gl.cdiv(m_end - m_start, BM)
+        width = GROUP_M * num_n
+        first_m = (local // width) * GROUP_M
+        size_m = gl.minimum(num_m - first_m, GROUP_M)
+        pm = first_m + (local % width) % size_m
+        pn = (local % width) // size_m
+        return g, m_start, m_end, pm, pn
+
+    @gluon.jit
+    def _producer(a_desc, b_desc, a_bufs, b_bufs, full, empty, offs_ptr, total_rows, N, K, num_groups,
+                  b_group_rows, b_group_cols,
+                  BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, GP: gl.constexpr,
+                  STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr):
+        """One warp: TMA loads of every tile's A and B steps into the stage ring."""
+        num_n = gl.cdiv(N, BN)
+        gi, starts, ends, tiles, tile_end = _group_table(offs_ptr, total_rows, num_groups, num_n, BM, GP, 1)
+        total_tiles = gl.sum(tiles, 0)
+        nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+        it = 0
+        for t in range(gl.program_id(0), total_tiles, NUM_PROGRAMS):
+            g, m_start, m_end, pm, pn = _locate(t, gi, starts, ends, tiles, tile_end, num_n, BM, GROUP_M)
+            row0 = m_start + pm * BM
+            gb = gl.minimum(g, num_groups - 1)
+            brow = gb * b_group_rows + pn * BN
+            bcol = gb * b_group_cols
+            nk = gl.where(g < num_groups, gl.cdiv(K, BK), 0)
+            for ki in range(nk):
+                s = it % STAGES
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                mbarrier.expect(full.index(s), nbytes)
+                tma.async_copy_global_to_shared(a_desc, [row0, ki * BK], full.index(s), a_bufs.index(s))
+                tma.async_copy_global_to_shared(b_desc, [brow, bcol + ki * BK], full.index(s), b_bufs.index(s))
+                it += 1
+
+    @gluon.jit
+    def _factor(sa_rows, sb_tile, row_ok, ki, s_stride_ak, s_stride_bk):
+        """Step ki's promotion factor per row: a_scale[row, ki] * b_scale[tile's block, ki]."""
+        return gl.load(sa_rows + ki * s_stride_ak, mask=row_ok, other=0.0) * gl.load(sb_tile + ki * s_stride_bk)
+
+    @gluon.jit
+    def _step(acc, p, f, a_bufs, b_bufs, full, empty, it, ki, sa_rows, sb_tile, row_ok, s_stride_ak, s_stride_bk, zero,
+              HALF: gl.constexpr, HM: gl.constexpr, STAGES: gl.constexpr):
+        """Issue step ki's MMA, promote the previous step's product p (factor f) meanwhile, wait for ki's."""
+        s = it % STAGES
+        mbarrier.wait(full.index(s), (it // STAGES) & 1)
+        tok = warpgroup_mma(a_bufs.index(s).slice(HALF * HM, HM), b_bufs.index(s).permute((1, 0)), zero,
+                            use_acc=False, is_async=True)
+        acc = acc + p * gl.expand_dims(f, 1)
+        f = _factor(sa_rows, sb_tile, row_ok, ki, s_stride_ak, s_stride_bk)
+        p, acc = warpgroup_mma_wait(0, deps=(tok, acc))  # acc as a dep: the promotion stays before the wait
+        mbarrier.arrive(empty.index(s), count=1)
+        return acc, p, f
+
+    @gluon.jit
+    def _consumer(a_bufs, b_bufs, c_bufs, full, empty, c_desc, out_ptr, offs_ptr, sa_ptr, sb_ptr,
+                  total_rows, N, K, num_groups, stride_om, s_stride_am, s_stride_ak, s_stride_bn, s_stride_bk,
+                  sb_group_stride, HALF: gl.constexpr,
+                  BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, B_BR: gl.constexpr, GROUP_M: gl.constexpr,
+                  GP: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, PIPE: gl.constexpr):
+        """One warpgroup: rows HALF*BM/2.. of each tile; MMA per step, promotion, epilogue."""
+        HM: gl.constexpr = BM // 2
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
+        row_l: gl.constexpr = gl.SliceLayout(1, mma)
+        col_l: gl.constexpr = gl.SliceLayout(0, mma)
+        num_n = gl.cdiv(N, BN)
+        gi, starts, ends, tiles, tile_end = _group_table(offs_ptr, total_rows, num_groups, num_n, BM, GP, 4)
+        total_tiles = gl.sum(tiles, 0)
+        zero = gl.zeros([HM, BN], gl.float32, mma)
+        c_smem = c_bufs.index(HALF)
+        it = 0
+        for t in range(gl.program_id(0), total_tiles, NUM_PROGRAMS):
+            g, m_start, m_end, pm, pn = _locate(t, gi, starts, ends, tiles, tile_end, num_n, BM, GROUP_M)
+            row0 = m_start + pm * BM + HALF * HM
+            rows = row0 + gl.arange(0, HM, layout=row_l)
+            row_ok = rows < m_end
+            gb = gl.minimum(g, num_groups - 1).to(gl.int64)
+            sa_rows = sa_ptr + rows.to(gl.int64) * s_stride_am
+            sb_tile = sb_ptr + gb * sb_group_stride + (pn * BN // B_BR) * s_stride_bn
+            nk = gl.where(g < num_groups, gl.cdiv(K, BK), 0)
+            acc = zero
+            if PIPE == 0:  # promote each step after its MMA (the two consumers overlap each other)
+                for ki in range(nk):
+                    s = it % STAGES
+                    mbarrier.wait(full.index(s), (it // STAGES) & 1)
+                    tok = warpgroup_mma(a_bufs.index(s).slice(HALF * HM, HM), b_bufs.index(s).permute((1, 0)), zero,
+                                        use_acc=False, is_async=True)
+                    f = _factor(sa_rows, sb_tile, row_ok, ki, s_stride_ak, s_stride_bk)
+                    p = warpgroup_mma_wait(0, deps=(tok, ))
+                    mbarrier.arrive(empty.index(s), count=1)
+                    acc = acc + p * gl.expand_dims(f, 1)
+                    it += 1
+            else:  # promote step i-1 while step i's MMA runs
+                p = zero
+                f = gl.zeros([HM], gl.float32, row_l)
+                if PIPE == 1:
+                    for ki in range(nk):
+                        acc, p, f = _step(acc, p, f, a_bufs, b_bufs, full, empty, it, ki, sa_rows, sb_tile, row_ok,
+                                          s_stride_ak, s_stride_bk, zero, HALF, HM, STAGES)
+                        it += 1
+                else:  # two steps per trip: the products alternate between two register sets, no copies
+                    for kp in range(nk // 2):
+                        acc, p, f = _step(acc, p, f, a_bufs, b_bufs, full, empty, it, 2 * kp, sa_rows, sb_tile,
+                                          row_ok, s_stride_ak, s_stride_bk, zero, HALF, HM, STAGES)
+                        acc, p, f = _step(acc, p, f, a_bufs, b_bufs, full, empty, it + 1, 2 * kp + 1, sa_rows,
+                                          sb_tile, row_ok, s_stride_ak, s_stride_bk, zero, HALF, HM, STAGES)
+                        it += 2
+                    if nk % 2 == 1:
+                        acc, p, f = _step(acc, p, f, a_bufs, b_bufs, full, empty, it, nk - 1, sa_rows, sb_tile,
+                                          row_ok, s_stride_ak, s_stride_bk, zero, HALF, HM, STAGES)
+                        it += 1
+                acc = acc + p * gl.expand_dims(f, 1)
+            out = acc.to(c_desc.dtype)
+            col0 = pn * BN
+            if row0 + HM <= m_end:
+                tma.store_wait(0)
+                c_smem.store(out)
+                fence_async_shared()
+                tma.async_copy_shared_to_global(c_desc, [row0, col0], c_smem)
+            else:
+                cols = col0 + gl.arange(0, BN, layout=col_l)
+                ptrs = out_ptr + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
+                gl.store(ptrs, out, mask=gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < N, 0))
+        tma.store_wait(0)
+
+    # sizes and strides are not specialised (no recompiles per shape: TMA descriptors carry the layout),
+# except the scales' contraction strides, which are 1
+    _SIZES = ["total_rows", "K", "num_groups", "b_group_rows", "b_group_cols", "s_stride_am",
+              "s_stride_bn", "sb_group_stride"]
+
+    @gluon.jit(do_not_specialize=_SIZES)
+    def block_gemm_ws_kernel(a_desc, b_desc, c_desc, out_ptr, offs_ptr, sa_ptr, sb_ptr,
+                             total_rows, N, K, num_groups, b_group_rows, b_group_cols, stride_om,
+                             s_stride_am, s_stride_ak, s_stride_bn, s_stride_bk, sb_group_stride,
+                             BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, B_BR: gl.constexpr,
+                             GROUP_M: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
+                             NUM_PROGRAMS: gl.constexpr, PIPE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                             PRODUCER_REGS: gl.constexpr):
+        """out[T, N] = A_g @ B_g^T per group (see m_grouped_gemm_kernel), FP8 block scaling.
+
+        Partitions: the default one (4 warps) and a 4-warp worker consume the two 64-row halves of
+        each tile; a 1-warp worker produces. `empty` counts both consumers' releases.
+        """
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
+        c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2, BM // 2, BN], c_desc.layout)
+        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(full.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)
+        gl.warp_specialize([
+            (_consumer, (a_bufs, b_bufs, c_bufs, full, empty, c_desc, out_ptr, offs_ptr, sa_ptr, sb_ptr, total_rows,
+                         N, K, num_groups, stride_om, s_stride_am, s_stride_ak, s_stride_bn, s_stride_bk,
+                         sb_group_stride, 0, BM, BN, BK, B_BR, GROUP_M, GP, STAGES, NUM_PROGRAMS, PIPE)),
+            (_consumer, (a_bufs, b_bufs, c_bufs, full, empty, c_desc, out_ptr, offs_ptr, sa_ptr, sb_ptr, total_rows,
+                         N, K, num_groups, stride_om, s_stride_am, s_stride_ak, s_stride_bn, s_stride_bk,
+                         sb_group_stride, 1, BM, BN, BK, B_BR, GROUP_M, GP, STAGES, NUM_PROGRAMS, PIPE)),
+            (_producer, (a_desc, b_desc, a_bufs, b_bufs, full, empty, offs_ptr, total_rows, N, K, num_groups,
+                         b_group_rows, b_group_cols, BM, BN, BK, GROUP_M, GP, STAGES, NUM_PROGRAMS)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+_GL_DTYPES = {}
+
+
+def _gl_dtype(dtype: torch.dtype):
+    if not _GL_DTYPES:
+        _GL_DTYPES.update({torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5,
+                           torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32})
+    return _GL_DTYPES[dtype]
+
+
+def _desc(t: torch.Tensor, block: list[int]):
+    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t.dtype))
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def launch_block_gemm_ws(a, b, offsets: torch.Tensor, total_rows: int, n_out: int, k: int, groups: int,
+                         out_dtype=torch.bfloat16, *, b_columnwise: bool = False, bm: int = 128, bn: int = 128,
+                         stages: int = 5, pipe: int = 1, group_m: int = 8, programs: int | None = None,
+                         consumer_regs: int = 232, producer_regs: int = 40, info: dict | None = None) -> torch.Tensor:
+    """out [total_rows, n_out] of the FP8 block m-grouped GEMM; a, b: grouped_gemm._Operand (BLOCK scaling).
+
+    pipe: 0 promote each step after its MMA; 1 promote step i-1 while step i's MMA runs; 2 the
+    same with two steps per loop trip (no register copies between trips).
+    """
+    if gluon is None:
+        raise RuntimeError(GLUON_ERROR)
+    check_block_operands(a, b, k, bn)
+    out = torch.empty((total_rows, n_out), dtype=out_dtype, device=a.data.device)
+    if total_rows == 0 or n_out == 0:
+        return out
+    g_rows, g_cols = b_group_offsets(b, b_columnwise)
+    if programs is None:
+        programs = torch.cuda.get_device_properties(a.data.device).multi_processor_count
+    compiled = block_gemm_ws_kernel[(programs,)](
+        _desc(a.data, [bm, 128]), _desc(b.data, [bn, 128]), _desc(out, [bm // 2, bn]), out, offsets, a.scale, b.scale,
+        total_rows, n_out, k, groups, g_rows, g_cols, out.stride(0),
+        a.s_stride_r, a.s_stride_k, b.s_stride_r, b.s_stride_k, b.s_group_stride,
+        BM=bm, BN=bn, BK=128, B_BR=b.block[0], GROUP_M=group_m, GP=triton.next_power_of_2(groups + 1),
+        STAGES=stages, NUM_PROGRAMS=programs, PIPE=pipe, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
+        num_warps=4)
+    kernel_info(compiled, info)
+    return out
