@@ -10,9 +10,16 @@ Why a second kernel: in the single-partition kernel every warp waits for its pro
 promotes it on the CUDA cores while the tensor cores idle, and the pipeline's CTA-wide barriers
 keep both warpgroups in lockstep, so the promotion never overlaps an MMA. Here one warp issues
 TMA loads into a ring of shared-memory stages (mbarriers, no CTA-wide barrier), and each half of
-the 128-row tile belongs to its own consumer warpgroup, which runs free of the other: one's
-promotion runs while the other's MMA occupies the tensor cores. With PIPE a consumer also issues
-step i+1's MMA before promoting step i (two product registers sets), so it overlaps with itself.
+the 128-row tile belongs to its own consumer warpgroup, which runs free of the other, so one's
+promotion can run while the other's MMA occupies the tensor cores. PIPE picks the schedule:
+
+  0  each consumer promotes a step right after its MMA (overlap only across the consumers)
+  1  a consumer issues step i's MMA, then promotes step i-1 (overlap within a consumer too;
+     the product is copied between registers once per step)
+  2  as 1 with two steps per loop trip, so the two products alternate between register sets
+  3  0 with a strict ping-pong: half 1 issues a step's MMA after half 0, half 0 the next step's
+     after half 1 (an mbarrier pair), so the tensor cores always hold one half's MMA while the
+     other half promotes
 
 Tiles walk the groups exactly as `m_grouped_gemm_kernel` does (device offsets, persistent
 programs, the same swizzle); every partition derives the same tile sequence. Full 64-row
@@ -120,7 +127,7 @@ if gluon is not None:
         return acc, p, f
 
     @gluon.jit
-    def _consumer(a_bufs, b_bufs, c_bufs, full, empty, c_desc, out_ptr, offs_ptr, sa_ptr, sb_ptr,
+    def _consumer(a_bufs, b_bufs, c_bufs, full, empty, turn, c_desc, out_ptr, offs_ptr, sa_ptr, sb_ptr,
                   total_rows, N, K, num_groups, stride_om, s_stride_am, s_stride_ak, s_stride_bn, s_stride_bk,
                   sb_group_stride, HALF: gl.constexpr,
                   BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, B_BR: gl.constexpr, GROUP_M: gl.constexpr,
@@ -146,12 +153,16 @@ if gluon is not None:
             sb_tile = sb_ptr + gb * sb_group_stride + (pn * BN // B_BR) * s_stride_bn
             nk = gl.where(g < num_groups, gl.cdiv(K, BK), 0)
             acc = zero
-            if PIPE == 0:  # promote each step after its MMA (the two consumers overlap each other)
+            if PIPE == 0 or PIPE == 3:  # promote each step after its MMA (the two consumers overlap each other)
                 for ki in range(nk):
                     s = it % STAGES
                     mbarrier.wait(full.index(s), (it // STAGES) & 1)
+                    if PIPE == 3:  # ping-pong: step it's MMA after the other half's (half 0 first)
+                        mbarrier.wait(turn.index(HALF), (it & 1) ^ (1 - HALF))
                     tok = warpgroup_mma(a_bufs.index(s).slice(HALF * HM, HM), b_bufs.index(s).permute((1, 0)), zero,
                                         use_acc=False, is_async=True)
+                    if PIPE == 3:
+                        mbarrier.arrive(turn.index(1 - HALF), count=1)
                     f = _factor(sa_rows, sb_tile, row_ok, ki, s_stride_ak, s_stride_bk)
                     p = warpgroup_mma_wait(0, deps=(tok, ))
                     mbarrier.arrive(empty.index(s), count=1)
@@ -213,15 +224,18 @@ if gluon is not None:
         c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2, BM // 2, BN], c_desc.layout)
         full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(full.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)
         gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, c_bufs, full, empty, c_desc, out_ptr, offs_ptr, sa_ptr, sb_ptr, total_rows,
-                         N, K, num_groups, stride_om, s_stride_am, s_stride_ak, s_stride_bn, s_stride_bk,
+            (_consumer, (a_bufs, b_bufs, c_bufs, full, empty, turn, c_desc, out_ptr, offs_ptr, sa_ptr, sb_ptr,
+                         total_rows, N, K, num_groups, stride_om, s_stride_am, s_stride_ak, s_stride_bn, s_stride_bk,
                          sb_group_stride, 0, BM, BN, BK, B_BR, GROUP_M, GP, STAGES, NUM_PROGRAMS, PIPE)),
-            (_consumer, (a_bufs, b_bufs, c_bufs, full, empty, c_desc, out_ptr, offs_ptr, sa_ptr, sb_ptr, total_rows,
-                         N, K, num_groups, stride_om, s_stride_am, s_stride_ak, s_stride_bn, s_stride_bk,
+            (_consumer, (a_bufs, b_bufs, c_bufs, full, empty, turn, c_desc, out_ptr, offs_ptr, sa_ptr, sb_ptr,
+                         total_rows, N, K, num_groups, stride_om, s_stride_am, s_stride_ak, s_stride_bn, s_stride_bk,
                          sb_group_stride, 1, BM, BN, BK, B_BR, GROUP_M, GP, STAGES, NUM_PROGRAMS, PIPE)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, full, empty, offs_ptr, total_rows, N, K, num_groups,
                          b_group_rows, b_group_cols, BM, BN, BK, GROUP_M, GP, STAGES, NUM_PROGRAMS)),
@@ -249,8 +263,7 @@ def launch_block_gemm_ws(a, b, offsets: torch.Tensor, total_rows: int, n_out: in
                          consumer_regs: int = 232, producer_regs: int = 40, info: dict | None = None) -> torch.Tensor:
     """out [total_rows, n_out] of the FP8 block m-grouped GEMM; a, b: grouped_gemm._Operand (BLOCK scaling).
 
-    pipe: 0 promote each step after its MMA; 1 promote step i-1 while step i's MMA runs; 2 the
-    same with two steps per loop trip (no register copies between trips).
+    pipe: the consumers' schedule (0-3, see the module docstring).
     """
     if gluon is None:
         raise RuntimeError(GLUON_ERROR)

@@ -87,7 +87,7 @@ def test_block_gemm_variants_give_the_current_kernels_bits_on_gpu():
     from qmoe.kernels._block_gemm_ws import launch_block_gemm_ws
 
     _check_variants(launch_block_gemm_tl, TL_VARIANTS, "cuda")
-    _check_variants(launch_block_gemm_ws, [dict(pipe=p, stages=s) for p, s in ((0, 5), (1, 5), (2, 5), (1, 4))],
+    _check_variants(launch_block_gemm_ws, [dict(pipe=p, stages=s) for p, s in ((0, 5), (1, 5), (2, 5), (3, 5), (1, 4))],
                     "cuda")
 
 
