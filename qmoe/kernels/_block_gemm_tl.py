@@ -35,8 +35,8 @@ def _store(out_ptr, acc, rows, row_ok, cols, N, stride_om):
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < N)[None, :])
 
 
-# sizes and strides are not specialised (no recompiles per shape: TMA descriptors carry the layout),
-# except the scales' contraction strides, which are 1
+# sizes and strides that only index are not specialised (one compile for every shape); N and the
+# output stride (vectorised masked stores) and the scales' step strides (1) are
 _SIZES = ["total_rows", "K", "num_groups", "b_group_rows", "b_group_cols", "s_stride_am",
           "s_stride_bn", "sb_group_stride"]
 

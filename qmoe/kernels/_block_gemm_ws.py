@@ -201,8 +201,8 @@ if gluon is not None:
                 gl.store(ptrs, out, mask=gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < N, 0))
         tma.store_wait(0)
 
-    # sizes and strides are not specialised (no recompiles per shape: TMA descriptors carry the layout),
-# except the scales' contraction strides, which are 1
+    # sizes and strides that only index are not specialised (one compile for every shape); N and the
+    # output stride (vectorised masked stores) and the scales' step strides (1) are
     _SIZES = ["total_rows", "K", "num_groups", "b_group_rows", "b_group_cols", "s_stride_am",
               "s_stride_bn", "sb_group_stride"]
 
