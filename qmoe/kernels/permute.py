@@ -245,10 +245,13 @@ def _scatter_grad_rows_kernel(
     ks = tl.arange(0, BLOCK_K)
     dots = tl.zeros([BLOCK_K], tl.float32)
     peaks = tl.zeros([BLOCK_K], tl.int32)
+    running = tl.zeros([BLOCK_N], tl.int32)  # without probs every copy stores g: one elementwise max
     for n0 in range(0, N, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < N
         g = tl.load(g_ptr + t * stride_g + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if AMAX and not HAS_PROBS:  # masked columns hold 0
+            running = tl.maximum(running, finite_abs_bits(g.to(grad_y_ptr.dtype.element_ty).to(tl.float32)))
         for k in tl.static_range(TOP_K):
             r, ok = _copy_row(rows_ptr, t * TOP_K + k, R, cols)
             if HAS_PROBS:
@@ -260,9 +263,11 @@ def _scatter_grad_rows_kernel(
             if PROBS_GRAD:
                 yv = tl.load(y_ptr + r * stride_y + cols, mask=col_ok & ok, other=0.0).to(tl.float32)
                 dots = tl.where(ks == k, dots + tl.sum(g * yv, axis=0), dots)
-            if AMAX:
+            if AMAX and HAS_PROBS:  # each copy stores its own multiple of g
                 peak = tl.max(finite_abs_bits(stored.to(tl.float32)), 0)  # masked columns hold 0
                 peaks = tl.where(ks == k, tl.maximum(peaks, peak), peaks)
+    if AMAX and not HAS_PROBS:
+        peaks += tl.max(running, 0)
     if PROBS_GRAD or AMAX:
         r = tl.load(rows_ptr + t * TOP_K + ks, mask=ks < TOP_K, other=-1)
         e = tl.load(experts_ptr + t * TOP_K + ks, mask=ks < TOP_K, other=0)

@@ -198,13 +198,19 @@ def test_custom_ops_have_fake_implementations():
     with FakeTensorMode():
         h = torch.empty(4099, 3072, device=DEV, dtype=torch.bfloat16)
         p = torch.empty(4099, device=DEV)
-        a = torch.ops.qmoe.scaled_activation_forward(h, p, 0, 64)
-        assert a.shape == (4099, 1536) and a.dtype == torch.bfloat16
-        dh, dprobs = torch.ops.qmoe.scaled_activation_backward(h, p, a, 0, 64, True)
-        assert dh.shape == h.shape and dh.dtype == h.dtype and dprobs.shape == (4099,)
+        a, amax = torch.ops.qmoe.scaled_activation_forward(h, p, 0, 64, None)
+        assert a.shape == (4099, 1536) and a.dtype == torch.bfloat16 and amax.shape == (0,)
+        dh, dprobs, amax = torch.ops.qmoe.scaled_activation_backward(h, p, a, 0, 64, True, None)
+        assert dh.shape == h.shape and dh.dtype == h.dtype and dprobs.shape == (4099,) and amax.shape == (0,)
         assert dprobs.dtype == torch.float32
-        dh, dprobs = torch.ops.qmoe.scaled_activation_backward(torch.empty_like(a), None, a, 4, 0, True)  # gelu
+        dh, dprobs, _ = torch.ops.qmoe.scaled_activation_backward(torch.empty_like(a), None, a, 4, 0, True,
+                                                                  None)  # gelu
         assert dh.shape == (4099, 1536) and dprobs.shape == (0,)
+        offsets = torch.empty(33, device=DEV, dtype=torch.int64)  # 32 row groups: their amaxes come along
+        _, amax = torch.ops.qmoe.scaled_activation_forward(h, p, 0, 64, offsets)
+        assert amax.shape == (32,) and amax.dtype == torch.float32
+        _, _, amax = torch.ops.qmoe.scaled_activation_backward(h, p, a, 0, 64, False, offsets)
+        assert amax.shape == (32,) and amax.dtype == torch.float32
 
 
 @pytest.mark.parametrize("args, error", [
