@@ -1,12 +1,15 @@
-"""FP8 block grouped GEMM (1x128 activations x 128x128 weights): the current kernel against the
-warp-specialised Gluon kernel (qmoe/kernels/_block_gemm_ws.py) and the persistent TMA Triton
-variants (qmoe/kernels/_block_gemm_tl.py), side by side, on uneven expert splits.
+"""FP8 block grouped GEMM (1x128 activations x 128x128 weights): the Triton kernel qmoe ran before
+("current"), what m_grouped_gemm dispatches now ("dispatched": the warp-specialised Gluon kernel
+of qmoe/kernels/_block_gemm_ws.py where it applies), the Gluon kernel's other schedules and
+tiles, and the dense F.scaled_mm peer, side by side at DeepSeek-V3 FC1 (fprop, even and uneven
+splits; dgrad), FC2 fprop and Mixtral FC1 fprop.
 
 Every variant is checked against the current kernel's bf16 output (max abs / rel difference,
 bit equality, and NUMERICS.md's GEMM bound ||out - ref|| / ||ref|| <= 1e-3 against the same
 kernel) and timed with benchmarks.harness.median_ms; a variant that fails to compile or run is
 recorded with its error. The results file is rewritten before and after every variant, so a
-run that hangs (a deadlocked kernel) leaves the variant it was running marked "started".
+run that hangs (a deadlocked kernel; the watchdog ends the process) leaves the variant it was
+running marked "started"; --skip leaves variants out by name.
 
     PYTHONPATH=. python3 -m benchmarks.sweep_block_gemm --out $OUT/block_gemm.json
     TRITON_INTERPRET=1 PYTHONPATH=. python3 -m benchmarks.sweep_block_gemm --tiny --out /tmp/block_gemm.json
@@ -34,15 +37,22 @@ TINY = {"dsv3-fc1": (4, 100, 256, 256), "dsv3-fc2": (4, 100, 256, 256), "mixtral
 PAD_ROWS = 40  # rows past the last group (static buffers): every kernel must write them as zeros
 
 
-def variants():
-    """name -> keyword arguments of the launcher ("current": qmoe's dispatched kernel). The Triton
-    LAG knob is left out: its compiled loop still waits for each product before promoting it."""
-    v = {"current": None}
-    for pipe, stages in ((0, 5), (1, 5), (2, 5), (3, 5), (1, 6)):
+def variants(extra: bool = False):
+    """name -> keyword arguments of the launcher. "current": the Triton kernel qmoe dispatched before
+    the Gluon kernel (its default tiles, forced through `config`); "dispatched": what
+    m_grouped_gemm runs now. `extra` adds the persistent Triton TMA variants; Triton's own
+    Hopper warp specialisation (`tl-autows`) is never run on a GPU: it deadlocked there."""
+    v = {"current": None, "dispatched": None}
+    for pipe, stages in ((0, 5), (2, 5), (3, 5), (2, 6)):
         v[f"gluon-ws pipe{pipe} s{stages}"] = dict(kind="ws", pipe=pipe, stages=stages)
-    v["tl-autows w4 s4"] = dict(kind="tl", ws=True, warps=4, stages=4)  # Triton's own Hopper warp specialisation
-    v["tl w8 s4"] = dict(kind="tl", warps=8, stages=4)  # the current body, persistent over TMA descriptors
-    v["tl-split w8 s4"] = dict(kind="tl", split=True, warps=8, stages=4)
+    for group_m in (4, 16):
+        v[f"gluon-ws pipe2 s5 gm{group_m}"] = dict(kind="ws", pipe=2, stages=5, group_m=group_m)
+    for pipe, stages, c_bufs in ((0, 4, 1), (3, 4, 1), (0, 3, 2), (3, 3, 2)):
+        v[f"gluon-ws n256 pipe{pipe} s{stages} c{c_bufs}"] = dict(kind="ws", bn=256, pipe=pipe, stages=stages,
+                                                                  c_bufs=c_bufs)
+    if extra:
+        v["tl w8 s4"] = dict(kind="tl", warps=8, stages=4)  # the current body, persistent over TMA descriptors
+        v["tl-split w8 s4"] = dict(kind="tl", split=True, warps=8, stages=4)
     return v
 
 
@@ -91,8 +101,11 @@ def _runner(name, kw, a, b, columnwise, programs, info):
     from qmoe.contracts.enums import Scaling
     from qmoe.kernels import grouped_gemm as gg
 
-    if kw is None:
+    if name == "dispatched":
         return lambda: gg.m_grouped_gemm_with(a, b, b_columnwise=columnwise)
+    if kw is None:  # the Triton kernel with its default tiles (a config bypasses the Gluon dispatch)
+        cfg = gg.tile_configs(Scaling.BLOCK, small_m=False)[0]
+        return lambda: gg.m_grouped_gemm_with(a, b, b_columnwise=columnwise, config=cfg)
     a_op = gg.activation_operand(a, Scaling.BLOCK)
     b_op, n_out, k = gg.weight_operand(b, Scaling.BLOCK, columnwise)
     args = (a_op, b_op, a.offsets, a.shape[0], n_out, k, b.num_groups, torch.bfloat16)
@@ -154,7 +167,7 @@ def run(args, header) -> list[dict]:
     device = "cuda" if on_gpu else "cpu"
     shapes = TINY if args.tiny else SHAPES
     programs = torch.cuda.get_device_properties(0).multi_processor_count if on_gpu else 3
-    wanted = variants()
+    wanted = variants(extra=args.extra)
     if args.variants:
         wanted = {k: v for k, v in wanted.items() if k == "current" or any(s in k for s in args.variants)}
     if args.skip:  # e.g. a variant that hung in an earlier run (its row says "started")
@@ -184,7 +197,7 @@ def run(args, header) -> list[dict]:
             rows.append(dict(case, variant="F.scaled_mm dense (peer)", status="ok" if ms else "error", ms=ms,
                              tflops=round(flops / ms / 1e9, 1) if ms else None))
         for name, kw in wanted.items():
-            if time.monotonic() - start > args.budget_s:
+            if time.monotonic() - start > args.budget_s and name not in ("current", "dispatched"):
                 rows.append(dict(case, variant=name, status="skipped", error="time budget spent"))
                 continue
             row = dict(case, variant=name, status="started")
@@ -229,6 +242,7 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU: run with TRITON_INTERPRET=1)")
     p.add_argument("--variants", nargs="*", help="only variants whose name contains one of these (current always)")
     p.add_argument("--skip", nargs="*", help="leave out variants whose name contains one of these")
+    p.add_argument("--extra", action="store_true", help="also the persistent Triton TMA variants (tl ...)")
     p.add_argument("--budget-s", type=float, default=100.0, help="skip the variants left after this many seconds")
     p.add_argument("--watchdog-s", type=float, default=115.0, help="end the process (a hung kernel) after this long")
     args = p.parse_args(argv)

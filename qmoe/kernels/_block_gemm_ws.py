@@ -1,5 +1,7 @@
 """FP8 block-scaled m-grouped GEMM (1x128 activations x 128x128 weights) with warp specialisation,
-in Triton's Gluon dialect (private helper of `qmoe/kernels/grouped_gemm.py`; not dispatched yet).
+in Triton's Gluon dialect (private helper of `qmoe/kernels/grouped_gemm.py`, which dispatches the
+BLOCK m-grouped GEMM here where `unsupported` returns None; benchmarks/sweep_block_gemm.py times
+the schedules and tiles side by side).
 
 Same contract and bits as `m_grouped_gemm_kernel` under BLOCK scaling with one weight scale per
 tile and step: each 128-deep step's FP8 product is accumulated by the tensor cores from zero,
@@ -21,6 +23,11 @@ promotion can run while the other's MMA occupies the tensor cores. PIPE picks th
      after half 1 (an mbarrier pair), so the tensor cores always hold one half's MMA while the
      other half promotes
 
+BN = 256 (wide tiles: half the A traffic per output of 128-column tiles) runs schedules 0 and 3
+only: each half owns a 64 x 256 sum as two 64 x 128 accumulators and computes a step as two
+128-column products, each promoted before the next is issued, because the fp32 sum (128
+registers per thread) leaves room for one 64-register product, not two.
+
 Tiles walk the groups exactly as `m_grouped_gemm_kernel` does (device offsets, persistent
 programs, the same swizzle); every partition derives the same tile sequence. Full 64-row
 halves leave through a TMA store; a half that crosses its group's end is stored with a mask.
@@ -33,15 +40,23 @@ try:  # Gluon ships with triton >= 3.5; qmoe never needs it (the Triton kernel i
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-except ImportError:  # pragma: no cover - older triton
+except (ImportError, AttributeError):  # pragma: no cover - older triton
     gluon = None
+
+import functools
+import os
+import warnings
 
 import torch
 import triton
 
 from qmoe.kernels._block_gemm_tl import b_group_offsets, check_block_operands, kernel_info
+from qmoe.kernels._launch import faking
 
 GLUON_ERROR = None if gluon is not None else "triton.experimental.gluon is not available in this triton"
+if gluon is not None:  # the TMA copies' names since triton 3.7 (the old ones raise there)
+    _tma_load = getattr(tma, "async_load", tma.async_copy_global_to_shared)
+    _tma_store = getattr(tma, "async_store", tma.async_copy_shared_to_global)
 
 
 if gluon is not None:
@@ -103,8 +118,8 @@ if gluon is not None:
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
                 mbarrier.expect(full.index(s), nbytes)
-                tma.async_copy_global_to_shared(a_desc, [row0, ki * BK], full.index(s), a_bufs.index(s))
-                tma.async_copy_global_to_shared(b_desc, [brow, bcol + ki * BK], full.index(s), b_bufs.index(s))
+                _tma_load(a_desc, [row0, ki * BK], full.index(s), a_bufs.index(s))
+                _tma_load(b_desc, [brow, bcol + ki * BK], full.index(s), b_bufs.index(s))
                 it += 1
 
     @gluon.jit
@@ -194,11 +209,93 @@ if gluon is not None:
                 tma.store_wait(0)
                 c_smem.store(out)
                 fence_async_shared()
-                tma.async_copy_shared_to_global(c_desc, [row0, col0], c_smem)
+                _tma_store(c_desc, [row0, col0], c_smem)
             else:
                 cols = col0 + gl.arange(0, BN, layout=col_l)
                 ptrs = out_ptr + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
                 gl.store(ptrs, out, mask=gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < N, 0))
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _store_half(acc, c_smem, c_desc, out_ptr, rows, row_ok, row0, col0, m_end, N, stride_om, HM: gl.constexpr,
+                    col_l: gl.constexpr, WAIT: gl.constexpr):
+        """A [HM, W] result: a TMA store when all its rows belong to the group, else a masked store.
+        WAIT: first wait for this partition's earlier TMA stores (c_smem is being reused)."""
+        W: gl.constexpr = acc.shape[1]
+        out = acc.to(c_desc.dtype)
+        if row0 + HM <= m_end:
+            if WAIT:
+                tma.store_wait(0)
+            c_smem.store(out)
+            fence_async_shared()
+            _tma_store(c_desc, [row0, col0], c_smem)
+        else:
+            cols = col0 + gl.arange(0, W, layout=col_l)
+            ptrs = out_ptr + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
+            gl.store(ptrs, out, mask=gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < N, 0))
+
+    @gluon.jit
+    def _consumer_wide(a_bufs, b_bufs, c_bufs, full, empty, turn, c_desc, out_ptr, offs_ptr, sa_ptr, sb_ptr,
+                       total_rows, N, K, num_groups, stride_om, s_stride_am, s_stride_ak, s_stride_bn, s_stride_bk,
+                       sb_group_stride, HALF: gl.constexpr,
+                       BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, B_BR: gl.constexpr, GROUP_M: gl.constexpr,
+                       GP: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, PIPE: gl.constexpr,
+                       C_BUFS: gl.constexpr):
+        """BN = 2 * 128: rows HALF*BM/2.. of each tile as two 128-column sums (schedules 0 and 3)."""
+        HM: gl.constexpr = BM // 2
+        SUB: gl.constexpr = BN // 2
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SUB, 32])
+        row_l: gl.constexpr = gl.SliceLayout(1, mma)
+        col_l: gl.constexpr = gl.SliceLayout(0, mma)
+        num_n = gl.cdiv(N, BN)
+        gi, starts, ends, tiles, tile_end = _group_table(offs_ptr, total_rows, num_groups, num_n, BM, GP, 4)
+        total_tiles = gl.sum(tiles, 0)
+        zero = gl.zeros([HM, SUB], gl.float32, mma)
+        it = 0
+        u = 0  # products issued (two per step): the ping-pong's turn count
+        for t in range(gl.program_id(0), total_tiles, NUM_PROGRAMS):
+            g, m_start, m_end, pm, pn = _locate(t, gi, starts, ends, tiles, tile_end, num_n, BM, GROUP_M)
+            row0 = m_start + pm * BM + HALF * HM
+            rows = row0 + gl.arange(0, HM, layout=row_l)
+            row_ok = rows < m_end
+            gb = gl.minimum(g, num_groups - 1).to(gl.int64)
+            sa_rows = sa_ptr + rows.to(gl.int64) * s_stride_am
+            sb_lo = sb_ptr + gb * sb_group_stride + (pn * BN // B_BR) * s_stride_bn
+            sb_hi = sb_ptr + gb * sb_group_stride + ((pn * BN + SUB) // B_BR) * s_stride_bn
+            nk = gl.where(g < num_groups, gl.cdiv(K, BK), 0)
+            acc0 = zero
+            acc1 = zero
+            for ki in range(nk):
+                s = it % STAGES
+                mbarrier.wait(full.index(s), (it // STAGES) & 1)
+                a_s = a_bufs.index(s).slice(HALF * HM, HM)
+                if PIPE == 3:
+                    mbarrier.wait(turn.index(HALF), (u & 1) ^ (1 - HALF))
+                tok = warpgroup_mma(a_s, b_bufs.index(s).slice(0, SUB).permute((1, 0)), zero, use_acc=False,
+                                    is_async=True)
+                if PIPE == 3:
+                    mbarrier.arrive(turn.index(1 - HALF), count=1)
+                sa_k = gl.load(sa_rows + ki * s_stride_ak, mask=row_ok, other=0.0)
+                f = sa_k * gl.load(sb_lo + ki * s_stride_bk)
+                p = warpgroup_mma_wait(0, deps=(tok, ))
+                acc0 = acc0 + p * gl.expand_dims(f, 1)
+                if PIPE == 3:
+                    mbarrier.wait(turn.index(HALF), ((u + 1) & 1) ^ (1 - HALF))
+                tok = warpgroup_mma(a_s, b_bufs.index(s).slice(SUB, SUB).permute((1, 0)), zero, use_acc=False,
+                                    is_async=True)
+                if PIPE == 3:
+                    mbarrier.arrive(turn.index(1 - HALF), count=1)
+                f = sa_k * gl.load(sb_hi + ki * s_stride_bk)
+                p = warpgroup_mma_wait(0, deps=(tok, ))
+                mbarrier.arrive(empty.index(s), count=1)
+                acc1 = acc1 + p * gl.expand_dims(f, 1)
+                it += 1
+                u += 2
+            col0 = pn * BN
+            _store_half(acc0, c_bufs.index(HALF * C_BUFS), c_desc, out_ptr, rows, row_ok, row0, col0, m_end, N,
+                        stride_om, HM, col_l, True)
+            _store_half(acc1, c_bufs.index(HALF * C_BUFS + C_BUFS - 1), c_desc, out_ptr, rows, row_ok, row0,
+                        col0 + SUB, m_end, N, stride_om, HM, col_l, C_BUFS == 1)
         tma.store_wait(0)
 
     # sizes and strides that only index are not specialised (one compile for every shape); N and the
@@ -213,15 +310,17 @@ if gluon is not None:
                              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, B_BR: gl.constexpr,
                              GROUP_M: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
                              NUM_PROGRAMS: gl.constexpr, PIPE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                             PRODUCER_REGS: gl.constexpr):
+                             PRODUCER_REGS: gl.constexpr, C_BUFS: gl.constexpr):
         """out[T, N] = A_g @ B_g^T per group (see m_grouped_gemm_kernel), FP8 block scaling.
 
         Partitions: the default one (4 warps) and a 4-warp worker consume the two 64-row halves of
-        each tile; a 1-warp worker produces. `empty` counts both consumers' releases.
+        each tile; a 1-warp worker produces. `empty` counts both consumers' releases. Each
+        consumer stages its results in C_BUFS shared buffers of [BM/2, min(BN, 128)] (BN = 256).
         """
+        SUB: gl.constexpr = BN if BN <= 128 else BN // 2
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
-        c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2, BM // 2, BN], c_desc.layout)
+        c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2 * C_BUFS, BM // 2, SUB], c_desc.layout)
         full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -230,16 +329,32 @@ if gluon is not None:
         for i in gl.static_range(STAGES):
             mbarrier.init(full.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)
-        gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, c_bufs, full, empty, turn, c_desc, out_ptr, offs_ptr, sa_ptr, sb_ptr,
-                         total_rows, N, K, num_groups, stride_om, s_stride_am, s_stride_ak, s_stride_bn, s_stride_bk,
-                         sb_group_stride, 0, BM, BN, BK, B_BR, GROUP_M, GP, STAGES, NUM_PROGRAMS, PIPE)),
-            (_consumer, (a_bufs, b_bufs, c_bufs, full, empty, turn, c_desc, out_ptr, offs_ptr, sa_ptr, sb_ptr,
-                         total_rows, N, K, num_groups, stride_om, s_stride_am, s_stride_ak, s_stride_bn, s_stride_bk,
-                         sb_group_stride, 1, BM, BN, BK, B_BR, GROUP_M, GP, STAGES, NUM_PROGRAMS, PIPE)),
-            (_producer, (a_desc, b_desc, a_bufs, b_bufs, full, empty, offs_ptr, total_rows, N, K, num_groups,
-                         b_group_rows, b_group_cols, BM, BN, BK, GROUP_M, GP, STAGES, NUM_PROGRAMS)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        if BN > 128:
+            gl.warp_specialize([
+                (_consumer_wide, (a_bufs, b_bufs, c_bufs, full, empty, turn, c_desc, out_ptr, offs_ptr, sa_ptr, sb_ptr,
+                                  total_rows, N, K, num_groups, stride_om, s_stride_am, s_stride_ak, s_stride_bn,
+                                  s_stride_bk, sb_group_stride, 0, BM, BN, BK, B_BR, GROUP_M, GP, STAGES,
+                                  NUM_PROGRAMS, PIPE, C_BUFS)),
+                (_consumer_wide, (a_bufs, b_bufs, c_bufs, full, empty, turn, c_desc, out_ptr, offs_ptr, sa_ptr, sb_ptr,
+                                  total_rows, N, K, num_groups, stride_om, s_stride_am, s_stride_ak, s_stride_bn,
+                                  s_stride_bk, sb_group_stride, 1, BM, BN, BK, B_BR, GROUP_M, GP, STAGES,
+                                  NUM_PROGRAMS, PIPE, C_BUFS)),
+                (_producer, (a_desc, b_desc, a_bufs, b_bufs, full, empty, offs_ptr, total_rows, N, K, num_groups,
+                             b_group_rows, b_group_cols, BM, BN, BK, GROUP_M, GP, STAGES, NUM_PROGRAMS)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_consumer, (a_bufs, b_bufs, c_bufs, full, empty, turn, c_desc, out_ptr, offs_ptr, sa_ptr, sb_ptr,
+                             total_rows, N, K, num_groups, stride_om, s_stride_am, s_stride_ak, s_stride_bn,
+                             s_stride_bk, sb_group_stride, 0, BM, BN, BK, B_BR, GROUP_M, GP, STAGES, NUM_PROGRAMS,
+                             PIPE)),
+                (_consumer, (a_bufs, b_bufs, c_bufs, full, empty, turn, c_desc, out_ptr, offs_ptr, sa_ptr, sb_ptr,
+                             total_rows, N, K, num_groups, stride_om, s_stride_am, s_stride_ak, s_stride_bn,
+                             s_stride_bk, sb_group_stride, 1, BM, BN, BK, B_BR, GROUP_M, GP, STAGES, NUM_PROGRAMS,
+                             PIPE)),
+                (_producer, (a_desc, b_desc, a_bufs, b_bufs, full, empty, offs_ptr, total_rows, N, K, num_groups,
+                             b_group_rows, b_group_cols, BM, BN, BK, GROUP_M, GP, STAGES, NUM_PROGRAMS)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 _GL_DTYPES = {}
@@ -257,29 +372,132 @@ def _desc(t: torch.Tensor, block: list[int]):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
+# sm90's shared memory per block (227 KiB) and what the kernel keeps besides the stages (barriers)
+SMEM_BYTES = 232448
+_SMEM_SPARE = 1024
+# What qmoe's m-grouped FP8 block GEMM dispatches to (launch_block_gemm_ws's keywords); the
+# benchmark sweep times the other schedules and tiles against it.
+DISPATCH = dict(bn=128, stages=5, pipe=2, group_m=8)
+# Calls whose kernel failed to compile (a Triton without this Gluon API): they take the Triton kernel.
+FAILED: dict[tuple, str] = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _is_sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """TMA: a 16-byte aligned base, unit last stride, 16-byte aligned row stride."""
+    return (t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
+            and (t.stride(0) * t.element_size()) % 16 == 0)
+
+
+def unsupported(a, b, n_out: int, k: int, out_dtype, total_rows: int, groups: int) -> str | None:
+    """Why the dispatched Gluon kernel cannot run this m-grouped BLOCK call (None: it can).
+
+    It needs Gluon's Hopper API, an sm90 device, K % 128 == 0 with 1x128 x 128x128 blocks,
+    TMA-aligned operands and output rows, and enough rows per group for 128-row tiles (fewer
+    go to the current kernel's small-M tiles). QMOE_BLOCK_GEMM=triton turns it off.
+    """
+    if faking():
+        return "a fake-tensor pass (shapes only)"
+    if os.environ.get("QMOE_BLOCK_GEMM", "").strip().lower() == "triton":
+        return "QMOE_BLOCK_GEMM=triton"
+    if gluon is None:
+        return GLUON_ERROR
+    device = a.data.device
+    if device.type != "cuda":
+        return f"{device} is not a CUDA device"
+    if not _is_sm90(device.index if device.index is not None else torch.cuda.current_device()):
+        return "the kernel uses sm90's warpgroup MMA"
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"output dtype {out_dtype}"
+    if k % 128 or a.block != (1, 128) or b.block != (128, 128) or a.stride_k != 1 or b.stride_k != 1:
+        return f"K={k}, blocks {a.block} x {b.block}, contraction strides {a.stride_k}, {b.stride_k}"
+    if n_out % DISPATCH["bn"] and DISPATCH["bn"] > 128:
+        return f"N={n_out} is not a multiple of the {DISPATCH['bn']}-column tile"
+    if (n_out * torch.finfo(out_dtype).bits // 8) % 16 or not (_aligned(a.data) and _aligned(b.data)):
+        return "operands or output rows not 16-byte aligned (TMA)"
+    if total_rows <= 96 * groups:
+        return "few rows per group (the current kernel's 64-row tiles)"
+    return None
+
+
+def _smem(stages: int, bm: int, bn: int, out_dtype, c_bufs: int) -> tuple[int, int]:
+    """(bytes per stage, bytes of the result buffers) in shared memory."""
+    return (bm + bn) * 128, 2 * c_bufs * (bm // 2) * min(bn, 128) * torch.finfo(out_dtype).bits // 8
+
+
+def fit_stages(stages: int, bm: int, bn: int, out_dtype, c_bufs: int = 1) -> int:
+    """At most `stages` stages such that the stages and the result buffers fit in shared memory."""
+    stage, c = _smem(stages, bm, bn, out_dtype, c_bufs)
+    return max(1, min(stages, (SMEM_BYTES - _SMEM_SPARE - c) // stage))
+
+
+def launch_dispatched(a, b, offsets, total_rows: int, n_out: int, k: int, groups: int, out_dtype, out):
+    """The dispatched configuration into `out`; None, launching nothing, where `unsupported` says
+    so or its compile failed (recorded in FAILED, with a warning once): the caller then runs the
+    current kernel.
+
+    b is either weights [E*N, K] (group g g*N rows down: group stride N*K >= the row stride) or
+    their columnwise copy [K, E*N] (g*N columns in: group stride N < the row stride E*N); with
+    one group the offset is never used.
+    """
+    if unsupported(a, b, n_out, k, out_dtype, total_rows, groups) is not None:
+        return None
+    b_columnwise = b.group_stride < b.stride_r
+    cfg = dict(DISPATCH)
+    cfg["stages"] = fit_stages(cfg["stages"], 128, cfg["bn"], out_dtype)
+    key = (out_dtype, b_columnwise, *sorted(cfg.items()))
+    if key in FAILED:
+        return None
+    try:
+        return launch_block_gemm_ws(a, b, offsets, total_rows, n_out, k, groups, out_dtype, out=out,
+                                    b_columnwise=b_columnwise, **cfg)
+    except Exception as err:  # a compile failure (another Triton's Gluon); nothing was launched
+        FAILED[key] = f"{type(err).__name__}: {err}"
+        warnings.warn(f"qmoe: the Gluon FP8 block GEMM did not compile ({FAILED[key][:300]}); "
+                      f"using the Triton kernel", RuntimeWarning, stacklevel=2)
+        return None
+
+
 def launch_block_gemm_ws(a, b, offsets: torch.Tensor, total_rows: int, n_out: int, k: int, groups: int,
-                         out_dtype=torch.bfloat16, *, b_columnwise: bool = False, bm: int = 128, bn: int = 128,
-                         stages: int = 5, pipe: int = 1, group_m: int = 8, programs: int | None = None,
-                         consumer_regs: int = 232, producer_regs: int = 40, info: dict | None = None) -> torch.Tensor:
+                         out_dtype=torch.bfloat16, *, out: torch.Tensor | None = None, b_columnwise: bool = False,
+                         bm: int = 128, bn: int = 128, stages: int = 5, pipe: int = 1, group_m: int = 8,
+                         c_bufs: int = 1, programs: int | None = None, consumer_regs: int = 232,
+                         producer_regs: int = 40, info: dict | None = None) -> torch.Tensor:
     """out [total_rows, n_out] of the FP8 block m-grouped GEMM; a, b: grouped_gemm._Operand (BLOCK scaling).
 
-    pipe: the consumers' schedule (0-3, see the module docstring).
+    pipe: the consumers' schedule (0-3, see the module docstring; bn = 256 takes 0 and 3).
+    c_bufs: result buffers per consumer (bn = 256: 2 stores a tile's halves without waiting).
+    Host-sync-free: the descriptors hold pointers and shapes only, the grid is the SM count.
     """
     if gluon is None:
         raise RuntimeError(GLUON_ERROR)
-    check_block_operands(a, b, k, bn)
-    out = torch.empty((total_rows, n_out), dtype=out_dtype, device=a.data.device)
-    if total_rows == 0 or n_out == 0:
+    check_block_operands(a, b, k, min(bn, 128))
+    if bn not in (128, 256) or bm != 128 or (bn == 256 and (pipe not in (0, 3) or n_out % bn)):
+        raise ValueError(f"tiles {bm} x {bn} (pipe {pipe}, N={n_out}): the kernel takes 128 x 128 with pipe 0-3 "
+                         f"and 128 x 256 with pipe 0 or 3 and N % 256 == 0")
+    if c_bufs not in (1, 2) or (bn == 128 and c_bufs != 1):
+        raise ValueError(f"c_bufs={c_bufs}: 1, or 2 with bn = 256")
+    if fit_stages(stages, bm, bn, out_dtype, c_bufs) < stages:
+        raise ValueError(f"{stages} stages of {bm} x {bn} tiles and {c_bufs} result buffers of {out_dtype} per "
+                         f"consumer exceed shared memory ({SMEM_BYTES} bytes): take fit_stages(...)")
+    if out is None:
+        out = torch.empty((total_rows, n_out), dtype=out_dtype, device=a.data.device)
+    if total_rows == 0 or n_out == 0 or faking():
         return out
     g_rows, g_cols = b_group_offsets(b, b_columnwise)
     if programs is None:
         programs = torch.cuda.get_device_properties(a.data.device).multi_processor_count
+    sub = min(bn, 128)
     compiled = block_gemm_ws_kernel[(programs,)](
-        _desc(a.data, [bm, 128]), _desc(b.data, [bn, 128]), _desc(out, [bm // 2, bn]), out, offsets, a.scale, b.scale,
-        total_rows, n_out, k, groups, g_rows, g_cols, out.stride(0),
+        _desc(a.data, [bm, 128]), _desc(b.data, [bn, 128]), _desc(out, [bm // 2, sub]), out, offsets, a.scale,
+        b.scale, total_rows, n_out, k, groups, g_rows, g_cols, out.stride(0),
         a.s_stride_r, a.s_stride_k, b.s_stride_r, b.s_stride_k, b.s_group_stride,
         BM=bm, BN=bn, BK=128, B_BR=b.block[0], GROUP_M=group_m, GP=triton.next_power_of_2(groups + 1),
         STAGES=stages, NUM_PROGRAMS=programs, PIPE=pipe, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
-        num_warps=4)
+        C_BUFS=c_bufs, num_warps=4)
     kernel_info(compiled, info)
     return out

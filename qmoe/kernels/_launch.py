@@ -106,6 +106,12 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
+def faking() -> bool:
+    """True while a KernelOp's fake twin computes output shapes: launchers that build host-side
+    objects from data pointers (TMA descriptors) return their allocated outputs at once."""
+    return getattr(_FAKE, "on", False)
+
+
 def wrapped(kernel):
     """The kernel to launch: a launcher that does nothing while a KernelOp's fake twin computes
     output shapes, else the kernel itself."""

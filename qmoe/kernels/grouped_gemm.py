@@ -7,7 +7,7 @@ whole call is host-sync-free and CUDA-graph capturable. Routes:
 
   bf16 m-grouped               torch._grouped_mm, rows past the last group zeroed on device
   fp16/fp32, and every k-grouped plain GEMM     Triton, SCALING NONE
-  FP8 tensor / block           Triton, FP8 codes into the tensor cores
+  FP8 tensor / block           Triton, FP8 codes into the tensor cores (block m-grouped, sm90: _block_gemm_ws)
   MXFP8 / NVFP4 (sm90: exact emulation) two exact routes:
       "fused"    dequantize in registers inside the GEMM (weights stay 8/4-bit in memory:
                  the memory-bound, few-rows-per-expert route)
@@ -34,6 +34,7 @@ import triton
 
 from qmoe.contracts.errors import UnsupportedError
 from qmoe.contracts.formats import ceil_div, nvfp4_tensor_scale
+from qmoe.kernels import _block_gemm_ws
 from qmoe.kernels import _grouped_gemm_jit as jit
 from qmoe.kernels._launch import kernel_op, wrapped
 from qmoe.kernels._layout import group_pow2
@@ -241,6 +242,9 @@ def _launch_m_tiles(a: _Operand, b: _Operand, offsets, total_rows, n_out, k, gro
     device = a.data.device
     out = torch.empty((total_rows, n_out), dtype=out_dtype, device=device)
     if total_rows == 0 or n_out == 0:
+        return out
+    if cfg is None and scaling is Scaling.BLOCK and _block_gemm_ws.launch_dispatched(  # Gluon, where it applies
+            a, b, offsets, total_rows, n_out, k, groups, out_dtype, out) is not None:
         return out
     plain_fp32 = scaling is Scaling.NONE and a.data.dtype == torch.float32
     if cfg is None:
