@@ -4,8 +4,12 @@ Dimensions: T tokens, E experts, K top-k, G expert groups.
 
 One program owns BLOCK_T whole rows of logits ([BLOCK_T, BLOCK_E] in registers, E padded to a
 power of two), so scoring, group selection, top-k and normalisation need no second pass and no
-host value. Selection repeats "take the maximum, lowest index among equals" K times, which is
-what makes ties go to the lower expert, as the reference's stable sort does.
+host value. Selection follows the reference's order bit for bit (`qmoe.reference.router`:
+eligible experts first, then NaN, then larger scores with -0.0 == +0.0, then the lower index),
+so every token gets exactly K experts whatever its values. The scores become int32 keys in that
+order (`_rank_key`), and selection repeats "take the maximum key, lowest index among equals" K
+times: integer comparisons see no NaN, so the order cannot depend on how a float max treats NaN
+(maxnum on the GPU, NaN-propagating in Triton's interpreter).
 """
 from __future__ import annotations
 
@@ -58,30 +62,53 @@ def _scores(x, SCORE_FN: tl.constexpr, PRE_SOFTMAX: tl.constexpr):
     return s
 
 
+# Key of experts that may not be chosen (padding, taken, outside the kept groups): below every
+# `_rank_key` of an eligible score, the smallest of which is -inf's.
+_NEVER = tl.constexpr(-2147483648)
+# Key of a NaN score: above +inf's.
+_NAN_KEY = tl.constexpr(2147483647)
+
+
 @triton.jit
-def _topk_mask(key, valid, cols, K: tl.constexpr, BLOCK: tl.constexpr):
-    """Bool [BLOCK_T, BLOCK] marking each row's K largest keys; ties to the lower column."""
-    taken = (key != key) | (valid[None, :] == 0)  # start with the padded columns taken
-    chosen = key != key  # all False (keys are never NaN here: padding is -inf)
+def _rank_key(v, eligible):
+    """int32 keys whose order is the selection order of the fp32 scores `v`: NaN above +inf,
+    -0.0 equal to +0.0, columns not `eligible` below everything."""
+    v = tl.where(v == 0.0, 0.0, v)
+    b = v.to(tl.int32, bitcast=True)
+    # Non-negative floats order as their bits; flipping a negative float's magnitude bits
+    # makes larger magnitudes smaller integers.
+    key = b ^ ((b >> 31) & 0x7FFFFFFF)
+    key = tl.where(v != v, _NAN_KEY, key)
+    return tl.where(eligible, key, _NEVER)
+
+
+@triton.jit
+def _topk_mask(key, cols, K: tl.constexpr, BLOCK: tl.constexpr):
+    """Bool [BLOCK_T, BLOCK] marking each row's K largest `_rank_key` keys; ties to the lower column.
+
+    Every row holds at least K eligible keys (the launch arguments are validated so), so a
+    taken or ineligible column (`_NEVER`) is never the maximum.
+    """
+    chosen = key != key  # all False
     for _ in tl.static_range(K):
-        k = tl.where(taken, float("-inf"), key)
-        best = tl.max(k, axis=1)
-        candidate = (k == best[:, None]) & (taken == 0)
-        idx = tl.min(tl.where(candidate, cols[None, :], BLOCK), axis=1)
+        best = tl.max(key, axis=1)
+        idx = tl.min(tl.where(key == best[:, None], cols[None, :], BLOCK), axis=1)
         hit = cols[None, :] == idx[:, None]
         chosen = chosen | hit
-        taken = taken | hit
+        key = tl.where(hit, _NEVER, key)
     return chosen
 
 
 @triton.jit
-def _mask_to_best_groups(sel, cols, NUM_GROUPS: tl.constexpr, GROUP_TOPK: tl.constexpr,
-                         PER_GROUP_K: tl.constexpr, EXPERTS_PER_GROUP: tl.constexpr,
-                         BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr):
-    """-inf outside each row's best GROUP_TOPK groups (group score: sum of its top PER_GROUP_K,
-    `group_score_count`)."""
+def _group_limited(key, sel, cols, NUM_GROUPS: tl.constexpr, GROUP_TOPK: tl.constexpr,
+                   PER_GROUP_K: tl.constexpr, EXPERTS_PER_GROUP: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr):
+    """`key` (the `_rank_key` of `sel`, both [BLOCK_T, BLOCK_E]) with the experts outside each
+    row's best GROUP_TOPK groups made ineligible. A group's score is the sum of its top
+    PER_GROUP_K scores (`group_score_count`), added largest first as the reference adds them,
+    and NaN if the group holds a NaN (a NaN ranks first, so it is always among them)."""
     gcols = tl.arange(0, BLOCK_G)
-    group = cols // EXPERTS_PER_GROUP
+    group = cols // EXPERTS_PER_GROUP  # padded columns fall in no group (E = NUM_GROUPS * EXPERTS_PER_GROUP)
     group_score = tl.full([BLOCK_T, BLOCK_G], float("-inf"), tl.float32)
     for g in tl.static_range(NUM_GROUPS):
         in_g = group[None, :] == g
@@ -95,14 +122,18 @@ def _mask_to_best_groups(sel, cols, NUM_GROUPS: tl.constexpr, GROUP_TOPK: tl.con
             if i == 0:
                 score = best
             else:
-                score = score + best  # largest first, as the reference adds them
+                score = score + best
+        # The sum above is only used where the group holds no NaN (what a float max does with
+        # a NaN differs between the GPU and the interpreter).
+        has_nan = tl.max(tl.where(in_g & (sel != sel), 1, 0), axis=1) > 0
+        score = tl.where(has_nan, float("nan"), score)
         group_score = tl.where(gcols[None, :] == g, score[:, None], group_score)
-    kept = _topk_mask(group_score, gcols < NUM_GROUPS, gcols, GROUP_TOPK, BLOCK_G)
-    keep = sel != sel  # all False
+    kept = _topk_mask(_rank_key(group_score, (gcols < NUM_GROUPS)[None, :]), gcols, GROUP_TOPK, BLOCK_G)
+    keep = tl.zeros_like(key) != 0  # all False
     for g in tl.static_range(NUM_GROUPS):
         kept_g = tl.max(tl.where(gcols[None, :] == g, kept.to(tl.int32), 0), axis=1) > 0
         keep = keep | (kept_g[:, None] & (group[None, :] == g))
-    return tl.where(keep, sel, float("-inf"))
+    return tl.where(keep, key, _NEVER)
 
 
 @triton.jit
@@ -132,21 +163,23 @@ def _topk_route_kernel(
     sel = scores
     if HAS_BIAS:
         sel = sel + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    sel = tl.where(col_ok[None, :], sel, float("-inf"))
+    key = _rank_key(sel, col_ok[None, :])
     if NUM_GROUPS > 1:
-        sel = _mask_to_best_groups(sel, cols, NUM_GROUPS, GROUP_TOPK, PER_GROUP_K,
-                                   EXPERTS_PER_GROUP, BLOCK_T, BLOCK_G)
-    chosen = _topk_mask(sel, col_ok, cols, TOP_K, BLOCK_E)
+        key = _group_limited(key, sel, cols, NUM_GROUPS, GROUP_TOPK, PER_GROUP_K, EXPERTS_PER_GROUP,
+                             BLOCK_T, BLOCK_G)
+    chosen = _topk_mask(key, cols, TOP_K, BLOCK_E)
 
+    # A chosen NaN or inf makes its row's sums NaN: the outer selects keep the experts that
+    # were not chosen at exactly 0 there (0 / NaN would be NaN).
     if SCORE_FN == 0 and not PRE_SOFTMAX:
         # softmax over the chosen logits only (the bias never enters the probs)
         m = tl.max(tl.where(chosen, x, float("-inf")), axis=1)
         ex = tl.where(chosen, tl.exp(x - m[:, None]), 0.0)
-        p = ex / tl.sum(ex, axis=1)[:, None]
+        p = tl.where(chosen, ex / tl.sum(ex, axis=1)[:, None], 0.0)
     else:
         p = tl.where(chosen, scores, 0.0)
         if NORMALIZE:
-            p = p / (tl.sum(p, axis=1)[:, None] + NORM_EPS)
+            p = tl.where(chosen, p / (tl.sum(p, axis=1)[:, None] + NORM_EPS), 0.0)
     p = p * scaling
     tl.store(probs_ptr + rows64[:, None] * stride_probs + cols[None, :], p, mask=mask)
     tl.store(map_ptr + rows64[:, None] * stride_map + cols[None, :], chosen.to(tl.uint8), mask=mask)

@@ -118,7 +118,9 @@ def topk_route(logits, top_k, *, score_function="softmax", pre_softmax=False, nu
         probs: [T, E] fp32, zero where not chosen, differentiable to `logits`.
         routing_map: [T, E] bool.
 
-    Ties go to the lower expert (and group) index.
+    Every token gets exactly K experts, whatever its values: ties go to the lower expert (and
+    group) index, NaN ranks above every number (as in `torch.topk`), -inf below every number but
+    above the experts that group-limited routing excludes (the order in `qmoe.reference.router`).
 
     Example:
         >>> logits = torch.randn(8, 16, requires_grad=True)

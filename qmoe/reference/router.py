@@ -4,9 +4,22 @@ Dimensions: T tokens, E experts, K top-k (experts chosen per token), G expert gr
 
 Everything is float32 whatever the logits dtype (float64 logits stay float64, so that
 `torch.autograd.gradcheck` can check the reference), readable before fast, and differentiable
-through plain autograd (the kernels' hand-written backward is tested against it). Ties in
-selection go to the lower index (experts, and groups), which is why selection uses a stable
-descending sort rather than `torch.topk`, whose tie order is unspecified.
+through plain autograd (the kernels' hand-written backward is tested against it).
+
+Selection order (the kernel follows it bit for bit). Each token ranks its experts by
+1. eligibility: with group-limited routing, experts of the token's best `group_topk` groups
+   come before all others, so a -inf score inside a kept group still beats every expert outside;
+2. NaN before every number (the order of `torch.sort` and `torch.topk`, so a NaN is never
+   hidden: the expert is chosen and the token's probabilities show it);
+3. larger score first; +inf is the largest number, -inf the smallest, -0.0 equals +0.0;
+4. among equals, the lower expert index.
+The first `top_k` are chosen: every token gets exactly `top_k` experts whatever its values
+(a row of NaNs gets experts 0..top_k-1, with NaN probabilities). A group's score is the sum
+of its top `group_score_count` scores in this order, so one NaN makes it NaN and ranks the
+group first, again ties to the lower group. Non-finite values stay in their own token; only
+`expert_bias`, shared by all tokens, reaches every token (a NaN there makes that expert
+everyone's first choice, while the probabilities, which never include the bias, stay finite).
+Stable sorts rather than `torch.topk`, whose tie order is unspecified.
 """
 from __future__ import annotations
 
@@ -49,28 +62,56 @@ class _SqrtSoftplus(torch.autograd.Function):
         return grad * torch.where(s > 0, torch.sigmoid(x) / (2 * s), torch.zeros_like(s))
 
 
-def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices [T, k] of the k largest scores per row; equal scores go to the lower index."""
-    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+def _order_by(value: torch.Tensor, tier: torch.Tensor, dim: int) -> torch.Tensor:
+    """Indices along `dim`, best first: higher `tier`, then larger `value`, then the lower index.
+
+    A stable sort by value, then a stable sort by tier: lexicographic, every remaining tie left
+    in index order. `value` must hold no NaN and no -0.0 (`_comparable`), so the order does not
+    depend on where a backend's sort puts them.
+    """
+    order = torch.sort(value, dim=dim, descending=True, stable=True).indices
+    by_tier = torch.sort(tier.gather(dim, order), dim=dim, descending=True, stable=True).indices
+    return order.gather(dim, by_tier)
 
 
-def mask_to_best_groups(scores: torch.Tensor, num_groups: int, group_topk: int, score_count: int) -> torch.Tensor:
-    """Set to -inf the scores of experts outside each token's best `group_topk` groups.
+def _comparable(x: torch.Tensor) -> torch.Tensor:
+    """x with NaN and -0.0 replaced by +0.0 (the caller ranks NaN through a tier)."""
+    return torch.where(torch.isnan(x) | (x == 0), torch.zeros_like(x), x)
 
-    A group's score is the sum of its top `score_count` scores (`group_score_count`), added
-    largest first (the kernel adds in the same order, so both pick the same groups bit for bit).
+
+def rank_order(scores: torch.Tensor, eligible: torch.Tensor | None = None) -> torch.Tensor:
+    """Column indices [T, E] of each row, best first, in the selection order of this module:
+    eligible first, then NaN, then larger values (-0.0 == +0.0), then the lower index."""
+    tier = torch.isnan(scores).to(torch.int8)
+    if eligible is not None:
+        tier = tier + 2 * eligible.to(torch.int8)
+    return _order_by(_comparable(scores), tier, dim=-1)
+
+
+def topk_lowest_index(scores: torch.Tensor, k: int, eligible: torch.Tensor | None = None) -> torch.Tensor:
+    """Indices [T, k] of the k best-ranked scores per row (`rank_order`); ties to the lower index."""
+    return rank_order(scores, eligible)[:, :k]
+
+
+def best_groups(scores: torch.Tensor, num_groups: int, group_topk: int, score_count: int) -> torch.Tensor:
+    """Bool [T, E]: True for experts in each token's best `group_topk` groups.
+
+    A group's score is the sum of its top `score_count` scores (`group_score_count`) in
+    selection order, added largest first (the kernel adds in the same order, so both pick the
+    same groups bit for bit): NaN when the group holds a NaN.
     """
     t, e = scores.shape
     per_group = scores.view(t, num_groups, e // num_groups)
-    best = torch.sort(per_group, dim=-1, descending=True).values[..., :score_count]
+    nan = torch.isnan(per_group)
+    best = torch.sort(per_group.masked_fill(nan, float("-inf")), dim=-1, descending=True).values
     group_score = best[..., 0]
-    for i in range(1, best.shape[-1]):
+    for i in range(1, score_count):
         group_score = group_score + best[..., i]
+    group_score = group_score.masked_fill(nan.any(dim=-1), float("nan"))
     keep_groups = topk_lowest_index(group_score, group_topk)                     # [T, group_topk]
     keep = torch.zeros(t, num_groups, dtype=torch.bool, device=scores.device)
     keep.scatter_(1, keep_groups, True)
-    keep = keep.repeat_interleave(e // num_groups, dim=1)                        # [T, E]
-    return scores.masked_fill(~keep, float("-inf"))
+    return keep.repeat_interleave(e // num_groups, dim=1)                        # [T, E]
 
 
 def probs_of_chosen(logits: torch.Tensor, idx: torch.Tensor, fn: ScoreFunction, pre_softmax: bool,
@@ -111,7 +152,8 @@ def topk_route(logits, top_k, *, score_function="softmax", pre_softmax=False, nu
         normalize_topk_probs: divide the chosen probs by their sum; None: `resolve_normalize`.
 
     Returns:
-        probs: [T, E] fp32 (fp64 for fp64 logits), zero where not chosen; routing_map: [T, E] bool.
+        probs: [T, E] fp32 (fp64 for fp64 logits), zero where not chosen; routing_map: [T, E] bool,
+        exactly `top_k` True per row whatever the values (selection order: module docstring).
 
     Example:
         >>> probs, routing_map = topk_route(torch.randn(4, 8), 2, score_function="sigmoid")
@@ -124,10 +166,11 @@ def topk_route(logits, top_k, *, score_function="softmax", pre_softmax=False, nu
     scores = compute_scores(logits.detach(), fn, pre_softmax)
     if expert_bias is not None:
         scores = scores + expert_bias.to(scores.dtype)
+    eligible = None
     if num_groups is not None:
-        scores = mask_to_best_groups(scores, num_groups, group_topk,
-                                     group_score_count(top_k, group_topk, group_score_topk))
-    idx = topk_lowest_index(scores, top_k)
+        eligible = best_groups(scores, num_groups, group_topk,
+                               group_score_count(top_k, group_topk, group_score_topk))
+    idx = topk_lowest_index(scores, top_k, eligible)
     chosen = probs_of_chosen(logits, idx, fn, pre_softmax, top_k, normalize_topk_probs)
     if scaling_factor is not None:
         chosen = chosen * scaling_factor
@@ -160,7 +203,8 @@ def apply_capacity(probs, routing_map, capacity_factor):
 
     capacity = ceil(num_assignments * capacity_factor / E), with num_assignments the number of
     True entries of `routing_map` (T * top_k when every token chose top_k experts). Among equal
-    probabilities the lower token index is kept. Pure tensor ops, computed on the device:
+    probabilities the lower token index is kept; NaN probabilities rank below every number, so
+    a token with non-finite logits is the first dropped. Pure tensor ops, computed on the device:
     no host synchronisation, so the kernels' path uses this function as it is.
 
     Args:
@@ -179,8 +223,11 @@ def apply_capacity(probs, routing_map, capacity_factor):
     t, e = probs.shape
     assignments = routing_map.sum(dtype=torch.float64)
     capacity = torch.ceil(assignments * capacity_factor / e)
-    key = probs.detach().float().masked_fill(~routing_map, float("-inf"))
-    order = torch.sort(key, dim=0, descending=True, stable=True).indices           # [T, E]
+    value = probs.detach().float()
+    # routed before not routed; a NaN probability (a token with non-finite logits) after every
+    # routed number, so it never takes another token's place
+    tier = 2 * routing_map.to(torch.int8) + (routing_map & ~torch.isnan(value)).to(torch.int8)
+    order = _order_by(_comparable(value), tier, dim=0)                              # [T, E]
     ranks = torch.arange(t, device=probs.device).unsqueeze(1).expand(t, e)
     rank = torch.empty_like(order).scatter_(0, order, ranks)                         # rank in column
     kept = routing_map & (rank < capacity)

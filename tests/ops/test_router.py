@@ -3,13 +3,12 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
 
 from qmoe import ops
 from qmoe.ops import apply_capacity, topk_route
 from qmoe.reference import router as reference
-
-INF = float("inf")
+from tests.ops.router_inputs import INF, NAN, router_cases, sprinkle_non_finite
 BACKWARD_ARGS = ("score_function", "pre_softmax", "scaling_factor", "normalize_topk_probs")
 
 
@@ -144,39 +143,69 @@ def test_scaling_factor_multiplies_probs():
     torch.testing.assert_close(p2, p1 * 3.0, rtol=1e-6, atol=0)
 
 
-@st.composite
-def router_cases(draw):
-    e = draw(st.sampled_from([4, 6, 8, 16]))
-    t = draw(st.integers(1, 12))
-    k = draw(st.integers(1, e))
-    fn = draw(st.sampled_from(["softmax", "sigmoid", "sqrtsoftplus"]))
-    pre = fn == "softmax" and draw(st.booleans())
-    kw = dict(score_function=fn, pre_softmax=pre)
-    if fn != "softmax" or pre:
-        kw["normalize_topk_probs"] = draw(st.sampled_from([None, True, False]))
-    groups = [g for g in (2, 4) if e % g == 0 and draw(st.booleans())]
-    if groups:
-        g = groups[0]
-        score_topk = draw(st.sampled_from([None] + list(range(1, e // g + 1))))
-        gk = draw(st.sampled_from([d for d in range(1, g + 1)
-                                   if (score_topk is not None or k % d == 0) and d * (e // g) >= k] or [None]))
-        if gk is not None:
-            kw.update(num_groups=g, group_topk=gk, group_score_topk=score_topk)
-    if draw(st.booleans()):
-        kw["expert_bias"] = torch.tensor(draw(st.lists(st.floats(-2, 2), min_size=e, max_size=e)))
-    if draw(st.booleans()):
-        kw["scaling_factor"] = draw(st.floats(0.5, 4))
-    kind = draw(st.sampled_from(["random", "ties", "one_expert", "inf_columns"]))
-    logits = torch.randn(t, e, generator=torch.Generator().manual_seed(draw(st.integers(0, 99))))
-    if kind == "ties":
-        # non-negative: sigmoid(x) + sigmoid(-x) == 1 would make group scores tie only up to
-        # rounding, where kernel and reference may round apart
-        logits = logits.abs().round()
-    elif kind == "one_expert":
-        logits[:, draw(st.integers(0, e - 1))] = 20.0
-    elif kind == "inf_columns":
-        logits[:, 0] = -INF
-    return logits, k, kw
+# ------------------------------------------------------------------ non-finite values
+# The selection order (qmoe/reference/router.py): eligible, then NaN, then larger, then lower index.
+
+SCORE_FUNCTIONS = [("softmax", False), ("softmax", True), ("sigmoid", False), ("sqrtsoftplus", False)]
+SCORE_IDS = ["softmax", "pre_softmax", "sigmoid", "sqrtsoftplus"]
+
+
+@pytest.mark.parametrize("fn,pre", SCORE_FUNCTIONS, ids=SCORE_IDS)
+def test_nan_ranks_first_and_a_nan_row_takes_the_lowest_experts(fn, pre):
+    logits = torch.tensor([[1.0, NAN, 2.0, 0.0, 3.0],
+                           [NAN, NAN, NAN, NAN, NAN],
+                           [0.5, 1.0, -1.0, 2.0, 0.0]])
+    probs, routing_map = _route(logits, 2, score_function=fn, pre_softmax=pre)
+    # pre_softmax: one NaN makes the whole row's softmax NaN, so row 0 ties like row 1
+    row0 = [True, True, False, False, False] if pre else [False, True, False, False, True]
+    assert routing_map.tolist() == [row0, [True, True, False, False, False], [False, True, False, True, False]]
+    assert probs[:2][routing_map[:2]].isnan().all() and (probs[:2][~routing_map[:2]] == 0).all()
+    alone, alone_map = _route(logits[2:], 2, score_function=fn, pre_softmax=pre)
+    assert torch.equal(alone_map, routing_map[2:]) and torch.equal(alone, probs[2:])
+
+
+@pytest.mark.parametrize("fn", ["softmax", "sigmoid", "sqrtsoftplus"])
+def test_infinities_rank_as_the_extreme_numbers_and_signed_zeros_tie(fn):
+    logits = torch.tensor([[-INF, 1.0, INF, 0.0, INF], [-INF, 0.0, -INF, 1.0, 2.0], [-0.0, 0.0, -1.0, -2.0, -3.0],
+                           [0.0, -0.0, -1.0, -2.0, -3.0]])
+    _, routing_map = _route(logits, 3, score_function=fn)
+    assert routing_map.int().tolist() == [[0, 1, 1, 0, 1], [0, 1, 0, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 0, 0]]
+    _, routing_map = _route(logits, 4, score_function=fn)
+    assert routing_map[1].int().tolist() == [1, 1, 0, 1, 1]  # -inf ties go to the lower expert
+    _, routing_map = _route(logits[2:], 1, score_function=fn)
+    assert routing_map[:, 0].all()
+
+
+def test_experts_outside_the_kept_groups_never_beat_an_eligible_minus_inf():
+    # 2 groups of 2, one kept: group 1 (score 5) holds expert 2 (5.0) and expert 3 (-inf); the
+    # second choice is expert 3, not a -inf-scored expert of the discarded group 0
+    logits = torch.tensor([[-INF, -INF, 5.0, -INF]])
+    _, routing_map = _route(logits, 2, num_groups=2, group_topk=1, group_score_topk=1)
+    assert routing_map.tolist() == [[False, False, True, True]]
+
+
+def test_a_group_holding_a_nan_ranks_first():
+    logits = torch.tensor([[9.0, 9.0, 0.0, NAN, 1.0, 1.0, 2.0, 2.0]])
+    probs, routing_map = _route(logits, 2, score_function="sigmoid", num_groups=4, group_topk=1)
+    assert routing_map.tolist() == [[False, False, True, True, False, False, False, False]]
+    assert probs[routing_map].isnan().all()
+
+
+def test_a_nan_expert_bias_entry_is_every_tokens_first_choice_with_finite_probs():
+    logits = torch.randn(6, 4, generator=torch.Generator().manual_seed(7))
+    bias = torch.tensor([0.0, NAN, 0.0, 0.0])
+    probs, routing_map = _route(logits, 2, score_function="sigmoid", expert_bias=bias)
+    assert routing_map[:, 1].all() and (routing_map.sum(1) == 2).all()
+    assert torch.isfinite(probs).all()
+
+
+def test_capacity_drops_a_nan_probability_first():
+    probs = torch.tensor([[NAN, 0.0], [0.5, 0.0], [0.4, 0.0], [0.3, 0.0]])
+    routing_map = torch.tensor([[True, False]] * 4)
+    _, kept = apply_capacity(probs, routing_map, 1.0)  # cap = ceil(4 / 2) = 2
+    assert kept[:, 0].tolist() == [False, True, True, False]
+    _, kept = apply_capacity(probs, routing_map, 2.0)  # room for all
+    assert kept[:, 0].all()
 
 
 @given(router_cases())
@@ -189,6 +218,14 @@ def test_reference_invariants(case):
     if "num_groups" in kw:
         per_group = routing_map.view(len(logits), kw["num_groups"], -1).any(-1).sum(-1)
         assert (per_group <= kw["group_topk"]).all()
+    # a non-finite logit changes its own token only: the finite rows route as they do when
+    # every other row is zero (a non-finite expert_bias is shared by all tokens: no such claim)
+    finite = torch.isfinite(logits).all(1)
+    bias = kw.get("expert_bias")
+    if not finite.all() and (bias is None or torch.isfinite(bias).all()):
+        clean_probs, clean_map = reference.topk_route(logits.masked_fill(~finite[:, None], 0), k, **kw)
+        assert torch.equal(routing_map[finite], clean_map[finite])
+        assert torch.equal(probs[finite], clean_probs[finite])
 
 
 @pytest.mark.parametrize("kw", [
@@ -297,6 +334,7 @@ def _compare_on_gpu(logits, k, kw):
     from qmoe.kernels import router as kernels
     p_ref, m_ref = reference.topk_route(logits, k, **kw)
     p_k, m_k = kernels.topk_route(logits, k, **kw)
+    assert (m_k.sum(1) == k).all()
     assert torch.equal(m_k, m_ref)
     torch.testing.assert_close(p_k, p_ref, rtol=1e-5, atol=1e-7, equal_nan=True)
     g = torch.randn_like(p_ref)
@@ -316,6 +354,15 @@ def test_kernel_equals_reference(t, e, k, kw, dtype):
     torch.manual_seed(t + e)
     logits = (torch.randn(t, e, device="cuda") * 2).to(dtype)
     _compare_on_gpu(logits, k, _materialise(kw, e, "cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,e,k,kw", GPU_CASES, ids=[f"T{c[0]}-E{c[1]}-K{c[2]}" for c in GPU_CASES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_equals_reference_with_non_finite_logits(t, e, k, kw, dtype):
+    # rows of NaN, +inf and -inf, and 5 % of the other entries non-finite
+    logits = sprinkle_non_finite(torch.randn(t, e, generator=torch.Generator().manual_seed(t)) * 2, 0.05, seed=t)
+    _compare_on_gpu(logits.to("cuda", dtype), k, _materialise(kw, e, "cuda"))
 
 
 @pytest.mark.gpu
