@@ -8,12 +8,16 @@
 """
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
 from qmoe.contracts.formats import FLT_MAX
 
 _FLT_MAX = tl.constexpr(FLT_MAX)
+# sm89+ converts fp32 to FP8 with cvt.rn.satfinite (cast_codes); Triton's interpreter casts without saturating.
+_HW_SATFINITE = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 INF_BITS = tl.constexpr(0x7F800000)  # bits of +inf: |x|'s bits above it are NaN
 _ABS_MASK = tl.constexpr(0x7FFFFFFF)
 
@@ -119,6 +123,17 @@ def cast_bits(x, MAX: tl.constexpr, DTYPE: tl.constexpr):
     transpose stored, fp8-typed tiles come out corrupted on Triton 3.6's bundled ptxas (12.9) on
     sm90 (triton-lang/triton#11111; the same conversion of 8-bit integers is clean)."""
     return cast_satfinite(x, MAX, DTYPE).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def cast_codes(x, MAX: tl.constexpr, DTYPE: tl.constexpr):
+    """cast_bits, leaving the clamp to the hardware where it has one: the GPU's conversion to FP8
+    (cvt.rn.satfinite) takes +-inf and values beyond +-MAX to +-MAX and keeps NaN, which is what
+    the clamp does, so the codes are the same bits two instructions per value cheaper."""
+    if _HW_SATFINITE:
+        return x.to(DTYPE, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+    else:
+        return cast_bits(x, MAX, DTYPE)
 
 
 @triton.jit

@@ -6,6 +6,8 @@
 - Block amaxes and scale broadcasts over runs of B along either axis of a [R, C] tile, or over
   B x B blocks (exact: see `qmoe.kernels._arith`).
 - The random Hadamard transform of runs of 16, 8-bit stores, Philox uniforms for stochastic rounding.
+- Row quads: a tile held as four tiles x_j of its rows 4i + j, so that four codes of one column,
+  which a transposed copy stores as one 32-bit word, sit in one thread (`interleave4`).
 """
 from __future__ import annotations
 
@@ -43,6 +45,22 @@ def tile_rows(splits_ptr, M, G, pid, BM: tl.constexpr, SB: tl.constexpr, G_P2: t
         return g, start + local, start + size, sblk + local // SB, start
     else:
         return 0, pid * BM, M, pid * (BM // SB), 0
+
+
+@triton.jit
+def tile_pids(K, BK: tl.constexpr, K_MAJOR: tl.constexpr):
+    """(virtual row tile, column tile) of this program.
+
+    K_MAJOR: a 1-D grid of row tiles x cdiv(K, BK) in which consecutive programs walk along K, so
+    the programs running together read whole rows and write neighbouring entries of per-row scale
+    arrays; else the 2-D grid (row tiles, column tiles), consecutive programs walking down M.
+    """
+    if K_MAJOR:
+        nk = tl.cdiv(K, BK)
+        pid = tl.program_id(0)
+        return pid // nk, pid % nk
+    else:
+        return tl.program_id(0), tl.program_id(1)
 
 
 @triton.jit
@@ -153,6 +171,41 @@ def store8(ptr, vals, row0, col0, stride, row_end, col_end, R: tl.constexpr, C: 
         cols = col0 + tl.arange(0, C)
         tl.store(ptr + rows[:, None].to(tl.int64) * stride + cols[None, :], vals,
                  mask=(rows < row_end)[:, None] & (cols < col_end)[None, :])
+
+
+@triton.jit
+def store8_rows4(ptr, vals, row0, j, col0, stride, row_end, col_end, R4: tl.constexpr, C: tl.constexpr):
+    """store8 of rows row0 + 4i + j (i < R4) of an 8-bit [4 * R4, C] tile, vals [R4, C]: the same
+    16-byte words for whole aligned tiles, masked bytes otherwise."""
+    rows = row0 + tl.arange(0, R4) * 4 + j
+    if (row0 + 4 * R4 <= row_end) & (col0 + C <= col_end) & (col0 % 16 == 0) & (stride % 16 == 0):
+        words = (col0 // 16) * 4 + tl.arange(0, C // 4)
+        tl.store(ptr.to(tl.pointer_type(tl.int32)) + rows[:, None].to(tl.int64) * ((stride // 16) * 4)
+                 + words[None, :], pack4(vals, R4, C))
+    else:
+        cols = col0 + tl.arange(0, C)
+        tl.store(ptr + rows[:, None].to(tl.int64) * stride + cols[None, :], vals,
+                 mask=(rows < row_end)[:, None] & (cols < col_end)[None, :])
+
+
+@triton.jit
+def interleave4(v0, v1, v2, v3, R: tl.constexpr, C4: tl.constexpr):
+    """The [R, 4 * C4] tile t with t[r, 4i + j] = v_j[r, i], each thread's four values of a column
+    group in its own registers (tl.join keeps what it joins in one thread): the transposed copy of
+    a row quad, whose runs of four along M then pack into words without moving between threads."""
+    return tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), (R, 4 * C4))
+
+
+@triton.jit
+def quad_abs_bits(x0, x1, x2, x3):
+    """Elementwise max of |x_j|'s bits over a row quad (NaN wins): a [R4, C] int32 tile."""
+    return tl.maximum(tl.maximum(abs_bits(x0), abs_bits(x1)), tl.maximum(abs_bits(x2), abs_bits(x3)))
+
+
+@triton.jit
+def runs_max_first(b, R: tl.constexpr, C: tl.constexpr, B: tl.constexpr):
+    """Max of an int [R, C] tile over runs of B along the first axis -> [R // B, C]."""
+    return tl.max(tl.reshape(b, (R // B, B, C)), 1)
 
 
 @triton.jit

@@ -3,7 +3,9 @@
 Twin of `qmoe/reference/quantize.py`: same public names and signatures, same codes and scales
 bit for bit. Shapes: x [M, K]; rowwise data [M, K], columnwise data [K, M] (the quantized
 transpose). Every kernel reads one [BM, BK] tile of x once and writes both orientations from
-it (the columnwise copy through `tl.trans`), so asking for both costs one pass over x.
+it (the columnwise copy through `tl.trans`), so asking for both costs one pass over x. The cast
+kernels' autotune configs include variants (row quads, grid order, chunks, register caps) that
+give the same bits: `qmoe/kernels/_cast_variants.py`.
 
 The same kernels serve `qmoe/kernels/grouped_quantize.py`: with GROUPED, the row tiles follow
 the device split sizes (see `tiles.tile_rows`) and per-group values index by group.
@@ -27,12 +29,15 @@ import triton.language as tl
 from qmoe.contracts.errors import UnsupportedError
 from qmoe.contracts.formats import ElementFormat, ScaleMode, ceil_div
 from qmoe.kernels.activation import NO_ACTIVATION, input_width, load_rows
-from qmoe.kernels._arith import (atomic_max_bits, cast_bits, exp2_int, fp8_scale_from_amax, max_abs_bits, mx_exponent,
-                                reciprocal, saturate)
+from qmoe.kernels._arith import (atomic_max_bits, cast_codes, exp2_int, fp8_scale_from_amax, max_abs_bits, reciprocal,
+                                saturate)
+from qmoe.kernels._cast_variants import prune_blocks  # noqa: F401 (the NVFP4 kernels prune with it too)
+from qmoe.kernels._cast_variants import (BLOCK128_CONFIGS, CAST_CONFIGS, block_quads, launch_cast, load_quads,
+                                         mx_multiplier, mx_quads, mx_rows, prune_variants, store_quads)
 from qmoe.kernels._launch import kernel_op, launch, prune_oversized, tile_configs, wrapped
 from qmoe.kernels._layout import as_rows, group_pow2
-from qmoe.kernels._tiles import (block_amax_2d, block_amax_first, block_amax_last, scale_2d, scale_last, store8,
-                                tile_rows, tile_span)
+from qmoe.kernels._tiles import (block_amax_2d, block_amax_first, block_amax_last, quad_abs_bits, scale_2d, scale_last,
+                                store8, tile_pids, tile_rows, tile_span)
 
 _TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 
@@ -44,21 +49,7 @@ def fp8_meta(fmt: ElementFormat):
     return _TL_FP8[fmt.dtype]
 
 
-def prune_blocks(configs, named_args, **kwargs):
-    """Tiles must hold whole blocks: BK % B along K; BM % B where blocks run along M too."""
-    b = kwargs.get("B", 1)
-    along_m = kwargs.get("COLWISE", False) or kwargs.get("BLOCK_2D", False)
-    ok = [c for c in configs if c.kwargs["BK"] % b == 0 and (not along_m or c.kwargs["BM"] % b == 0)]
-    return prune_oversized(ok, named_args, **kwargs)
-
-
-# Configs: 16-64 elements per thread (8-32 KB of bf16 per program), the range where the reductions
-# and the transposed store stay in registers without spilling (ptxas -v on sm_90a); the autotuner
-# picks per (M, K, G) and per fused activation (ACT: h's two loads and the activation's registers
-# change the best tile). Short lists on purpose: every config is one more compile per specialization.
 _TILE_CONFIGS = tile_configs(((32, 64, 4), (32, 128, 4), (64, 128, 8), (128, 128, 8)))
-# 128-wide blocks: BK = 128; BM = 128 whenever blocks also run along M (columnwise, 128x128).
-_BLOCK128_CONFIGS = tile_configs(((32, 128, 4), (64, 128, 8), (128, 128, 8), (128, 128, 16)))
 _KEY = ["M", "K", "G", "ACT"]
 # Kernels with block scales also key on orientation and block shape: they decide which tiles are
 # legal (a tile tuned for a rowwise-only call cannot hold the 128-row blocks of a columnwise one).
@@ -93,11 +84,17 @@ def _amax_kernel(
 
 
 def tile_grid(m: int, k: int, groups: int, grouped: bool):
-    """The launch grid of a tile kernel: virtual row tiles (`tiles.tile_rows`) x column tiles."""
-    return lambda meta: (triton.cdiv(m, meta["BM"]) + (groups if grouped else 0), triton.cdiv(k, meta["BK"]))
+    """The launch grid of a tile kernel: virtual row tiles (`tiles.tile_rows`) x column tiles, as
+    a 2-D grid, or a 1-D one walking along K first for configs with K_MAJOR (`tiles.tile_pids`)."""
+    def grid(meta):
+        rows, cols = triton.cdiv(m, meta["BM"]) + (groups if grouped else 0), triton.cdiv(k, meta["BK"])
+        return (rows * cols,) if meta.get("K_MAJOR") else (rows, cols)
+    return grid
 
 
 _SMALL_TILE = triton.Config({"BM": 32, "BK": 64}, num_warps=4, num_stages=1)
+# Small problems' config for the cast kernels (launch's `small`): a plain 32x64 tile.
+_SMALL_CAST = triton.Config({"BM": 32, "BK": 64, "QUAD": 0, "K_MAJOR": 0}, num_warps=4, num_stages=1)
 
 
 @kernel_op("qmoe::quantize_amax")
@@ -165,8 +162,8 @@ def compute_fp8_scale(amax: torch.Tensor, fmt_max: float, power_2_scale: bool = 
 
 # ---------------------------------------------------------------- FP8 per tensor
 
-@triton.autotune(configs=_TILE_CONFIGS, key=_KEY, reset_to_zero=["amax_ptr"],
-                 prune_configs_by={"early_config_prune": prune_oversized})
+@triton.autotune(configs=CAST_CONFIGS, key=ORIENTED_KEY, reset_to_zero=["amax_ptr"],
+                 prune_configs_by={"early_config_prune": prune_variants})
 @triton.jit
 def _fp8_tensorwise_kernel(
         # pointers
@@ -177,21 +174,42 @@ def _fp8_tensorwise_kernel(
         stride_xm,
         # meta
         ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, FMT_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr,
-        ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
-        GROUPED: tl.constexpr, G_P2: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+        ROWWISE: tl.constexpr, COLWISE: tl.constexpr, GROUPED: tl.constexpr, G_P2: tl.constexpr,
+        QUAD: tl.constexpr, K_MAJOR: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     """q = cast(x * scale[g]) in both orientations, and max|x| per group with inf and NaN (what
-    delayed scaling records: a non-finite step is left out of its history)."""
-    g, row0, row_end, _, _ = tile_rows(splits_ptr, M, G, tl.program_id(0), BM, BM, G_P2, GROUPED)
+    delayed scaling records: a non-finite step is left out of its history).
+
+    One scale: the codes are cast once and the transposed copy is their transpose. QUAD holds
+    the tile as a row quad (its transposed words are built in registers, `interleave4`), else
+    as one tile (`store8`). The scale and the recorded maximum are read before the first store
+    (an atomic orders later loads behind it), and the atomic comes last.
+    """
+    pid_m, pid_k = tile_pids(K, BK, K_MAJOR)
+    g, row0, row_end, _, _ = tile_rows(splits_ptr, M, G, pid_m, BM, BM, G_P2, GROUPED)
     if g >= G:
         return
-    rows, col0, cols, m_ok, k_ok = tile_span(row0, row_end, K, BM, BK)
-    x = load_rows(x_ptr, probs_ptr, rows, cols, m_ok, k_ok, stride_xm, K, ACT, GLU_BLOCK).to(tl.float32)
-    atomic_max_bits(amax_ptr + g, max_abs_bits(x, False))
     scale = tl.load(scale_ptr + g)
-    if ROWWISE:
-        store8(row_ptr, cast_bits(x * scale, FMT_MAX, OUT_DTYPE), row0, col0, K, row_end, K, BM, BK)
-    if COLWISE:  # the quantized transpose [K, M]
-        store8(col_ptr, cast_bits(tl.trans(x) * scale, FMT_MAX, OUT_DTYPE), col0, row0, M, K, row_end, BK, BM)
+    seen = tl.load(amax_ptr + g)
+    col0 = pid_k * BK
+    cols = col0 + tl.arange(0, BK)
+    if QUAD:
+        x0, x1, x2, x3 = load_quads(x_ptr, probs_ptr, row0, row_end, cols, cols < K, stride_xm, K, ACT, GLU_BLOCK,
+                                    BM // 4)
+        store_quads(row_ptr, col_ptr, x0 * scale, x1 * scale, x2 * scale, x3 * scale, row0, col0, M, K, row_end,
+                    FMT_MAX, OUT_DTYPE, ROWWISE, COLWISE, BM // 4, BK)
+        amax = tl.max(tl.max(quad_abs_bits(x0, x1, x2, x3), 1), 0)
+    else:
+        rows = row0 + tl.arange(0, BM)
+        x = load_rows(x_ptr, probs_ptr, rows, cols, rows < row_end, cols < K, stride_xm, K, ACT,
+                      GLU_BLOCK).to(tl.float32)
+        q = cast_codes(x * scale, FMT_MAX, OUT_DTYPE)
+        if ROWWISE:
+            store8(row_ptr, q, row0, col0, K, row_end, K, BM, BK)
+        if COLWISE:  # the quantized transpose [K, M]
+            store8(col_ptr, tl.trans(q), col0, row0, M, K, row_end, BK, BM)
+        amax = max_abs_bits(x, False)
+    if amax > seen:  # see atomic_max_bits; a stale `seen` only costs an atomic
+        tl.atomic_max(amax_ptr + g, amax)
 
 
 @kernel_op("qmoe::quantize_fp8_tensorwise")
@@ -206,12 +224,11 @@ def fp8_tensorwise_op(x: torch.Tensor, scale: torch.Tensor, splits: Optional[tor
     bits = torch.zeros(num_groups, dtype=torch.int32, device=x.device)
     if m * k:
         grouped = splits is not None
-        launch(_fp8_tensorwise_kernel, tile_grid(m, k, num_groups, grouped),
-               (x, probs if probs is not None else x, scale.reshape(-1), row.view(torch.uint8), col.view(torch.uint8),
-                bits, splits if grouped else x, m, k, num_groups, x.stride(0)),
-               _SMALL_TILE, m * k, ACT=act, GLU_BLOCK=glu_block, FMT_MAX=fmt_max, OUT_DTYPE=_TL_FP8[out_dtype],
-               ROWWISE=rowwise,
-               COLWISE=columnwise, GROUPED=grouped, G_P2=group_pow2(num_groups))
+        launch_cast(_fp8_tensorwise_kernel, tile_grid(m, k, num_groups, grouped),
+                    (x, probs if probs is not None else x, scale.reshape(-1), row.view(torch.uint8),
+                     col.view(torch.uint8), bits, splits if grouped else x, m, k, num_groups, x.stride(0)),
+                    _SMALL_CAST, m * k, ACT=act, GLU_BLOCK=glu_block, FMT_MAX=fmt_max, OUT_DTYPE=_TL_FP8[out_dtype],
+                    ROWWISE=rowwise, COLWISE=columnwise, GROUPED=grouped, G_P2=group_pow2(num_groups))
     return row, col, bits.view(torch.float32)
 
 
@@ -229,8 +246,8 @@ def quantize_fp8_tensorwise(x: torch.Tensor, scale: torch.Tensor, fmt: ElementFo
 
 # ---------------------------------------------------------------- FP8 blocks (1x128, 128x128)
 
-@triton.autotune(configs=_BLOCK128_CONFIGS, key=ORIENTED_KEY + ["BLOCK_2D"],
-                 prune_configs_by={"early_config_prune": prune_blocks})
+@triton.autotune(configs=BLOCK128_CONFIGS, key=ORIENTED_KEY + ["BLOCK_2D"],
+                 prune_configs_by={"early_config_prune": prune_variants})
 @triton.jit
 def _fp8_block_kernel(
         # pointers
@@ -243,13 +260,27 @@ def _fp8_block_kernel(
         ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, FMT_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr,
         POW2: tl.constexpr, B: tl.constexpr,
         BLOCK_2D: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr, GROUPED: tl.constexpr,
-        G_P2: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    """FP8 with an fp32 scale per 1 x B run (each orientation) or per B x B tile (shared)."""
-    pid_k = tl.program_id(1)
-    g, row0, row_end, sblk0, _ = tile_rows(splits_ptr, M, G, tl.program_id(0), BM, B, G_P2, GROUPED)
+        G_P2: tl.constexpr, QUAD: tl.constexpr, K_MAJOR: tl.constexpr, BKC: tl.constexpr, BM: tl.constexpr,
+        BK: tl.constexpr):
+    """FP8 with an fp32 scale per 1 x B run (each orientation) or per B x B tile (shared).
+
+    QUAD: one B x B block per program as a row quad, in chunks of BKC columns (`_block_quads`).
+    Otherwise one [BM, BK] tile: 2-D blocks cast once for both orientations; 1 x B columnwise
+    runs cast from the transposed input.
+    """
+    pid_m, pid_k = tile_pids(K, BK, K_MAJOR)
+    g, row0, row_end, sblk0, _ = tile_rows(splits_ptr, M, G, pid_m, BM, B, G_P2, GROUPED)
     if g >= G:
         return
-    rows, col0, cols, m_ok, k_ok = tile_span(row0, row_end, K, BM, BK)
+    col0 = pid_k * BK
+    if QUAD:
+        block_quads(x_ptr, probs_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk0, col0, M, K, eps,
+                     stride_xm, stride_rs, stride_cs, ACT, GLU_BLOCK, FMT_MAX, OUT_DTYPE, POW2, B, BLOCK_2D, ROWWISE,
+                     COLWISE, BKC)
+        return
+    rows = row0 + tl.arange(0, BM)
+    cols = col0 + tl.arange(0, BK)
+    m_ok, k_ok = rows < row_end, cols < K
     x = load_rows(x_ptr, probs_ptr, rows, cols, m_ok, k_ok, stride_xm, K, ACT, GLU_BLOCK).to(tl.float32)
     kb = pid_k * (BK // B) + tl.arange(0, BK // B)
     kb_ok = kb * B < K
@@ -258,19 +289,17 @@ def _fp8_block_kernel(
         mb_ok = row0 + tl.arange(0, BM // B) * B < row_end
         scale = fp8_scale_from_amax(block_amax_2d(x, BM, BK, B), FMT_MAX, POW2, eps)
         inv = reciprocal(scale)
+        q = cast_codes(scale_2d(x, scale, BM, BK, B), FMT_MAX, OUT_DTYPE)
         if ROWWISE:
-            store8(row_ptr, cast_bits(scale_2d(x, scale, BM, BK, B), FMT_MAX, OUT_DTYPE), row0, col0, K, row_end,
-                   K, BM, BK)
+            store8(row_ptr, q, row0, col0, K, row_end, K, BM, BK)
             tl.store(row_s_ptr + mb[:, None] * stride_rs + kb[None, :], inv, mask=mb_ok[:, None] & kb_ok[None, :])
-        if COLWISE:  # the same scales; the transposed input is cast in its own layout
-            q_t = cast_bits(scale_2d(tl.trans(x), tl.trans(scale), BK, BM, B), FMT_MAX, OUT_DTYPE)
-            store8(col_ptr, q_t, col0, row0, M, K, row_end, BK, BM)
-            tl.store(col_s_ptr + kb[:, None] * stride_cs + mb[None, :], tl.trans(inv),
-                     mask=kb_ok[:, None] & mb_ok[None, :])
+        if COLWISE:  # the same scales, so the same codes, transposed
+            store8(col_ptr, tl.trans(q), col0, row0, M, K, row_end, BK, BM)
+            tl.store(col_s_ptr + kb[None, :] * stride_cs + mb[:, None], inv, mask=mb_ok[:, None] & kb_ok[None, :])
     else:
         if ROWWISE:
             scale = fp8_scale_from_amax(block_amax_last(x, BM, BK, B, False), FMT_MAX, POW2, eps)
-            store8(row_ptr, cast_bits(scale_last(x, scale, BM, BK, B), FMT_MAX, OUT_DTYPE), row0, col0, K, row_end,
+            store8(row_ptr, cast_codes(scale_last(x, scale, BM, BK, B), FMT_MAX, OUT_DTYPE), row0, col0, K, row_end,
                    K, BM, BK)
             tl.store(row_s_ptr + rows[:, None].to(tl.int64) * stride_rs + kb[None, :], reciprocal(scale),
                      mask=m_ok[:, None] & kb_ok[None, :])
@@ -278,7 +307,7 @@ def _fp8_block_kernel(
             mb = sblk0 + tl.arange(0, BM // B)
             mb_ok = row0 + tl.arange(0, BM // B) * B < row_end
             scale_t = tl.trans(fp8_scale_from_amax(block_amax_first(x, BM, BK, B, False), FMT_MAX, POW2, eps))
-            q_t = cast_bits(scale_last(tl.trans(x), scale_t, BK, BM, B), FMT_MAX, OUT_DTYPE)
+            q_t = cast_codes(scale_last(tl.trans(x), scale_t, BK, BM, B), FMT_MAX, OUT_DTYPE)
             store8(col_ptr, q_t, col0, row0, M, K, row_end, BK, BM)
             tl.store(col_s_ptr + cols[:, None].to(tl.int64) * stride_cs + mb[None, :], reciprocal(scale_t),
                      mask=k_ok[:, None] & mb_ok[None, :])
@@ -310,14 +339,15 @@ def fp8_block_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: in
         row_s = torch.empty((m, nkb) if rowwise else (0,), dtype=f32, device=dev)
         col_s = alloc((k, width) if columnwise else (0,), dtype=f32, device=dev)
     if m * k:
-        small = triton.Config({"BM": b if (columnwise or two_d) else 32, "BK": b}, num_warps=4, num_stages=1)
-        launch(_fp8_block_kernel, tile_grid(m, k, num_groups, grouped),
-               (x, probs if probs is not None else x, row.view(torch.uint8), row_s, col.view(torch.uint8), col_s,
-                splits if grouped else x, m, k, num_groups, amax_epsilon,
-                x.stride(0), nkb, width),
-               small, m * k, ACT=act, GLU_BLOCK=glu_block, FMT_MAX=fmt_max, OUT_DTYPE=_TL_FP8[out_dtype],
-               POW2=power_2_scale, B=b,
-               BLOCK_2D=two_d, ROWWISE=rowwise, COLWISE=columnwise, GROUPED=grouped, G_P2=group_pow2(num_groups))
+        small = triton.Config({"BM": b if (columnwise or two_d) else 32, "BK": b, "QUAD": 0, "K_MAJOR": 0, "BKC": b},
+                              num_warps=4, num_stages=1)
+        launch_cast(_fp8_block_kernel, tile_grid(m, k, num_groups, grouped),
+                    (x, probs if probs is not None else x, row.view(torch.uint8), row_s, col.view(torch.uint8), col_s,
+                     splits if grouped else x, m, k, num_groups, amax_epsilon,
+                     x.stride(0), nkb, width),
+                    small, m * k, ACT=act, GLU_BLOCK=glu_block, FMT_MAX=fmt_max, OUT_DTYPE=_TL_FP8[out_dtype],
+                    POW2=power_2_scale, B=b,
+                    BLOCK_2D=two_d, ROWWISE=rowwise, COLWISE=columnwise, GROUPED=grouped, G_P2=group_pow2(num_groups))
     return row, row_s, col, col_s
 
 
@@ -345,7 +375,7 @@ def quantize_fp8_block(x: torch.Tensor, block_rows: int, block_cols: int, fmt: E
 
 # ---------------------------------------------------------------- MXFP8 (1x32, E8M0 scales)
 
-@triton.autotune(configs=_TILE_CONFIGS, key=ORIENTED_KEY, prune_configs_by={"early_config_prune": prune_blocks})
+@triton.autotune(configs=CAST_CONFIGS, key=ORIENTED_KEY, prune_configs_by={"early_config_prune": prune_variants})
 @triton.jit
 def _mxfp8_kernel(
         # pointers
@@ -358,33 +388,38 @@ def _mxfp8_kernel(
         ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, FMT_MAX: tl.constexpr, EMAX: tl.constexpr, ROUND_UP: tl.constexpr,
         OUT_DTYPE: tl.constexpr,
         B: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr, GROUPED: tl.constexpr,
-        G_P2: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    """MXFP8: codes cast(x * 2^-b) with an E8M0 byte b + 127 per 1 x B run, in each orientation."""
-    pid_k = tl.program_id(1)
-    g, row0, row_end, sblk0, _ = tile_rows(splits_ptr, M, G, tl.program_id(0), BM, B, G_P2, GROUPED)
+        G_P2: tl.constexpr, QUAD: tl.constexpr, K_MAJOR: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """MXFP8: codes cast(x * 2^-b) with an E8M0 byte b + 127 per 1 x B run, in each orientation.
+
+    QUAD: the tile as a row quad (runs along M are runs of B / 4 quad rows); else one tile whose
+    columnwise codes are cast from the transposed input.
+    """
+    pid_m, pid_k = tile_pids(K, BK, K_MAJOR)
+    g, row0, row_end, sblk0, _ = tile_rows(splits_ptr, M, G, pid_m, BM, B, G_P2, GROUPED)
     if g >= G:
         return
-    rows, col0, cols, m_ok, k_ok = tile_span(row0, row_end, K, BM, BK)
-    x = load_rows(x_ptr, probs_ptr, rows, cols, m_ok, k_ok, stride_xm, K, ACT, GLU_BLOCK).to(tl.float32)
-    if ROWWISE:
-        kb = pid_k * (BK // B) + tl.arange(0, BK // B)
-        amax = block_amax_last(x, BM, BK, B, False)
-        b = mx_exponent(amax, FMT_MAX, EMAX, ROUND_UP)
-        mult = tl.where(b == 128, amax, exp2_int(-b))  # a NaN block multiplies by NaN (amax is NaN there)
-        store8(row_ptr, cast_bits(scale_last(x, mult, BM, BK, B), FMT_MAX, OUT_DTYPE), row0, col0, K, row_end, K,
-               BM, BK)
-        tl.store(row_s_ptr + rows[:, None].to(tl.int64) * stride_rs + kb[None, :], (b + 127).to(tl.uint8),
-                 mask=m_ok[:, None] & (kb * B < K)[None, :])
-    if COLWISE:  # exponents of runs along M from the loaded tile; codes cast from the transposed input
-        mb = sblk0 + tl.arange(0, BM // B)
-        mb_ok = row0 + tl.arange(0, BM // B) * B < row_end
-        amax_t = tl.trans(block_amax_first(x, BM, BK, B, False))
-        b = mx_exponent(amax_t, FMT_MAX, EMAX, ROUND_UP)
-        mult = tl.where(b == 128, amax_t, exp2_int(-b))
-        store8(col_ptr, cast_bits(scale_last(tl.trans(x), mult, BK, BM, B), FMT_MAX, OUT_DTYPE), col0, row0, M, K,
-               row_end, BK, BM)
-        tl.store(col_s_ptr + cols[:, None].to(tl.int64) * stride_cs + mb[None, :], (b + 127).to(tl.uint8),
-                 mask=k_ok[:, None] & mb_ok[None, :])
+    col0 = pid_k * BK
+    cols = col0 + tl.arange(0, BK)
+    k_ok = cols < K
+    kb = pid_k * (BK // B) + tl.arange(0, BK // B)
+    mb = sblk0 + tl.arange(0, BM // B)
+    mb_ok = row0 + tl.arange(0, BM // B) * B < row_end
+    if QUAD:
+        mx_quads(x_ptr, probs_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, col0, cols, kb, mb, mb_ok, M,
+                 K, stride_xm, stride_rs, stride_cs, ACT, GLU_BLOCK, FMT_MAX, EMAX, ROUND_UP, OUT_DTYPE, B, ROWWISE,
+                 COLWISE, BM // 4, BK)
+    else:
+        rows = row0 + tl.arange(0, BM)
+        x = load_rows(x_ptr, probs_ptr, rows, cols, rows < row_end, k_ok, stride_xm, K, ACT, GLU_BLOCK).to(tl.float32)
+        if ROWWISE:
+            y = mx_rows(x, row_s_ptr, rows, row_end, kb, K, stride_rs, FMT_MAX, EMAX, ROUND_UP, B, BM, BK)
+            store8(row_ptr, cast_codes(y, FMT_MAX, OUT_DTYPE), row0, col0, K, row_end, K, BM, BK)
+        if COLWISE:  # exponents of runs along M from the loaded tile; codes cast from the transposed input
+            mult, e = mx_multiplier(tl.trans(block_amax_first(x, BM, BK, B, False)), FMT_MAX, EMAX, ROUND_UP)
+            store8(col_ptr, cast_codes(scale_last(tl.trans(x), mult, BK, BM, B), FMT_MAX, OUT_DTYPE), col0, row0, M, K,
+                   row_end, BK, BM)
+            tl.store(col_s_ptr + cols[:, None].to(tl.int64) * stride_cs + mb[None, :], e,
+                     mask=k_ok[:, None] & mb_ok[None, :])
 
 
 @kernel_op("qmoe::quantize_mxfp8")
@@ -402,12 +437,12 @@ def mxfp8_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, o
     row_s = torch.empty((m, nkb) if rowwise else (0,), dtype=u8, device=dev)
     col_s = (torch.zeros if grouped else torch.empty)((k, width) if columnwise else (0,), dtype=u8, device=dev)
     if m * k:
-        launch(_mxfp8_kernel, tile_grid(m, k, num_groups, grouped),
-               (x, probs if probs is not None else x, row.view(torch.uint8), row_s, col.view(torch.uint8), col_s,
-                splits if grouped else x, m, k, num_groups, x.stride(0), nkb, width),
-               _SMALL_TILE, m * k, ACT=act, GLU_BLOCK=glu_block, FMT_MAX=fmt_max, EMAX=emax, ROUND_UP=round_up,
-               OUT_DTYPE=_TL_FP8[out_dtype], B=block, ROWWISE=rowwise, COLWISE=columnwise, GROUPED=grouped,
-               G_P2=group_pow2(num_groups))
+        launch_cast(_mxfp8_kernel, tile_grid(m, k, num_groups, grouped),
+                    (x, probs if probs is not None else x, row.view(torch.uint8), row_s, col.view(torch.uint8), col_s,
+                     splits if grouped else x, m, k, num_groups, x.stride(0), nkb, width),
+                    _SMALL_CAST, m * k, ACT=act, GLU_BLOCK=glu_block, FMT_MAX=fmt_max, EMAX=emax, ROUND_UP=round_up,
+                    OUT_DTYPE=_TL_FP8[out_dtype], B=block, ROWWISE=rowwise, COLWISE=columnwise, GROUPED=grouped,
+                    G_P2=group_pow2(num_groups))
     return row, row_s.view(torch.float8_e8m0fnu), col, col_s.view(torch.float8_e8m0fnu)
 
 

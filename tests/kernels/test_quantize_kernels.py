@@ -135,6 +135,61 @@ def test_fp8_block(case, orient):
         assert_all_same(got, want, ("row", "row_si", "col", "col_si"))
 
 
+# ---------------------------------------------------------------- every autotune config
+
+CONFIG_CASES = {  # name: (kernel family, format, block rows / scale mode, power_2_scale)
+    "block1x128-e4m3": ("block", E4M3, 1, True), "block1x128-e5m2-f32": ("block", E5M2, 1, False),
+    "block128x128-e4m3-f32": ("block", E4M3, 128, False), "mxfp8-e4m3": ("mx", E4M3, ScaleMode.ROUND_UP, None),
+    "mxfp8-e5m2-floor": ("mx", E5M2, ScaleMode.FLOOR, None), "tensorwise-e4m3": ("tensorwise", E4M3, None, None),
+    "tensorwise-e5m2": ("tensorwise", E5M2, None, None)}
+
+
+def config_calls(case, splits):
+    """(Autotuner, constexprs, kernel call(x, orient), reference call(x, orient)) of a CONFIG_CASES entry."""
+    family, fmt, arg, p2 = CONFIG_CASES[case]
+    s = None if splits is None else torch.tensor(splits, device=DEV)
+    if family == "block":
+        meta = dict(B=128, BLOCK_2D=arg == 128)
+        if s is None:
+            return (K._fp8_block_kernel, meta, lambda x, o: K.quantize_fp8_block(x, arg, 128, fmt, p2, 1e-4, *o),
+                    lambda x, o: R.quantize_fp8_block(x, arg, 128, fmt, p2, 1e-4, *o))
+        return (K._fp8_block_kernel, meta,
+                lambda x, o: KG.grouped_quantize_fp8_block(x, s, arg, 128, fmt, p2, 1e-4, *o),
+                lambda x, o: RG.grouped_quantize_fp8_block(x, s, arg, 128, fmt, p2, 1e-4, *o))
+    if family == "mx":
+        if s is None:
+            return (K._mxfp8_kernel, dict(B=32), lambda x, o: K.quantize_mxfp8(x, fmt, arg, *o),
+                    lambda x, o: R.quantize_mxfp8(x, fmt, arg, *o))
+        return (K._mxfp8_kernel, dict(B=32), lambda x, o: KG.grouped_quantize_mxfp8(x, s, fmt, arg, *o),
+                lambda x, o: RG.grouped_quantize_mxfp8(x, s, fmt, arg, *o))
+    scale = torch.tensor(3.0e-2, device=DEV)
+    if s is None:
+        return (K._fp8_tensorwise_kernel, {}, lambda x, o: K.quantize_fp8_tensorwise(x, scale, fmt, *o),
+                lambda x, o: R.quantize_fp8_tensorwise(x, scale, fmt, *o))
+    scales = torch.linspace(1e-2, 3.0, len(splits), device=DEV)
+    return (K._fp8_tensorwise_kernel, {}, lambda x, o: KG.grouped_quantize_fp8_tensorwise(x, s, scales, fmt, *o),
+            lambda x, o: RG.grouped_quantize_fp8_tensorwise(x, s, scales, fmt, *o))
+
+
+@pytest.mark.parametrize("orient", ORIENTS, ids=ORIENT_IDS)
+@pytest.mark.parametrize("case", list(CONFIG_CASES))
+def test_every_autotune_config(case, orient):
+    """Each config the autotuner could pick (plain tiles, row quads, K-major order, chunks,
+    register caps), forced one at a time, gives the reference's bits: dense with partial tiles
+    and ragged K, and grouped with empty groups and odd group starts."""
+    from qmoe.kernels._cast_variants import configs_for, forced_config
+    for splits, (m, k) in ((None, (300, 260)), (SPLITS["odd_empty"], (261, 200))):
+        kernel, meta, run, ref = config_calls(case, splits)
+        x = make_input(m, k, torch.bfloat16, seed=50, kind="mixed")
+        want = ref(x, orient)
+        configs = configs_for(kernel, m, k, **meta, ROWWISE=orient[0], COLWISE=orient[1])
+        assert configs
+        for cfg in configs:
+            with forced_config(kernel, cfg):
+                got = run(x, orient)
+            assert_all_same(got, want, [f"{case} grouped={splits is not None} {cfg} output {i}" for i in range(4)])
+
+
 # ---------------------------------------------------------------- MXFP8
 
 @pytest.mark.parametrize("orient", ORIENTS, ids=ORIENT_IDS)
