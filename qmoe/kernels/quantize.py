@@ -181,8 +181,8 @@ def _fp8_tensorwise_kernel(
 
     One scale: the codes are cast once and the transposed copy is their transpose. QUAD holds
     the tile as a row quad (its transposed words are built in registers, `interleave4`), else
-    as one tile (`store8`). The scale and the recorded maximum are read before the first store
-    (an atomic orders later loads behind it), and the atomic comes last.
+    as one tile (`store8`). The scale and the recorded maximum are read before the first store,
+    and the atomic comes last, so no global round trip waits between the tile's load and stores.
     """
     pid_m, pid_k = tile_pids(K, BK, K_MAJOR)
     g, row0, row_end, _, _ = tile_rows(splits_ptr, M, G, pid_m, BM, BM, G_P2, GROUPED)
@@ -195,19 +195,19 @@ def _fp8_tensorwise_kernel(
     if QUAD:
         x0, x1, x2, x3 = load_quads(x_ptr, probs_ptr, row0, row_end, cols, cols < K, stride_xm, K, ACT, GLU_BLOCK,
                                     BM // 4)
+        amax = tl.max(tl.max(quad_abs_bits(x0, x1, x2, x3), 1), 0)
         store_quads(row_ptr, col_ptr, x0 * scale, x1 * scale, x2 * scale, x3 * scale, row0, col0, M, K, row_end,
                     FMT_MAX, OUT_DTYPE, ROWWISE, COLWISE, BM // 4, BK)
-        amax = tl.max(tl.max(quad_abs_bits(x0, x1, x2, x3), 1), 0)
     else:
         rows = row0 + tl.arange(0, BM)
         x = load_rows(x_ptr, probs_ptr, rows, cols, rows < row_end, cols < K, stride_xm, K, ACT,
                       GLU_BLOCK).to(tl.float32)
+        amax = max_abs_bits(x, False)
         q = cast_codes(x * scale, FMT_MAX, OUT_DTYPE)
         if ROWWISE:
             store8(row_ptr, q, row0, col0, K, row_end, K, BM, BK)
         if COLWISE:  # the quantized transpose [K, M]
             store8(col_ptr, tl.trans(q), col0, row0, M, K, row_end, BK, BM)
-        amax = max_abs_bits(x, False)
     if amax > seen:  # see atomic_max_bits; a stale `seen` only costs an atomic
         tl.atomic_max(amax_ptr + g, amax)
 
