@@ -13,7 +13,8 @@ whole call is host-sync-free and CUDA-graph capturable. Routes:
                  the memory-bound, few-rows-per-expert route)
       "dequant"  one exact bf16 dequantize pass per operand, then a bf16 grouped GEMM
                  (torch._grouped_mm for MXFP8 with bf16 out, else Triton with the NVFP4
-                 tensor factors in its epilogue): the compute-bound route
+                 tensor factors in its epilogue): the compute-bound route. Weights kept
+                 across calls (`bf16_copies`) are dequantized once, on their first call
   "auto" picks "dequant" from DEQUANT_MIN_ROWS rows per group on: with many rows per expert
   the GEMM is compute-bound and the bf16 tensor-core GEMM after one dequantize pass outruns
   in-register dequantization; with few rows it is memory-bound and the fused kernel, which
@@ -331,17 +332,39 @@ def _dequantize_op(data: torch.Tensor, scale: Optional[torch.Tensor], factor: Op
     return out
 
 
+def _weights16(b, b_op: _Operand, scaling: Scaling, b_columnwise: bool, dq) -> torch.Tensor:
+    """The weights' exact bf16 values as [E, N, K] (contiguous), from the copy the GEMM reads.
+
+    b.bf16_copies, when the caller keeps b across calls (`GroupedTensor.bf16_copies`), holds them
+    from the first call on: they depend on b's data and scales only. With 2-D weight blocks the
+    rowwise and columnwise copies share every scale and dequantize to the same values (NUMERICS.md),
+    so fprop and dgrad share one bf16 copy; with 1-D blocks each copy has its own values.
+    """
+    copies = getattr(b, "bf16_copies", None)
+    slot = "2d" if b_op.block[0] > 1 else ("columnwise" if b_columnwise else "rowwise")
+    if copies is not None and slot in copies:
+        return copies[slot]
+    e = b.num_groups
+    n_w, k_w = b.shape[0] // e, b.shape[1]
+    if b_columnwise:  # W_g [N, K] from [K, E*N]: element (r, c) lands at c*K + r
+        w16 = _dequantized(b_op, scaling, k_w, e * n_w, k_w, n_w, (e, n_w, k_w), (1, k_w), tile=dq)
+    else:
+        w16 = _dequantized(b_op, scaling, e * n_w, k_w, n_w, k_w, (e, n_w, k_w), (k_w, 1), tile=dq)
+    if copies is not None:
+        copies[slot] = w16
+    return w16
+
+
 def _m_dequant_route(a, b, a_op, b_op, scaling, b_columnwise, out_dtype, cfg=None):
     e = b.num_groups
     n_w, k_w = b.shape[0] // e, b.shape[1]
     total_rows, k = a.shape[0], a.shape[1]
     dq = cfg.dq if cfg is not None else None
     a16 = _dequantized(a_op, scaling, total_rows, k, max(total_rows, 1), k, (total_rows, k), (k, 1), tile=dq)
-    if b_columnwise:  # W_g [N, K] from [K, E*N]: element (r, c) lands at c*K + r
-        w16 = _dequantized(b_op, scaling, k_w, e * n_w, k_w, n_w, (e, n_w, k_w), (1, k_w), tile=dq)
+    w16 = _weights16(b, b_op, scaling, b_columnwise, dq)
+    if b_columnwise:
         mat_b, plain = w16, _Operand(w16, 1, k_w, n_w * k_w)
     else:
-        w16 = _dequantized(b_op, scaling, e * n_w, k_w, n_w, k_w, (e, n_w, k_w), (k_w, 1), tile=dq)
         mat_b, plain = w16.transpose(1, 2), _Operand(w16, k_w, 1, n_w * k_w)
     n_out = mat_b.shape[2]
     if scaling is Scaling.MX and _torch_grouped_mm_ok(a16, mat_b, out_dtype):

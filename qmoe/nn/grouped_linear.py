@@ -13,6 +13,7 @@ from qmoe.ops.amp import cast_for_autocast, torch_autocast_off
 from qmoe.contracts.enums import GroupedPath
 from qmoe.ops.grouped_gemm import select_grouped_path
 from qmoe.ops.grouped_linear import grouped_linear
+from qmoe.quant.weight_cache import WeightCache
 from qmoe.contracts.carriers import is_glu
 from qmoe.contracts.validate import (PARAMS_DTYPES, check_activation, check_device, check_flag, check_layer_input,
                                      check_params_dtype, check_size, check_split_sizes)
@@ -39,17 +40,31 @@ class GroupedLinear(nn.Module):
     bias and scales.
     delay_wgrad_compute: backward computes only dgrad; call backward_dw() later for the weight
     gradients (pipeline schedules overlap it with other work).
+    cache_quantized_weights: keep the quantized weights (and, for the emulated MXFP8 / NVFP4 GEMMs'
+    dequantize-first route, their bf16 values) in `weight_cache` from one forward to the next
+    while the weights, the recipe and its scales are unchanged (`qmoe.quant.weight_cache`): the
+    micro-batches of one optimizer step and checkpoint recomputes quantize them once. Same
+    outputs and gradients bit for bit; the quantized copies stay held between steps. Changes the
+    version counter does not see (writes through `.data`, a flat buffer the weights view, a
+    replayed optimizer step, FSDP2 / ZeRO-3 refilling sharded weights) need `weight_cache.clear()`
+    (`qmoe.quant.clear_weight_caches(model)`) after them. Grouped path only.
+    recompute_weight_columnwise: keep no quantized columnwise weight copy between forward and
+    backward: the backward quantizes it again from the weight (kept for free: it is the
+    parameter; per-expert weights are stacked into a copy) with the forward's scales. Same
+    gradients bit for bit; one weight copy less held, one more weight quantization per step.
     """
 
     def __init__(self, num_groups: int, in_features: int, out_features: int, bias: bool = True,
                  single_grouped_weight: bool = True, single_grouped_bias: bool = True, scale_bias: bool = False,
-                 delay_wgrad_compute: bool = False, grouped_path: str = "auto", params_dtype=None, device=None):
+                 delay_wgrad_compute: bool = False, grouped_path: str = "auto", params_dtype=None, device=None,
+                 cache_quantized_weights: bool = False, recompute_weight_columnwise: bool = False):
         super().__init__()
         for name, v in (("num_groups", num_groups), ("in_features", in_features), ("out_features", out_features)):
             check_size(name, v, "GroupedLinear")
         for name, v in (("bias", bias), ("single_grouped_weight", single_grouped_weight),
                         ("single_grouped_bias", single_grouped_bias), ("scale_bias", scale_bias),
-                        ("delay_wgrad_compute", delay_wgrad_compute)):
+                        ("delay_wgrad_compute", delay_wgrad_compute),
+                        ("recompute_weight_columnwise", recompute_weight_columnwise)):
             check_flag(name, v, "GroupedLinear")
         check_params_dtype(params_dtype, "GroupedLinear")
         device = check_device(device)
@@ -78,8 +93,33 @@ class GroupedLinear(nn.Module):
         self.reset_parameters()
         self.recipe_state = RecipeState()
         self._register_load_state_dict_pre_hook(recipe_state_pre_hook, with_module=True)
+        self.weight_cache = WeightCache()
+        self.cache_quantized_weights = cache_quantized_weights
+        self.recompute_weight_columnwise = recompute_weight_columnwise
         self._wgrad_queue: list = []
         self._register_load_state_dict_pre_hook(self._convert_state_dict_layout)
+
+    @property
+    def cache_quantized_weights(self) -> bool:
+        return self._cache_quantized_weights
+
+    @cache_quantized_weights.setter
+    def cache_quantized_weights(self, value: bool) -> None:
+        check_flag("cache_quantized_weights", value, "GroupedLinear")
+        self._cache_quantized_weights = value
+        if not value:
+            self.weight_cache.clear()
+
+    def _apply(self, fn, *args, **kwargs):
+        self.weight_cache.clear()  # .to() / .cuda() / .half(): the kept copies belong to the old weights
+        return super()._apply(fn, *args, **kwargs)
+
+    def __setstate__(self, state):
+        # layers pickled before these options existed load with them off
+        state.setdefault("weight_cache", WeightCache())
+        state.setdefault("_cache_quantized_weights", False)
+        state.setdefault("recompute_weight_columnwise", False)
+        super().__setstate__(state)
 
     # ---- recipe state in state_dict(): delayed-scaling amax histories and scales, per recipe
     def get_extra_state(self) -> dict:
@@ -204,6 +244,10 @@ class GroupedLinear(nn.Module):
         x = cast
         bias = self.stacked_bias()
         amaxes = dict(input_amax=input_amax, grad_output_amax=grad_output_amax, grad_input_amax=grad_input_amax)
+        keep = dict(recompute_weight_columnwise=self.recompute_weight_columnwise,
+                    weight_cache=self.weight_cache.bind(self.weights())
+                    if self.cache_quantized_weights and quantizers is not None and not torch.compiler.is_compiling()
+                    else None)
         if x.dtype == torch.float64:
             if quantizers is None:
                 path = "split"  # plain fp64 matmuls per group; the grouped GEMMs stop at fp32
@@ -212,10 +256,10 @@ class GroupedLinear(nn.Module):
                     return grouped_linear(x.float(), split_sizes, weight.float(),
                                           None if bias is None else bias.float(),
                                           scales if self.scale_bias else None, quantizers, path, sink,
-                                          quantized_input, input_activation, recompute_activation).double()
+                                          quantized_input, input_activation, recompute_activation, **keep).double()
         with torch_autocast_off():
             return grouped_linear(x, split_sizes, weight, bias, scales if self.scale_bias else None, quantizers,
-                                  path, sink, quantized_input, input_activation, recompute_activation, **amaxes)
+                                  path, sink, quantized_input, input_activation, recompute_activation, **amaxes, **keep)
 
     def _check_inputs(self, x, split_sizes, scales, input_activation=None):
         width = self.in_features

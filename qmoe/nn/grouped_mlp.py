@@ -32,12 +32,16 @@ class GroupedMLP(nn.Module):
     h and the probs it keeps anyway: one [R, F] operand less held between forward and backward
     (F bytes a row in FP8, F / 2 in NVFP4, 2F in bf16), one more activation and quantization of
     it in the backward, the same gradients bit for bit.
+
+    cache_quantized_weights, recompute_weight_columnwise: FC1's and FC2's (`GroupedLinear`);
+    setting either attribute sets both layers'.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str = "swiglu",
                  glu_interleave_size: int | None = None, bias: bool = False, grouped_path: str = "auto",
                  delay_wgrad_compute: bool = False, single_grouped_weight: bool = True, params_dtype=None,
-                 device=None, recompute_activation: bool = False):
+                 device=None, recompute_activation: bool = False, cache_quantized_weights: bool = False,
+                 recompute_weight_columnwise: bool = False):
         super().__init__()
         for name, v in (("num_experts", num_experts), ("hidden_size", hidden_size),
                         ("ffn_hidden_size", ffn_hidden_size)):
@@ -61,12 +65,32 @@ class GroupedMLP(nn.Module):
         self.num_experts, self.hidden_size, self.ffn_hidden_size = num_experts, hidden_size, ffn_hidden_size
         kw = dict(bias=bias, grouped_path=grouped_path, delay_wgrad_compute=delay_wgrad_compute,
                   single_grouped_weight=single_grouped_weight, single_grouped_bias=single_grouped_weight,
-                  params_dtype=params_dtype, device=device)
+                  params_dtype=params_dtype, device=device, cache_quantized_weights=cache_quantized_weights,
+                  recompute_weight_columnwise=recompute_weight_columnwise)
         self.fc1 = GroupedLinear(num_experts, hidden_size, (2 if glu else 1) * ffn_hidden_size, **kw)
         self.fc2 = GroupedLinear(num_experts, ffn_hidden_size, hidden_size, scale_bias=bias, **kw)
         if glu_interleave_size:
             self._register_state_dict_hook(self._logical_state_dict)
             self._register_load_state_dict_pre_hook(self._physical_state_dict)
+
+    @property
+    def cache_quantized_weights(self) -> bool:
+        return self.fc1.cache_quantized_weights
+
+    @cache_quantized_weights.setter
+    def cache_quantized_weights(self, value: bool) -> None:
+        for fc in (self.fc1, self.fc2):
+            fc.cache_quantized_weights = value
+
+    @property
+    def recompute_weight_columnwise(self) -> bool:
+        return self.fc1.recompute_weight_columnwise
+
+    @recompute_weight_columnwise.setter
+    def recompute_weight_columnwise(self, value: bool) -> None:
+        check_flag("recompute_weight_columnwise", value, "GroupedMLP")
+        for fc in (self.fc1, self.fc2):
+            fc.recompute_weight_columnwise = value
 
     # ---- GLU interleaving between the logical (state_dict) and physical (parameter) layouts
     def _glu_keys(self, prefix):

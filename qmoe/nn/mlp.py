@@ -20,17 +20,28 @@ class MLP(nn.Module):
     `fc1.weight [2F, H]` for GLU activations (gate rows first, then linear rows: the experts'
     layout), `[F, H]` otherwise; `fc2.weight [H, F]`.
 
+    cache_quantized_weights: FC1's and FC2's (`qmoe.nn.Linear`); setting the attribute sets both.
+
     >>> mlp = MLP(256, 512, activation="swiglu")
     >>> y = mlp(torch.randn(4, 64, 256))
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str = "swiglu", bias: bool = False,
-                 params_dtype=None, device=None):
+                 params_dtype=None, device=None, cache_quantized_weights: bool = False):
         super().__init__()
         self.activation = check_activation(activation)
-        kw = dict(bias=bias, params_dtype=params_dtype, device=device)
+        kw = dict(bias=bias, params_dtype=params_dtype, device=device, cache_quantized_weights=cache_quantized_weights)
         self.fc1 = Linear(hidden_size, (2 if is_glu(activation) else 1) * ffn_hidden_size, **kw)
         self.fc2 = Linear(ffn_hidden_size, hidden_size, **kw)
+
+    @property
+    def cache_quantized_weights(self) -> bool:
+        return self.fc1.cache_quantized_weights
+
+    @cache_quantized_weights.setter
+    def cache_quantized_weights(self, value: bool) -> None:
+        for fc in (self.fc1, self.fc2):
+            fc.cache_quantized_weights = value
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)

@@ -72,6 +72,15 @@ class MoELayer(nn.Module):
     under a recipe) is recomputed in the backward from FC1's output instead of saved
     (`GroupedMLP`): less activation memory, the same gradients bit for bit; composes with
     `qmoe.checkpoint`.
+    cache_quantized_weights: every expert and shared-expert weight is quantized once and reused
+    by the following forwards (gradient-accumulation micro-batches, checkpoint recomputes) while
+    it, the recipe and its scales are unchanged: the same bits, the quantized copies held between
+    steps (`qmoe.nn.GroupedLinear`, `qmoe.quant.weight_cache`). Delayed scaling's scales move at
+    every region exit, so its weights are reused only within one `qmoe.autocast` region. Not for
+    weights written behind autograd's version counter (FSDP2's resharding, `.data` writes)
+    unless `qmoe.quant.clear_weight_caches(model)` runs after each such write.
+    recompute_weight_columnwise: the experts keep no quantized columnwise weight copy for the
+    backward, which quantizes it again (`qmoe.nn.GroupedLinear`): less memory, the same bits.
 
     >>> layer = qmoe.nn.MoELayer(hidden_size=256, ffn_hidden_size=512, num_experts=8, top_k=2)
     >>> with qmoe.autocast(recipe=MXFP8BlockScaling()):
@@ -90,7 +99,8 @@ class MoELayer(nn.Module):
                  params_dtype=None, device=None, glu_interleave_size: int | None = None,
                  grouped_path: str = "auto", delay_wgrad_compute: bool = False, ep_group=None,
                  quantized_dispatch: bool = True, recompute_activation: bool = False,
-                 overlap_shared_experts: bool = False):
+                 overlap_shared_experts: bool = False,
+                 cache_quantized_weights: bool = False, recompute_weight_columnwise: bool = False):
         super().__init__()
         for name, v in (("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size),
                         ("num_experts", num_experts), ("top_k", top_k)):
@@ -98,7 +108,9 @@ class MoELayer(nn.Module):
         for name, v in (("pre_softmax", pre_softmax), ("expert_bias", expert_bias), ("bias", bias),
                         ("delay_wgrad_compute", delay_wgrad_compute), ("quantized_dispatch", quantized_dispatch),
                         ("recompute_activation", recompute_activation),
-                        ("overlap_shared_experts", overlap_shared_experts)):
+                        ("overlap_shared_experts", overlap_shared_experts),
+                        ("cache_quantized_weights", cache_quantized_weights),
+                        ("recompute_weight_columnwise", recompute_weight_columnwise)):
             check_flag(name, v, "MoELayer")
         check_params_dtype(params_dtype, "MoELayer")
         check_process_group("ep_group", ep_group)
@@ -120,7 +132,9 @@ class MoELayer(nn.Module):
         self.experts = GroupedMLP(local_experts, hidden_size, ffn_hidden_size, activation=activation,
                                   glu_interleave_size=glu_interleave_size, bias=bias, grouped_path=grouped_path,
                                   delay_wgrad_compute=delay_wgrad_compute, params_dtype=params_dtype,
-                                  device=device, recompute_activation=recompute_activation)
+                                  device=device, recompute_activation=recompute_activation,
+                                  cache_quantized_weights=cache_quantized_weights,
+                                  recompute_weight_columnwise=recompute_weight_columnwise)
         if self.dispatcher is not None:
             for fc in (self.experts.fc1, self.experts.fc2):
                 fc.recipe_state = RecipeState(local_amax=True)  # local slot g is a different expert on each rank
@@ -131,7 +145,8 @@ class MoELayer(nn.Module):
                 raise ValueError(f"shared_expert_ffn_hidden_size must be a positive int or None, got "
                                  f"{shared_expert_ffn_hidden_size!r}")
             self.shared_experts = MLP(hidden_size, shared_expert_ffn_hidden_size, activation=activation, bias=bias,
-                                      params_dtype=params_dtype, device=device)
+                                      params_dtype=params_dtype, device=device,
+                                      cache_quantized_weights=cache_quantized_weights)
             if shared_expert_gate:
                 self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, dtype=torch.float32, device=device)
         elif shared_expert_gate:
@@ -206,6 +221,26 @@ class MoELayer(nn.Module):
     def recompute_activation(self, value: bool) -> None:
         check_flag("recompute_activation", value, "MoELayer")
         self.experts.recompute_activation = value
+
+    @property
+    def cache_quantized_weights(self) -> bool:
+        return self.experts.cache_quantized_weights
+
+    @cache_quantized_weights.setter
+    def cache_quantized_weights(self, value: bool) -> None:
+        check_flag("cache_quantized_weights", value, "MoELayer")
+        self.experts.cache_quantized_weights = value
+        if self.shared_experts is not None:
+            self.shared_experts.cache_quantized_weights = value
+
+    @property
+    def recompute_weight_columnwise(self) -> bool:
+        return self.experts.recompute_weight_columnwise
+
+    @recompute_weight_columnwise.setter
+    def recompute_weight_columnwise(self, value: bool) -> None:
+        check_flag("recompute_weight_columnwise", value, "MoELayer")
+        self.experts.recompute_weight_columnwise = value
 
     def __getstate__(self):
         # aux_loss holds the last forward's graph: a copied or saved layer keeps its value

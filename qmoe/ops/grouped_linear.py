@@ -12,6 +12,11 @@ named steps: quantize_input, quantize_weight, fprop, then quantize_grad, dgrad, 
 plan's fprop / dgrad / wgrad are the one place where operands reach the GEMMs. Weights are
 quantized once per forward (rowwise for fprop plus columnwise for dgrad, in one call) and
 reused by dgrad; backward keeps the quantized columnwise copies of x, not x itself.
+`weight_cache` keeps the quantized weights from one call to the next while they cannot change
+(`qmoe.quant.weight_cache`): micro-batches of one optimizer step and checkpoint recomputes
+quantize them once. `recompute_weight_columnwise` keeps no columnwise weight copy between
+forward and backward: the forward quantizes the rowwise copy only and the backward quantizes
+dgrad's copy again, with the forward's scales (`GroupedLinearPlan.rebuild_weight`).
 
 `input_activation` fuses the expert MLP's activation into FC2: the input is act(h) * probs,
 quantized straight from h on the grouped path with a recipe (GroupedTensor.quantize of an
@@ -37,6 +42,7 @@ from qmoe.ops.amp import autocast_off
 from qmoe.ops.grouped_linear_paths import PATHS, Groups, LinearPath, drop_rowwise
 from qmoe.quant import QuantizedTensor
 from qmoe.quant.replay import ForwardLog, active_log, using_log
+from qmoe.quant.weight_cache import BoundWeightCache
 
 
 # Test-only observer of the plan's steps (`observe_steps`); None, the default: one test per step.
@@ -80,6 +86,10 @@ class GroupedLinearPlan:
     grad_output_amax: the `AmaxSlot` dy's producer fills in its backward, or None.
     grad_input_amax: an `AmaxSlot` this plan's backward fills with dx (the gradient of h with a
     fused activation) and its per-group amax, for the layer that produced h; or None.
+    weight_cache: where the quantized weights are kept across calls (the grouped path, under a
+    recipe), or None: quantized every call.
+    recompute_weight_columnwise: keep the weight itself for dgrad (free: it is the parameter)
+    instead of its quantized columnwise copy, which the backward makes again (`rebuild_weight`).
     """
 
     path: LinearPath
@@ -92,6 +102,9 @@ class GroupedLinearPlan:
     input_amax: torch.Tensor | None = None
     grad_output_amax: AmaxSlot | None = None
     grad_input_amax: AmaxSlot | None = None
+    weight_cache: BoundWeightCache | None = None
+    recompute_weight_columnwise: bool = False
+    grad_enabled: bool = True  # torch.is_grad_enabled() at the call: the backward's copies are made only then
 
     @property
     def fuses_activation(self) -> bool:
@@ -114,10 +127,11 @@ class GroupedLinearPlan:
             _observer(self, "quantize_input", (x, groups), out)
         return out
 
-    def input_log(self) -> ForwardLog | None:
-        """The log the forward's input quantization keeps its state in (delayed scaling's scale)
-        for `rebuild_input` to replay; None without a recipe, and in compiled code, which cannot
-        hold one (delayed scaling, the one recipe that keeps such state, refuses compilation)."""
+    def replay_log(self) -> ForwardLog | None:
+        """A log a forward quantization keeps its state in (delayed scaling's scale) for the
+        backward's rebuild (`rebuild_input`, `rebuild_weight`) to replay; None without a recipe, and
+        in compiled code, which cannot hold one (delayed scaling, the one recipe that keeps such
+        state, refuses compilation)."""
         if self.quantizers is None or torch.compiler.is_compiling():
             return None
         return ForwardLog(parent=active_log())
@@ -132,13 +146,40 @@ class GroupedLinearPlan:
         with using_log(log):
             return self.quantize_input(h, probs, groups, wgrad=True, rowwise=False)
 
-    def quantize_weight(self, weight: torch.Tensor, dtype: torch.dtype, dgrad: bool):
+    def quantize_weight(self, weight: torch.Tensor, dtype: torch.dtype, dgrad: bool, rowwise: bool = True,
+                        keep: bool = True):
+        """fprop's rowwise W (unless rowwise=False) and, if `dgrad`, dgrad's columnwise copy: from
+        the weight cache where there is one and `keep`, else quantized now."""
         if self.quantizers is None:
             return weight.to(dtype)
-        out = self.path.quantize_weight(weight, self.quantizers["weight"], dgrad)
+        quantizer = self.quantizers["weight"]
+
+        def fresh(rowwise: bool, columnwise: bool):
+            return self.path.quantize_weight(weight, quantizer, columnwise, rowwise=rowwise)
+
+        if keep and self.kept_weights:
+            out = self.weight_cache.quantize(weight, quantizer, rowwise, dgrad, fresh)
+        else:
+            out = fresh(rowwise, dgrad)
         if _observer is not None:
             _observer(self, "quantize_weight", (weight,), out)
         return out
+
+    @property
+    def kept_weights(self) -> bool:
+        """Whether the quantized weights may come from (and stay in) the weight cache."""
+        return self.weight_cache is not None and self.quantizers is not None and self.path.keeps_weights
+
+    def rebuild_weight(self, weight, dtype: torch.dtype, log: ForwardLog | None):
+        """dgrad's weight operand made again in the backward (recompute_weight_columnwise): the
+        columnwise copy only, quantized with the forward's scales (no amax recorded again), so dgrad
+        gets the bits the kept copy would have had. Never stored in the weight cache (that would
+        keep the copy this option exists not to keep)."""
+        if log is None:
+            return self.quantize_weight(weight, dtype, dgrad=True, rowwise=False, keep=False)
+        log.start_replay()
+        with using_log(log):
+            return self.quantize_weight(weight, dtype, dgrad=True, rowwise=False, keep=False)
 
     def quantize_grad(self, dy: torch.Tensor, groups: Groups, dtype: torch.dtype, dgrad: bool, wgrad: bool,
                       amax: torch.Tensor | None = None):
@@ -195,13 +236,15 @@ class _Saved:
     ctx.save_for_backward (version checks, saved-tensor hooks); the rest stays on the object.
 
     x_operand: wgrad's x (x itself, or its quantized columnwise copies), None without wgrad.
-    w_operand: dgrad's W (W in x's dtype, or its quantized columnwise copies), None without dgrad.
+    w_operand: dgrad's W (W in x's dtype, or its quantized columnwise copies), None without dgrad
+    or with recompute_weight_columnwise, which keeps `weight` instead.
     x_shape: dgrad's output shape (act(h)'s with a fused activation).
     """
 
     groups: Groups
     x_operand: object
     w_operand: object
+    weight: torch.Tensor | None
     bias: torch.Tensor | None
     scales: torch.Tensor | None
     h: torch.Tensor | None
@@ -210,7 +253,7 @@ class _Saved:
     x_dtype: torch.dtype
     w_dtype: torch.dtype
 
-    _AUTOGRAD = ("x_operand", "w_operand", "bias", "scales", "h", "probs")
+    _AUTOGRAD = ("x_operand", "w_operand", "weight", "bias", "scales", "h", "probs")
 
     def stash(self, ctx) -> None:
         g = self.groups
@@ -238,22 +281,27 @@ class GroupedLinearFunction(torch.autograd.Function):
     @autocast_off
     def forward(ctx, plan: GroupedLinearPlan, x, split_sizes, weight, bias, scales, probs):
         # x is h when plan.activation is set (the input is act(h) * probs); probs is None otherwise
-        grad = ctx.needs_input_grad  # in forward's argument order
+        # in forward's argument order; none under no_grad / inference_mode (no backward will run)
+        grad = ctx.needs_input_grad if plan.grad_enabled else (False,) * 7
         needs = _Needs(x=grad[1], weight=grad[3], bias=grad[4], scales=grad[5], probs=grad[6])
         ctx.plan, ctx.needs = plan, needs
         groups = plan.path.groups(split_sizes, x)
         keep_input = needs.weight and not plan.recompute_activation
-        ctx.input_log = log = plan.input_log() if needs.weight and plan.recompute_activation else None
+        ctx.input_log = log = plan.replay_log() if needs.weight and plan.recompute_activation else None
         with using_log(log) if log is not None else contextlib.nullcontext():
             x_op = plan.quantize_input(x, probs, groups, wgrad=keep_input)
-        w_op = plan.quantize_weight(weight, x.dtype, dgrad=needs.dgrad)
+        rebuild_w = needs.dgrad and plan.recompute_weight_columnwise
+        ctx.weight_log = log = plan.replay_log() if rebuild_w else None
+        with using_log(log) if log is not None else contextlib.nullcontext():
+            w_op = plan.quantize_weight(weight, x.dtype, dgrad=needs.dgrad and not rebuild_w)
         y = plan.fprop(x_op, w_op, groups, out_dtype=x.dtype)
         if bias is not None:
             y = BIAS.pick("grouped_bias_forward", y)(y, bias, groups.offsets, scales)
         activated = plan.activation is not None  # x is h; the GEMM's input is [R, K] = act(h) * probs
         _Saved(groups=groups,
                x_operand=drop_rowwise(x_op) if keep_input else None,
-               w_operand=drop_rowwise(w_op) if needs.dgrad else None,
+               w_operand=drop_rowwise(w_op, shared=plan.kept_weights) if needs.dgrad and not rebuild_w else None,
+               weight=weight if rebuild_w else None,
                bias=bias, scales=scales, h=x if activated else None, probs=probs,
                x_shape=torch.Size((x.shape[0], weight.shape[2])) if activated else x.shape,
                x_dtype=x.dtype, w_dtype=weight.dtype).stash(ctx)
@@ -269,7 +317,11 @@ class GroupedLinearFunction(torch.autograd.Function):
         dx = dw = dbias = dscales = dprobs = None
         g_op = plan.quantize_grad(dy, groups, saved.x_dtype, dgrad=needs.dgrad, wgrad=needs.weight, amax=dy_amax)
         if needs.dgrad:
-            dx = plan.dgrad(g_op, saved.w_operand, groups, saved.x_shape, out_dtype=dy.dtype)
+            w_op = saved.w_operand
+            if plan.recompute_weight_columnwise:
+                w_op = plan.rebuild_weight(saved.weight, saved.x_dtype, ctx.weight_log)
+            dx = plan.dgrad(g_op, w_op, groups, saved.x_shape, out_dtype=dy.dtype)
+            del w_op
         if needs.weight:
             shape = (len(groups.split_sizes), dy.shape[1], saved.x_shape[1])
             x_op = saved.x_operand
@@ -306,7 +358,8 @@ def grouped_linear(x: torch.Tensor, split_sizes: torch.Tensor, weight: torch.Ten
                    quantized_input: QuantizedTensor | None = None,
                    input_activation: tuple | None = None, recompute_activation: bool = False, *,
                    input_amax: torch.Tensor | None = None, grad_output_amax: AmaxSlot | None = None,
-                   grad_input_amax: AmaxSlot | None = None) -> torch.Tensor:
+                   grad_input_amax: AmaxSlot | None = None, weight_cache: BoundWeightCache | None = None,
+                   recompute_weight_columnwise: bool = False) -> torch.Tensor:
     """y [R, N] = grouped x [R, K] @ weight[g]^T (+ bias[g] (* scales[row])).
 
     split_sizes: [E] int on x's device; rows past their sum join the last group (absorb_tail).
@@ -326,6 +379,13 @@ def grouped_linear(x: torch.Tensor, split_sizes: torch.Tensor, weight: torch.Ten
     rebuilds the weight gradient's input operand (act(h) * probs, quantized columnwise under a
     recipe) from them instead of keeping it: less memory held between forward and backward, one
     more activation (and quantization) in the backward, the same gradients bit for bit.
+    weight_cache: `WeightCache.bind(the weight's parameters)`: the quantized weights are kept
+    there and reused while nothing that decides their bits changes (`qmoe.quant.weight_cache`);
+    the grouped path under a recipe only. The same outputs and gradients bit for bit.
+    recompute_weight_columnwise: keep the weight (a parameter: no memory) for the backward instead
+    of its quantized columnwise copy, which dgrad's backward quantizes again with the forward's
+    scales: one weight copy less held between forward and backward, one more (columnwise)
+    weight quantization in the backward, the same gradients bit for bit.
 
     Amaxes from the kernels that produce the operands, for a current-scaling quantizer
     (`Quantizer.takes_amax`) on the grouped path, which then only casts (same bits):
@@ -338,6 +398,9 @@ def grouped_linear(x: torch.Tensor, split_sizes: torch.Tensor, weight: torch.Ten
     Elsewhere (split path, other quantizers) they are ignored.
     """
     check_flag("recompute_activation", recompute_activation, "grouped_linear")
+    check_flag("recompute_weight_columnwise", recompute_weight_columnwise, "grouped_linear")
+    if weight_cache is not None and not isinstance(weight_cache, BoundWeightCache):
+        raise TypeError(f"weight_cache must come from WeightCache.bind(parameters), got {type(weight_cache).__name__}")
     if recompute_activation and input_activation is None:
         raise ValueError("recompute_activation=True needs input_activation: it recomputes the input's activation")
     path = parse_grouped_path(path)
@@ -370,7 +433,9 @@ def grouped_linear(x: torch.Tensor, split_sizes: torch.Tensor, weight: torch.Ten
     plan = GroupedLinearPlan(strategy, quantizers, quantized_input=quantized_input, activation=activation,
                              glu_interleave_size=glu, wgrad_sink=wgrad_sink, recompute_activation=recompute_activation,
                              input_amax=input_amax, grad_output_amax=grad_output_amax,
-                             grad_input_amax=grad_input_amax if activation is not None else None)
+                             grad_input_amax=grad_input_amax if activation is not None else None,
+                             weight_cache=weight_cache, recompute_weight_columnwise=recompute_weight_columnwise,
+                             grad_enabled=torch.is_grad_enabled())
     if scales is not None and scales is probs:  # FC2's bias scaled by the probs it activates with
         scales = scales.view_as(scales)  # torch.compile refuses one tensor as two Function inputs
     return GroupedLinearFunction.apply(plan, x, split_sizes, weight, bias, scales, probs)

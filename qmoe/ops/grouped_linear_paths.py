@@ -24,6 +24,8 @@ tensors (x, W cast to x's dtype, dy), which they multiply in that dtype.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from qmoe.contracts.carriers import ActivatedRows, RowsWithAmax
@@ -72,11 +74,16 @@ def _is_plain(operand) -> bool:
     return isinstance(operand, torch.Tensor)
 
 
-def drop_rowwise(operand):
-    """The operand without its rowwise data (backward reads only the columnwise copies of x and W)."""
+def drop_rowwise(operand, shared: bool = False):
+    """The operand without its rowwise data (backward reads only the columnwise copies of x and W).
+
+    shared: the operand is kept for later calls too (a weight in qmoe.quant.weight_cache, whose
+    rowwise data the next forward reads): a shallow copy goes without it instead."""
     if isinstance(operand, list):
-        return [drop_rowwise(t) if t is not None else None for t in operand]
+        return [drop_rowwise(t, shared) if t is not None else None for t in operand]
     if not _is_plain(operand):
+        if shared:
+            operand = copy.copy(operand)
         operand.rowwise_data = operand.rowwise_scale_inv = None
     return operand
 
@@ -110,6 +117,8 @@ class LinearPath:
     kind: GroupedPath
     # whether quantize_input takes an ActivatedRows (the expert activation fused into the quantization)
     fuses_input_activation: bool
+    # whether quantized weights may be kept across calls (qmoe.quant.weight_cache): one GroupedTensor
+    keeps_weights: bool
 
     def groups(self, split_sizes: torch.Tensor, x: torch.Tensor) -> Groups:
         """The groups of x's rows (x: the input, or h with a fused activation)."""
@@ -127,7 +136,8 @@ class LinearPath:
         """
         raise NotImplementedError
 
-    def quantize_weight(self, weight: torch.Tensor, quantizer: Quantizer, dgrad: bool):
+    def quantize_weight(self, weight: torch.Tensor, quantizer: Quantizer, dgrad: bool, rowwise: bool = True):
+        """W [E, N, K], rowwise for fprop and columnwise if `dgrad`; rowwise=False: dgrad's copy only."""
         raise NotImplementedError
 
     def quantize_grad(self, dy: torch.Tensor, groups: Groups, quantizer: Quantizer, dgrad: bool, wgrad: bool):
@@ -152,6 +162,7 @@ class GroupedLinearPath(LinearPath):
 
     kind = GroupedPath.GROUPED
     fuses_input_activation = True
+    keeps_weights = True
 
     def groups(self, split_sizes, x):
         split_sizes = absorb_tail(split_sizes, x.shape[0])
@@ -168,8 +179,8 @@ class GroupedLinearPath(LinearPath):
             xq.columnwise_data, xq.columnwise_scale_inv = cols.columnwise_data, cols.columnwise_scale_inv
         return xq
 
-    def quantize_weight(self, weight, quantizer, dgrad):
-        return quantize_weights(weight, quantizer, rowwise=True, columnwise=dgrad)
+    def quantize_weight(self, weight, quantizer, dgrad, rowwise=True):
+        return quantize_weights(weight, quantizer, rowwise=rowwise, columnwise=dgrad)
 
     def quantize_grad(self, dy, groups, quantizer, dgrad, wgrad):
         return GroupedTensor.quantize(dy, groups.split_sizes, quantizer, rowwise=dgrad, columnwise=wgrad,
@@ -195,6 +206,7 @@ class SplitLinearPath(LinearPath):
 
     kind = GroupedPath.SPLIT
     fuses_input_activation = False
+    keeps_weights = False  # the cross-check quantizes every call
 
     def groups(self, split_sizes, x):
         split_sizes = absorb_tail(split_sizes, x.shape[0])
@@ -218,9 +230,9 @@ class SplitLinearPath(LinearPath):
                     t.columnwise_data, t.columnwise_scale_inv = c.columnwise_data, c.columnwise_scale_inv
         return xs
 
-    def quantize_weight(self, weight, quantizer, dgrad):
+    def quantize_weight(self, weight, quantizer, dgrad, rowwise=True):
         e = weight.shape[0]
-        return [quantizer.for_group(g, e, weight.device).quantize(weight[g], rowwise=True, columnwise=dgrad)
+        return [quantizer.for_group(g, e, weight.device).quantize(weight[g], rowwise=rowwise, columnwise=dgrad)
                 for g in range(e)]
 
     def quantize_grad(self, dy, groups, quantizer, dgrad, wgrad):

@@ -15,14 +15,17 @@ import torch
 from qmoe.ops.grouped_linear import grouped_linear
 
 
-def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, quantizers: dict):
+def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, quantizers: dict,
+                     weight_cache=None):
     """y = x @ W^T + b with the recipe's quantizers {"input", "weight", "grad_output"}.
 
     x: [..., K] float; weight: [N, K]; bias: [N] or None. Differentiable in all three.
+    weight_cache: `WeightCache.bind(the weight's parameters)` to keep the quantized weight across
+    calls (`qmoe.quant.weight_cache`), or None.
     """
     k = weight.shape[1]
     x2d = x.reshape(-1, k)
     rows = torch.full((1,), x2d.shape[0], dtype=torch.int64, device=x.device)  # a fill: no host copy
     y = grouped_linear(x2d, rows, weight.unsqueeze(0), None if bias is None else bias.unsqueeze(0),
-                       quantizers=quantizers, path="grouped")
+                       quantizers=quantizers, path="grouped", weight_cache=weight_cache)
     return y.reshape(*x.shape[:-1], weight.shape[0])

@@ -34,7 +34,12 @@ class GroupedTensor:
     rowwise_scale_inv / columnwise_scale_inv: [G] per-tensor scales, or grouped block scales whose
     per-group start is `rowwise_scale_offsets` / `columnwise_scale_offsets` ([G+1], device).
     amax / columnwise_amax: [G] NVFP4 tensor amaxes.
+    bf16_copies: None, or (weights kept across calls, `qmoe.quant.weight_cache`) a dict in which
+    the emulated MXFP8 / NVFP4 GEMMs' dequantize-first route keeps the exact bf16 values it
+    makes of these weights, so it makes them once.
     """
+
+    bf16_copies: dict | None = None
 
     def __init__(self, quantizer: Quantizer, shape: torch.Size, dtype: torch.dtype, split_sizes: torch.Tensor,
                  rowwise_data=None, rowwise_scale_inv=None, columnwise_data=None, columnwise_scale_inv=None,

@@ -19,7 +19,7 @@ from qmoe.contracts.formats import (E2M1, FP8_BLOCK, MXFP8_BLOCK, NVFP4_BLOCK, R
 from qmoe.dispatch import GROUPED_QUANTIZE, QUANTIZE, QUANTIZE_NVFP4, Dispatch
 from qmoe.quant.delayed import (DelayedScalingState, all_reduce_amax, in_forward_region, register_backward,
                                 register_forward)
-from qmoe.quant.replay import recomputing
+from qmoe.quant.replay import active_log, recomputing
 from qmoe.quant.tensor import QuantizedTensor
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -99,6 +99,18 @@ class Quantizer:
         """
         return None
 
+    # ---- reuse of quantized weights (qmoe.quant.weight_cache)
+    def reuse_key(self, device: torch.device, num_groups: int) -> tuple | None:
+        """What, besides its input, decides the bits of this quantizer's next grouped quantize of
+        `num_groups` groups on `device`: a tuple (numbers compare by value, anything else by
+        identity), or None where a kept result may not stand in for that call."""
+        return ()
+
+    def reuse_replay(self):
+        """Called right after a quantize whose result will be reused: a callable that redoes, at
+        each reuse, what that call did besides its output (None: nothing)."""
+        return None
+
     def check_shape(self, m: int, k: int, rowwise: bool, columnwise: bool) -> None:
         """Raise ValueError for shapes this format cannot hold (before any work runs)."""
 
@@ -175,6 +187,9 @@ class Float8CurrentQuantizer(Quantizer):
     def _recorded(self, amax: torch.Tensor) -> None:
         """Hook for delayed scaling, which keeps the amax it did not use."""
 
+    def reuse_key(self, device, num_groups):
+        return (self.amax_reduction_group,)  # the weights' amax is reduced over it
+
     def _grouped_scales(self, x, splits, amax=None):
         """Per-group scales [G]; amax: the groups' amax from the rows' producer, or None to measure it."""
         if amax is None:
@@ -208,6 +223,7 @@ class Float8DelayedQuantizer(Float8CurrentQuantizer):
                  reduce_amax: bool = True):
         super().__init__(role, fmt)
         self.state = DelayedScalingState(fmt.max, history_len, margin, algo, reduce_amax)
+        self._last_amax: torch.Tensor | None = None  # what the last quantize recorded (reuse_replay)
         self.amax_reduction_group = None
 
     @property
@@ -246,6 +262,7 @@ class Float8DelayedQuantizer(Float8CurrentQuantizer):
                            "Float8CurrentScaling")
 
     def _recorded(self, amax):
+        self._last_amax = amax
         if recomputing():  # qmoe.checkpoint's recompute: the first run recorded this amax
             return
         self.state.record(amax)
@@ -253,6 +270,26 @@ class Float8DelayedQuantizer(Float8CurrentQuantizer):
             register_backward(self.state, self.amax_reduction_group)
         else:
             register_forward(self.state)
+
+    def reuse_key(self, device, num_groups):
+        """The scale tensor and its version: every update rewrites it, so a kept weight outlives no
+        update (whether the new scale has the same value is known on the device only)."""
+        if recomputing():  # qmoe.checkpoint's recompute quantizes with the first run's scale, from the log
+            return None
+        self.state.ensure(device, num_groups)
+        return (self.state.scale, self.state.scale._version)
+
+    def reuse_replay(self):
+        """A reuse stands for a quantize call: it records the weight's amax again (the histories are
+        those of a run without reuse) and, inside a checkpointed forward, lets the log keep the scale
+        in force, which the recompute (quantizing afresh) reads back."""
+        amax = self._last_amax
+
+        def replay():
+            if active_log() is not None:
+                self.state.scale_in_force()
+            self._recorded(amax)
+        return replay
 
     def for_group(self, g, num_groups, device=None):
         self.state.ensure(device or (self.state.scale.device if self.state.scale is not None else "cpu"),
@@ -385,6 +422,9 @@ class NVFP4Quantizer(Quantizer):
         if columnwise and self.rht and m % RHT_SIZE:
             raise ValueError(f"the random Hadamard transform needs every group's rows to be a multiple of "
                              f"{RHT_SIZE}, got a group of {m}; pad groups (align_size) or disable_rht=True")
+
+    def reuse_key(self, device, num_groups):
+        return None if self.stochastic else ()  # stochastic rounding draws new random numbers every call
 
     def _generator_for(self, x):
         g = self.generator
