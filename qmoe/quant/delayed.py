@@ -42,6 +42,9 @@ class DelayedScalingState:
         self.scale: torch.Tensor | None = None
         self.amax_history: torch.Tensor | None = None
         self.nonfinite_steps: torch.Tensor | None = None
+        # counts the updates: the update kernel rewrites `scale` in place without bumping its version
+        # counter, so what reuses a result quantized with the scale (qmoe.quant.weight_cache) asks this
+        self.updates = 0
 
     parent: "DelayedScalingState | None" = None
 
@@ -95,6 +98,7 @@ class DelayedScalingState:
         """Roll the window and recompute the scale; slots whose newest amax is 0 stay as they are,
         slots whose newest amax is not finite only count it (NUMERICS.md "Delayed scaling")."""
         _observe(self)
+        (self.parent or self).updates += 1
         DELAYED_SCALING.pick("update_amax_history", self.amax_history)(
             self.amax_history, self.scale, self.fmt_max, self.margin, self.algo, self.nonfinite_steps)
 

@@ -272,12 +272,17 @@ class Float8DelayedQuantizer(Float8CurrentQuantizer):
             register_forward(self.state)
 
     def reuse_key(self, device, num_groups):
-        """The scale tensor and its version: every update rewrites it, so a kept weight outlives no
-        update (whether the new scale has the same value is known on the device only)."""
+        """The scale tensor, its version (writes through torch: load_state_dict, a capture's restore)
+        and the state's update count (the update kernel writes in place): every update rewrites the
+        scale, so a kept weight outlives no update (whether the new scale has the same value is
+        known on the device only)."""
         if recomputing():  # qmoe.checkpoint's recompute quantizes with the first run's scale, from the log
             return None
         self.state.ensure(device, num_groups)
-        return (self.state.scale, self.state.scale._version)
+        scale = self.state.scale
+        if scale.is_inference():  # made under torch.inference_mode: no version counter to ask
+            return None
+        return (scale, scale._version, self.state.updates)
 
     def reuse_replay(self):
         """A reuse stands for a quantize call: it records the weight's amax again (the histories are

@@ -62,7 +62,7 @@ def test_reuse_keys():
 def test_delayed_scaling_keys_on_the_scale_and_its_version():
     q = DelayedScaling().quantizer("weight")
     key = q.reuse_key("cpu", E)
-    scale, version = key
+    scale, version, updates = key
     assert scale is q.state.scale and q.state.scale.shape == (E,)
     assert _same_key(q.reuse_key("cpu", E), key)
     q.update_scale()  # what a region exit does: the scale is rewritten, maybe to the same value
@@ -71,6 +71,25 @@ def test_delayed_scaling_keys_on_the_scale_and_its_version():
     recompute.start_replay()
     with using_log(recompute):
         assert q.reuse_key("cpu", E) is None  # a recompute quantizes with the scale its log holds
+
+
+def test_delayed_scaling_keys_on_updates_that_write_in_place(monkeypatch):
+    """The update kernel stores the new scale in place (no version bump): the update count sees it."""
+    import qmoe.quant.delayed as delayed
+
+    real = delayed.DELAYED_SCALING
+
+    class InPlace:  # the reference's update, writing through `.data` as a kernel's store does
+        def pick(self, name, *tensors):
+            fn = real.pick(name, *tensors)
+            return lambda history, scale, *rest: fn(history.data, scale.data, *rest)
+    monkeypatch.setattr(delayed, "DELAYED_SCALING", InPlace())
+    q = DelayedScaling().quantizer("weight")
+    quantize_weights(_weights(), q)
+    key, version = q.reuse_key("cpu", E), q.scale._version
+    q.update_scale()
+    assert q.scale._version == version and not torch.equal(q.scale, torch.ones(E))  # moved, unseen
+    assert not _same_key(q.reuse_key("cpu", E), key)
 
 
 def test_a_delayed_reuse_redoes_the_quantize_calls_side_effects():
