@@ -16,6 +16,12 @@ saved and its time against the default row.
 `--shared-expert` adds, per shape, the layer with one shared expert of the routed experts' size
 (DeepSeek-V3: `shared_expert_ffn_hidden_size` = ffn) run in line and then with
 `overlap_shared_experts=True` (on a side CUDA stream), in bf16 and FP8 block scaling (or --recipes).
+The weight options add rows after each quantized recipe's row as `--recompute-activation` does:
+`--weight-cache` (`cache_quantized_weights=True`, rows marked +wc), timed over optimizer steps of
+`--micro-batches` forward + backward steps each (the weights' versions bumped after every step,
+as an optimizer step bumps them: the first micro-batch quantizes, the others reuse), reported
+per micro-batch; `--recompute-weight-columnwise` (+rw: dgrad's weight copy quantized again in
+the backward instead of kept); with both flags also +wc+rw.
 Writes benchmarks/results/moe.json.
 """
 from __future__ import annotations
@@ -111,21 +117,49 @@ def _graphed_ms(step, warmup: int, iters: int):
         return None, _err(inner[0] if inner else e)
 
 
-def _measure(module, x, dy, recipe, warmup: int, iters: int, graphed: bool) -> dict:
-    """Eager and graphed step times and the eager peak memory of one module under one recipe."""
+def _optimizer_steps(step, module, micro_batches: int):
+    """`micro_batches` steps, then every parameter's version bumped as an optimizer step bumps it
+    (the values stay: the timing does not depend on them), so the weight cache quantizes again."""
+    params = list(module.parameters())
+
+    def cycle():
+        for _ in range(micro_batches):
+            step()
+        for p in params:
+            torch.autograd.graph.increment_version(p)
+    return cycle
+
+
+def _cache_gib(module) -> float:
+    from qmoe.quant import WeightCache
+    caches = [m.weight_cache for m in module.modules() if isinstance(getattr(m, "weight_cache", None), WeightCache)]
+    return sum(c.nbytes() for c in caches) / 2 ** 30
+
+
+def _measure(module, x, dy, recipe, warmup: int, iters: int, graphed: bool, micro_batches: int = 1) -> dict:
+    """Eager and graphed step times and the eager peak memory of one module under one recipe.
+
+    micro_batches > 1: time optimizer steps of that many forward + backward steps (`_optimizer_steps`)
+    and report the time per micro-batch."""
     step = _step_fn(module, x, dy, recipe)
+    if micro_batches > 1:
+        step = _optimizer_steps(step, module, micro_batches)
+        warmup, iters = max(1, -(-warmup // micro_batches)), max(2, -(-iters // micro_batches))
     _drop_grads(module, x)  # earlier runs' gradients (a graph's pool included) are not this run's memory
     torch.cuda.synchronize()
     resident = torch.cuda.memory_allocated() / 2 ** 30  # weights, inputs (and any other layer held)
     grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad) / 2 ** 30
     torch.cuda.reset_peak_memory_stats()
-    eager = _time_ms(step, warmup, iters)
+    eager = _time_ms(step, warmup, iters) / micro_batches
     peak = torch.cuda.max_memory_allocated() / 2 ** 30
     # what the step itself needs beyond what any training of this model holds (weights, their
     # gradients, the input): saved activations, quantized copies, workspaces
     out = dict(eager_ms=eager, peak_gib=peak, work_gib=peak - resident - grads - x.numel() * x.element_size() / 2 ** 30,
-               held_gib=_held_gib(module, x, dy, recipe), graphed_ms=None, graph_error=None)
-    if graphed:
+               held_gib=_held_gib(module, x, dy, recipe), graphed_ms=None, graph_error=None,
+               cache_gib=_cache_gib(module), micro_batches=micro_batches)
+    if graphed and getattr(module, "cache_quantized_weights", False):
+        out["graph_error"] = "not captured: a CUDA-graph capture turns the weight cache off for good"
+    elif graphed:
         out["graphed_ms"], out["graph_error"] = _graphed_ms(step, warmup, iters)
     _drop_grads(module, x)
     return out
@@ -161,13 +195,13 @@ def _free():
     torch.cuda.empty_cache()
 
 
-def _recipe_row(layer, x, dy, recipe, warmup, iters, graphed, base: dict, bf16_ms) -> dict:
+def _recipe_row(layer, x, dy, recipe, warmup, iters, graphed, base: dict, bf16_ms, micro_batches: int = 1) -> dict:
     """One row: `base` (the shape, recipe, path, peer) with this layer's measurements."""
     row = dict(base, eager_ms=None, graphed_ms=None, tokens_per_s=None, peak_gib=None, work_gib=None,
                speedup_vs_peer=None, ratio_vs_qmoe_bf16=None, graph_error=None, error=None,
-               recompute_activation=layer.recompute_activation)
+               **{name: getattr(layer, name) for name in OPTIONS})
     try:
-        row.update(_measure(layer, x, dy, recipe, warmup, iters, graphed))
+        row.update(_measure(layer, x, dy, recipe, warmup, iters, graphed, micro_batches))
         row["tokens_per_s"] = x.shape[0] / (row["eager_ms"] / 1e3)
         if row["peer_ms"]:
             row["speedup_vs_peer"] = row["peer_ms"] / row["eager_ms"]
@@ -179,7 +213,23 @@ def _recipe_row(layer, x, dy, recipe, warmup, iters, graphed, base: dict, bf16_m
     return row
 
 
-def bench_shape(rows, name, shape, recipes, warmup, iters, graphed, device="cuda", recompute=False):
+# the layer options rows can switch on, with their marks in the printed table
+OPTIONS = {"recompute_activation": "rc", "cache_quantized_weights": "wc", "recompute_weight_columnwise": "rw"}
+
+
+def _variants(recompute: bool, weight_cache: bool, recompute_weight: bool, quantized: bool) -> list[dict]:
+    """The option sets measured after a recipe's default row."""
+    out = [{"recompute_activation": True}] if recompute else []
+    if quantized:  # the weight options act on quantized weights only
+        out += [{"cache_quantized_weights": True}] if weight_cache else []
+        out += [{"recompute_weight_columnwise": True}] if recompute_weight else []
+        if weight_cache and recompute_weight:
+            out.append({"cache_quantized_weights": True, "recompute_weight_columnwise": True})
+    return out
+
+
+def bench_shape(rows, name, shape, recipes, warmup, iters, graphed, device="cuda", recompute=False,
+                weight_cache=False, recompute_weight=False, micro_batches=4):
     import qmoe
     from benchmarks.plain_moe import PlainMoE
     from qmoe.compare import resolve_path
@@ -222,12 +272,15 @@ def bench_shape(rows, name, shape, recipes, warmup, iters, graphed, device="cuda
             row["ratio_vs_qmoe_bf16"] = 1.0 if bf16_ms else None
         rows.append(row)
         _print_row(row)
-        if recompute:
-            layer.recompute_activation = True
+        for options in _variants(recompute, weight_cache, recompute_weight, recipe is not None):
+            for option, value in options.items():
+                setattr(layer, option, value)
             try:
-                again = _recipe_row(layer, x, dy, recipe, warmup, iters, graphed, base, bf16_ms)
+                again = _recipe_row(layer, x, dy, recipe, warmup, iters, graphed, base, bf16_ms,
+                                    micro_batches if options.get("cache_quantized_weights") else 1)
             finally:
-                layer.recompute_activation = False
+                for option in options:
+                    setattr(layer, option, False)
             if row["error"] is None and again["error"] is None:
                 again["held_gib_saved_vs_default"] = row["held_gib"] - again["held_gib"]
                 again["peak_gib_saved_vs_default"] = row["peak_gib"] - again["peak_gib"]
@@ -282,22 +335,25 @@ def _fmt(v, spec):
     return format(v, spec) if isinstance(v, (int, float)) else format("-", spec.split(".")[0] or "")
 
 
-HEADER = (f"{'shape':<16} {'recipe':<10} {'eager ms':>9} {'graph ms':>9} {'tok/s':>10} {'peak GiB':>9} "
+HEADER = (f"{'shape':<16} {'recipe':<14} {'eager ms':>9} {'graph ms':>9} {'tok/s':>10} {'peak GiB':>9} "
           f"{'work GiB':>9} {'held GiB':>9} {'peer ms':>9} {'vs peer':>8} {'vs bf16':>8}  note")
 
 
 def _print_row(r):
     note = r["error"] or (f"graph: {r['graph_error']}" if r["graph_error"] else r["path"])
-    recipe = r["recipe"] + ("+rc" if r["recompute_activation"] else "") + \
+    on = [option for option in OPTIONS if r.get(option)]
+    recipe = r["recipe"] + "".join(f"+{OPTIONS[option]}" for option in on) + \
         ("+sh" if r.get("shared_expert_ffn") else "") + ("+ov" if r.get("overlap_shared_experts") else "")
     if r.get("held_gib_saved_vs_default") is not None:
-        note += (f"; recompute_activation: {r['held_gib_saved_vs_default']:.3f} GiB less held for the backward, "
+        note += (f"; {'+'.join(on)}: {r['held_gib_saved_vs_default']:.3f} GiB less held for the backward, "
                  f"{r['peak_gib_saved_vs_default']:.3f} GiB less peak, {r['time_ratio_vs_default']:.2f}x the time")
+        if r.get("cache_quantized_weights"):
+            note += f", {r['cache_gib']:.3f} GiB kept weights, per micro-batch of {r['micro_batches']}"
     if r.get("time_ratio_overlap_vs_inline") is not None:
         note += f"; overlap: {r['time_ratio_overlap_vs_inline']:.3f}x the in-line time (eager)"
         if r.get("graphed_ratio_overlap_vs_inline") is not None:
             note += f", {r['graphed_ratio_overlap_vs_inline']:.3f}x graphed"
-    print(f"{r['shape']:<16} {recipe:<10} {_fmt(r['eager_ms'], '>9.3f')} {_fmt(r['graphed_ms'], '>9.3f')} "
+    print(f"{r['shape']:<16} {recipe:<14} {_fmt(r['eager_ms'], '>9.3f')} {_fmt(r['graphed_ms'], '>9.3f')} "
           f"{_fmt(r['tokens_per_s'], '>10.0f')} {_fmt(r['peak_gib'], '>9.2f')} {_fmt(r.get('work_gib'), '>9.2f')} "
           f"{_fmt(r.get('held_gib'), '>9.2f')} "
           f"{_fmt(r['peer_ms'], '>9.3f')} "
@@ -314,6 +370,14 @@ def main(argv=None) -> int:
     parser.add_argument("--no-graph", action="store_true", help="skip CUDA-graph capture")
     parser.add_argument("--recompute-activation", action="store_true",
                         help="after each recipe, the same layer with recompute_activation=True (rows marked +rc)")
+    parser.add_argument("--weight-cache", action="store_true",
+                        help="after each quantized recipe, the layer with cache_quantized_weights=True, timed per "
+                             "micro-batch over optimizer steps of --micro-batches steps (rows marked +wc)")
+    parser.add_argument("--recompute-weight-columnwise", action="store_true",
+                        help="after each quantized recipe, the layer with recompute_weight_columnwise=True (+rw); "
+                             "with --weight-cache also both (+wc+rw)")
+    parser.add_argument("--micro-batches", type=int, default=4,
+                        help="forward + backward steps per optimizer step in the +wc rows (default 4)")
     parser.add_argument("--shared-expert", action="store_true",
                         help="per shape, also the layer with a shared expert (Fs = ffn), overlap_shared_experts off "
                              f"and on (rows marked +sh, +sh+ov), in {' and '.join(SHARED_EXPERT_RECIPES)} or --recipes")
@@ -340,7 +404,8 @@ def main(argv=None) -> int:
     rows = []
     for name in shapes:  # the file is rewritten after every shape: partial results survive a time limit
         bench_shape(rows, name, SHAPES[name], recipes, warmup, iters, not args.no_graph,
-                    recompute=args.recompute_activation)
+                    recompute=args.recompute_activation, weight_cache=args.weight_cache,
+                    recompute_weight=args.recompute_weight_columnwise, micro_batches=args.micro_batches)
         if args.shared_expert:
             bench_shared_expert(rows, name, SHAPES[name], recipes if args.recipes else SHARED_EXPERT_RECIPES,
                                 warmup, iters, not args.no_graph)
@@ -366,10 +431,14 @@ def _write(args, header, rows, warmup, iters) -> None:
                 f"copies, the output), which a model of many layers holds for all of them at once; "
                 f"peer: benchmarks/plain_moe.py, plain PyTorch bf16 MoE on torch._grouped_mm, same weights, same run; "
                 f"speedup_vs_peer = peer_ms / eager_ms; ratio_vs_qmoe_bf16 = qmoe bf16 eager_ms / eager_ms "
-                f"(> 1 is faster than qmoe bf16); recompute_activation: the layer's option (True rows come from "
-                f"--recompute-activation, right after the same recipe's default row, same layer and inputs): "
-                f"held_gib_saved_vs_default and peak_gib_saved_vs_default = the default row's held_gib / peak_gib "
-                f"less this row's; time_ratio_vs_default = this eager_ms / default eager_ms; shared_expert_ffn rows "
+                f"(> 1 is faster than qmoe bf16); recompute_activation, cache_quantized_weights, "
+                f"recompute_weight_columnwise: the layer's options (True rows come from --recompute-activation, "
+                f"--weight-cache, --recompute-weight-columnwise, right after the same recipe's default row, same "
+                f"layer and inputs): held_gib_saved_vs_default and peak_gib_saved_vs_default = the default row's "
+                f"held_gib / peak_gib less this row's; time_ratio_vs_default = this eager_ms / default eager_ms; "
+                f"cache_gib: the kept quantized (and bf16) weights after the row; micro_batches: the forward + "
+                f"backward steps per optimizer step (parameter versions bumped after each, values unchanged) over "
+                f"which a +wc row is timed, eager_ms being per micro-batch; shared_expert_ffn rows "
                 f"(--shared-expert): the layer with a shared expert of that size, overlap_shared_experts off then on "
                 f"(same layer and inputs; no peer; ratio_vs_qmoe_bf16 against the shared-expert bf16 in-line row); "
                 f"time_ratio_overlap_vs_inline / graphed_ratio_overlap_vs_inline = the on row's eager_ms / graphed_ms "

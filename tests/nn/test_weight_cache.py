@@ -129,6 +129,33 @@ def test_checkpoint_recomputes_reuse_the_weights(recipe, region, weight_quantiza
         assert with_cache == 2 * STEPS * MICRO + (2 * STEPS if region == "step" else 2 * STEPS * MICRO)
 
 
+@pytest.mark.parametrize("layout", ["deferred-wgrad", "per-expert-weights"])
+def test_deferred_weight_gradients_and_per_expert_weights(layout, weight_quantizations):
+    """The weight handed to the op is then a stand-in (detached) or a stack made every call: the
+    cache keys on the module's parameters, so it still reuses, with the same bits."""
+    recipe = QUANTIZED[2].values[0]  # block scaling
+
+    def run(cache):
+        torch.manual_seed(0)
+        kw = dict(delay_wgrad_compute=True) if layout == "deferred-wgrad" else dict(single_grouped_weight=False)
+        mlp = qmoe.nn.GroupedMLP(E, H, F, cache_quantized_weights=cache, **kw)
+        out = []
+        for micro in range(3):
+            x = torch.randn(sum(SPLITS), H, generator=torch.Generator().manual_seed(micro), requires_grad=True)
+            with qmoe.autocast(recipe=recipe):
+                y = mlp(x, torch.tensor(SPLITS))
+            y.square().mean().backward()
+            mlp.backward_dw()
+            out += [y.detach(), x.grad]
+        return out + [p.grad for p in mlp.parameters()]
+
+    want = run(False)
+    before = len(weight_quantizations)
+    got = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert before == 6 and len(weight_quantizations) - before == 2
+
+
 # ---- recompute_weight_columnwise
 
 @pytest.mark.parametrize("path", ["grouped", "split"])
