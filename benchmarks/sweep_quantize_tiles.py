@@ -241,21 +241,32 @@ def measure(args, t0: float) -> list[dict]:
     return rows
 
 
+def plain(row) -> bool:
+    """A config of the tiles the kernels had before the variants."""
+    return not (row.get("meta_QUAD") or row.get("meta_K_MAJOR") or row.get("maxnreg")
+                or row.get("meta_BKC", row["meta_BK"]) != row["meta_BK"])
+
+
 def table(rows) -> str:
+    """Per case: the fastest config, the fastest plain tile, the autotuner's pick, configs not exact."""
     lines = []
     for fam in FAMILIES:
         for orient in ("row+col", "row"):
-            for shape in {r["shape"] for r in rows}:
-                sel = [r for r in rows if r["family"] == fam and r["orientation"] == orient and r["shape"] == shape
-                       and "ms" in r and r["config"] != "autotuned"]
-                if not sel:
+            for shape in sorted({r["shape"] for r in rows}):
+                case = [r for r in rows if r["family"] == fam and r["orientation"] == orient and r["shape"] == shape]
+                timed = [r for r in case if "ms" in r and r["config"] != "autotuned"]
+                if not timed:
                     continue
-                best = min(sel, key=lambda r: r["ms"])
-                bad = [r["config"] for r in rows if r["family"] == fam and r["orientation"] == orient
-                       and r["shape"] == shape and not r.get("exact", True)]
-                frac = f"{best['frac_copy']:.3f}" if "frac_copy" in best else "-"
-                lines.append(f"{fam:13s} {orient:8s} {shape:20s} best {best['config']:32s} {best['ms']:9.3f} ms "
-                             f"frac {frac}" + (f"  NOT EXACT: {bad}" if bad else ""))
+                frac = lambda r: f"{r['frac_copy']:.3f}" if "frac_copy" in r else f"{r['ms']:.1f} ms"  # noqa: E731
+                best = min(timed, key=lambda r: r["ms"])
+                line = f"{fam:13s} {orient:8s} {shape:19s} best {frac(best)} {best['config']:30s}"
+                old = [r for r in timed if plain(r)]
+                if old:
+                    line += f" plain {frac(min(old, key=lambda r: r['ms']))}"
+                line += "".join(f" autotuned {frac(r)} ({r['picked']})" for r in case if r["config"] == "autotuned")
+                bad = [r["config"] for r in case if r.get("exact") is False or "error" in r and
+                       not r["error"].startswith("skipped")]
+                lines.append(line + (f"  NOT EXACT OR FAILED: {bad}" if bad else ""))
     return "\n".join(lines)
 
 
