@@ -31,10 +31,10 @@ SHAPES = {  # name: (experts, mean rows per expert, K, N) as in benchmarks/bench
     "dsv3-fc2": (32, 2048, 2048, 7168),
     "mixtral-fc1": (8, 4096, 4096, 28672),
 }
-CASES = [("dsv3-fc1", "fprop", "uneven"), ("dsv3-fc1", "fprop", "even"), ("dsv3-fc2", "fprop", "uneven"),
-         ("dsv3-fc1", "dgrad", "uneven"), ("mixtral-fc1", "fprop", "uneven")]
+CASES = [("dsv3-fc1", "fprop", "uneven"), ("dsv3-fc1", "dgrad", "uneven"), ("dsv3-fc1", "wgrad", "uneven"),
+         ("dsv3-fc2", "fprop", "uneven"), ("mixtral-fc1", "fprop", "uneven"), ("dsv3-fc1", "fprop", "even")]
 TINY = {"dsv3-fc1": (4, 100, 256, 256), "dsv3-fc2": (4, 100, 256, 256), "mixtral-fc1": (2, 150, 256, 384)}
-PAD_ROWS = 40  # rows past the last group (static buffers): every kernel must write them as zeros
+PAD_ROWS = 48  # rows past the last group (static buffers): written as zeros; tokens stay a multiple of 16 (TMA)
 
 
 def variants(extra: bool = False):
@@ -53,6 +53,14 @@ def variants(extra: bool = False):
     if extra:
         v["tl w8 s4"] = dict(kind="tl", warps=8, stages=4)  # the current body, persistent over TMA descriptors
         v["tl-split w8 s4"] = dict(kind="tl", split=True, warps=8, stages=4)
+    return v
+
+
+def wgrad_variants():
+    """wgrad (k-grouped): "current" is k_grouped_gemm's Triton kernel (what it dispatches)."""
+    v = {"current": None}
+    for pipe, stages in ((0, 5), (3, 5), (0, 4)):
+        v[f"gluon-wgrad pipe{pipe} s{stages}"] = dict(kind="wgrad", pipe=pipe, stages=stages)
     return v
 
 
@@ -76,6 +84,23 @@ def _operands(e, splits, k, n, layout, device, seed):
     recipe = Float8BlockScaling()
     g = torch.Generator(device=device).manual_seed(seed)  # drawn on the device: GB of operands
     t = sum(splits) + PAD_ROWS
+    before = os.environ.get("QMOE_BACKEND")
+    os.environ["QMOE_BACKEND"] = "reference"  # the same bits as the kernels, without their compiles and autotuning
+    try:
+        if layout == "wgrad":  # dW = dy^T x: both operands' columnwise copies, 1x128 blocks along tokens
+            ops = []
+            for cols, role in ((n, "grad_output"), (k, "input")):
+                x = torch.randn(t, cols, generator=g, device=device).to(torch.bfloat16)
+                x[sum(splits):] = 0
+                ops.append(GroupedTensor.quantize(x, torch.tensor(splits), recipe.quantizer(role), rowwise=False,
+                                                  validate=False))
+                del x
+            return tuple(ops)
+    finally:
+        if before is None:
+            del os.environ["QMOE_BACKEND"]
+        else:
+            os.environ["QMOE_BACKEND"] = before
     w = (torch.randn(e, n, k, generator=g, device=device) / k ** 0.5).to(torch.bfloat16)
     if layout == "fprop":
         x = torch.randn(t, k, generator=g, device=device).to(torch.bfloat16)
@@ -97,10 +122,19 @@ def _operands(e, splits, k, n, layout, device, seed):
     return a, b
 
 
-def _runner(name, kw, a, b, columnwise, programs, info):
+def _runner(name, kw, a, b, layout, programs, info):
     from qmoe.contracts.enums import Scaling
     from qmoe.kernels import grouped_gemm as gg
 
+    columnwise = layout == "dgrad"
+    if layout == "wgrad":
+        if kw is None:
+            return lambda: gg.k_grouped_gemm_with(a, b)
+        from qmoe.kernels._block_wgrad_ws import launch_block_wgrad_ws
+        a_op, b_op = gg.tokens_operand(a, Scaling.BLOCK), gg.tokens_operand(b, Scaling.BLOCK)
+        kw = {key: v for key, v in kw.items() if key != "kind"}
+        return lambda: launch_block_wgrad_ws(a_op, b_op, a.offsets, a.shape[1], b.shape[1], a.num_groups,
+                                             programs=programs, info=info, **kw)
     if name == "dispatched":
         return lambda: gg.m_grouped_gemm_with(a, b, b_columnwise=columnwise)
     if kw is None:  # the Triton kernel with its default tiles (a config bypasses the Gluon dispatch)
@@ -170,8 +204,12 @@ def run(args, header) -> list[dict]:
     wanted = variants(extra=args.extra)
     if args.variants:
         wanted = {k: v for k, v in wanted.items() if k == "current" or any(s in k for s in args.variants)}
+    wanted_wgrad = wgrad_variants()
+    if args.variants:
+        wanted_wgrad = {k: v for k, v in wanted_wgrad.items() if k == "current" or any(s in k for s in args.variants)}
     if args.skip:  # e.g. a variant that hung in an earlier run (its row says "started")
         wanted = {k: v for k, v in wanted.items() if k == "current" or not any(s in k for s in args.skip)}
+        wanted_wgrad = {k: v for k, v in wanted_wgrad.items() if k == "current" or not any(s in k for s in args.skip)}
     rows, start = [], time.monotonic()
     if on_gpu:
         rows.append(torch_grouped_block_probe())
@@ -191,12 +229,14 @@ def run(args, header) -> list[dict]:
         flops = 2.0 * t * n_c * k_c
         case = dict(shape=shape, layout=layout, splits=split_kind, experts=e, rows=t, pad_rows=PAD_ROWS, K=k_c, N=n_c,
                     min_split=min(splits), max_split=max(splits))
+        if layout == "wgrad":  # dW [experts, n, k] over each expert's tokens
+            case.update(K=None, N=None, dW=[e, n, k])
         ref = None
         if on_gpu and layout == "fprop":
             ms = _dense_peer(t, n_c, k_c)
             rows.append(dict(case, variant="F.scaled_mm dense (peer)", status="ok" if ms else "error", ms=ms,
                              tflops=round(flops / ms / 1e9, 1) if ms else None))
-        for name, kw in wanted.items():
+        for name, kw in (wanted_wgrad if layout == "wgrad" else wanted).items():
             if time.monotonic() - start > args.budget_s and name not in ("current", "dispatched"):
                 rows.append(dict(case, variant=name, status="skipped", error="time budget spent"))
                 continue
@@ -204,14 +244,17 @@ def run(args, header) -> list[dict]:
             save(row)
             info = {}
             try:
-                fn = _runner(name, kw, a, b, layout == "dgrad", programs, info)
+                fn = _runner(name, kw, a, b, layout, programs, info)
                 out = fn()
                 if on_gpu:
                     torch.cuda.synchronize()
                 if name == "current":
                     ref = out
                 row.update(_compare(out, ref) if ref is not None else {})
-                row["pad_rows_zero"] = bool((out[t:] == 0).all())
+                if layout == "wgrad":  # an expert without tokens gets exact zeros
+                    row["empty_experts_zero"] = all(bool((out[i] == 0).all()) for i, m in enumerate(splits) if m == 0)
+                else:
+                    row["pad_rows_zero"] = bool((out[t:] == 0).all())
                 ms = _time(fn, on_gpu)
                 row.update(status="ok", ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1), **info)
             except Exception as err:  # compile or launch failure: recorded, the sweep goes on
