@@ -137,11 +137,10 @@ def test_fp8_block(case, orient):
 
 # ---------------------------------------------------------------- every autotune config
 
-CONFIG_CASES = {  # name: (kernel family, format, block rows / scale mode, power_2_scale)
-    "block1x128-e4m3": ("block", E4M3, 1, True), "block1x128-e5m2-f32": ("block", E5M2, 1, False),
-    "block128x128-e4m3-f32": ("block", E4M3, 128, False), "mxfp8-e4m3": ("mx", E4M3, ScaleMode.ROUND_UP, None),
-    "mxfp8-e5m2-floor": ("mx", E5M2, ScaleMode.FLOOR, None), "tensorwise-e4m3": ("tensorwise", E4M3, None, None),
-    "tensorwise-e5m2": ("tensorwise", E5M2, None, None)}
+CONFIG_CASES = {  # name: (kernel family, format, block rows / scale mode, power_2_scale); other formats and
+    # modes run through the same code with other constants (the plain-tile tests above cover them)
+    "block1x128-e4m3": ("block", E4M3, 1, True), "block128x128-e4m3-f32": ("block", E4M3, 128, False),
+    "mxfp8-e4m3": ("mx", E4M3, ScaleMode.ROUND_UP, None), "tensorwise-e5m2": ("tensorwise", E5M2, None, None)}
 
 
 def config_calls(case, splits):
@@ -184,6 +183,8 @@ def test_every_autotune_config(case, orient):
         want = ref(x, orient)
         configs = configs_for(kernel, m, k, **meta, ROWWISE=orient[0], COLWISE=orient[1])
         assert configs
+        if not orient[0]:  # columnwise alone: the plain tile and the first row-quad config (fewer compiles)
+            configs = [configs[0]] + [c for c in configs if c.kwargs["QUAD"]][:1]
         for cfg in configs:
             with forced_config(kernel, cfg):
                 got = run(x, orient)
