@@ -1,6 +1,6 @@
 """FP8 block-scaled m-grouped GEMM, persistent Triton variants that try to overlap the per-128
 promotion with the tensor cores (private helper of `qmoe/kernels/grouped_gemm.py`; not
-dispatched yet; `qmoe/kernels/_block_gemm_ws.py` holds the warp-specialised Gluon kernel).
+dispatched: the warp-specialised Gluon kernel of `qmoe/kernels/_block_gemm_ws.py` is).
 
 Same contract and bits as `m_grouped_gemm_kernel` under BLOCK scaling with one weight scale per
 tile and step (`acc + p * (a_scale * b_scale)` per 128-deep step, in order). Operands arrive
@@ -9,7 +9,8 @@ group or are zero-filled past the tensor) and never stored. Knobs:
 
   LAG    promote step i-1's product after issuing step i's, so the compiler may run the
          promotion while the tensor cores work on the next step
-  WS     ask Triton to warp-specialise the K loop (a TMA producer partition and consumers)
+  WS     ask Triton to warp-specialise the K loop (a TMA producer partition and consumers);
+         it deadlocked on an sm90 GPU, so the launcher takes it under the interpreter only
   SPLIT  two half-width products per step, the first promoted while the second is computed
 """
 from __future__ import annotations
@@ -147,7 +148,13 @@ def launch_block_gemm_tl(a, b, offsets: torch.Tensor, total_rows: int, n_out: in
                          out_dtype=torch.bfloat16, *, b_columnwise: bool = False, bm: int = 128, bn: int = 128,
                          warps: int = 8, stages: int = 4, lag: bool = False, ws: bool = False, split: bool = False,
                          group_m: int = 8, programs: int | None = None, info: dict | None = None) -> torch.Tensor:
-    """out [total_rows, n_out] of the FP8 block m-grouped GEMM; a, b: grouped_gemm._Operand (BLOCK scaling)."""
+    """out [total_rows, n_out] of the FP8 block m-grouped GEMM; a, b: grouped_gemm._Operand (BLOCK scaling).
+
+    ws=True (Triton's own Hopper warp specialisation) runs under the interpreter only: on an sm90
+    GPU its compiled partitions deadlocked, so it is refused there.
+    """
+    if ws and a.data.is_cuda:
+        raise ValueError("launch_block_gemm_tl(ws=True) deadlocks on sm90 GPUs: it runs under the interpreter only")
     check_block_operands(a, b, k, bn)
     out = torch.empty((total_rows, n_out), dtype=out_dtype, device=a.data.device)
     if total_rows == 0 or n_out == 0:

@@ -196,6 +196,19 @@ def test_dispatched_block_gemm_is_sync_free_and_graph_capturable():
 
 
 @launcher
+def test_triton_auto_warp_specialisation_is_refused_on_a_gpu():
+    """It deadlocked an H200: never launched on a GPU (the interpreter test runs it on the CPU)."""
+    import types
+
+    from qmoe.kernels._block_gemm_tl import launch_block_gemm_tl
+
+    gpu_data = types.SimpleNamespace(is_cuda=True)
+    op = types.SimpleNamespace(data=gpu_data, block=(1, 128), stride_k=1)
+    with pytest.raises(ValueError, match="deadlocks"):
+        launch_block_gemm_tl(op, op, None, 256, 256, 256, 1, ws=True)
+
+
+@launcher
 def test_operands_the_tma_kernels_cannot_take_are_refused():
     from qmoe.kernels._block_gemm_tl import check_block_operands
 
