@@ -138,10 +138,10 @@ def test_dispatched_block_gemm_gives_the_current_kernels_bits(layout, shape):
         why = ws.unsupported(a_op, b_op, n_out, contraction, out_dtype, a.shape[0], b.num_groups)
         expect_ws = contraction % 128 == 0 and (n_out * torch.finfo(out_dtype).bits // 8) % 16 == 0
         assert (why is None) == expect_ws, why
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # a Gluon compile failure warns: it must not happen here
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             out = gg.m_grouped_gemm_with(a, b, b_columnwise=layout == "dgrad", out_dtype=out_dtype)
-        assert not ws.FAILED, ws.FAILED
+        assert not [w for w in caught if "Gluon" in str(w.message)] and not ws.FAILED, ws.FAILED  # it compiled
         current = _current(a, b, layout, out_dtype)
         assert torch.equal(out, current), (layout, out_dtype, (out.float() - current.float()).abs().max())
         assert (out[sum(BIG_SPLITS):] == 0).all()
