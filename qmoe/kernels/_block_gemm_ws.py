@@ -375,9 +375,17 @@ def _desc(t: torch.Tensor, block: list[int]):
 # sm90's shared memory per block (227 KiB) and what the kernel keeps besides the stages (barriers)
 SMEM_BYTES = 232448
 _SMEM_SPARE = 1024
-# What qmoe's m-grouped FP8 block GEMM dispatches to (launch_block_gemm_ws's keywords); the
-# benchmark sweep times the other schedules and tiles against it.
+# What qmoe's m-grouped FP8 block GEMM dispatches to (launch_block_gemm_ws's keywords): 128x256
+# tiles where N allows them (each weight tile is read by half as many programs), else 128x128 with
+# the promotion of one step overlapping the next step's MMA. The benchmark sweep
+# (benchmarks/sweep_block_gemm.py) times the other schedules and tiles against them.
+DISPATCH_WIDE = dict(bn=256, stages=4, pipe=0, group_m=8, c_bufs=1)
 DISPATCH = dict(bn=128, stages=5, pipe=2, group_m=8)
+
+
+def dispatch_config(n_out: int) -> dict:
+    """The dispatched keywords for an output of n_out columns."""
+    return dict(DISPATCH_WIDE if n_out % DISPATCH_WIDE["bn"] == 0 else DISPATCH)
 # Calls whose kernel failed to compile (a Triton without this Gluon API): they take the Triton kernel.
 FAILED: dict[tuple, str] = {}
 
@@ -415,8 +423,6 @@ def unsupported(a, b, n_out: int, k: int, out_dtype, total_rows: int, groups: in
         return f"output dtype {out_dtype}"
     if k % 128 or a.block != (1, 128) or b.block != (128, 128) or a.stride_k != 1 or b.stride_k != 1:
         return f"K={k}, blocks {a.block} x {b.block}, contraction strides {a.stride_k}, {b.stride_k}"
-    if n_out % DISPATCH["bn"] and DISPATCH["bn"] > 128:
-        return f"N={n_out} is not a multiple of the {DISPATCH['bn']}-column tile"
     if (n_out * torch.finfo(out_dtype).bits // 8) % 16 or not (_aligned(a.data) and _aligned(b.data)):
         return "operands or output rows not 16-byte aligned (TMA)"
     if total_rows <= 96 * groups:
@@ -447,8 +453,8 @@ def launch_dispatched(a, b, offsets, total_rows: int, n_out: int, k: int, groups
     if unsupported(a, b, n_out, k, out_dtype, total_rows, groups) is not None:
         return None
     b_columnwise = b.group_stride < b.stride_r
-    cfg = dict(DISPATCH)
-    cfg["stages"] = fit_stages(cfg["stages"], 128, cfg["bn"], out_dtype)
+    cfg = dispatch_config(n_out)
+    cfg["stages"] = fit_stages(cfg["stages"], 128, cfg["bn"], out_dtype, cfg.get("c_bufs", 1))
     key = (out_dtype, b_columnwise, *sorted(cfg.items()))
     if key in FAILED:
         return None

@@ -361,6 +361,10 @@ def test_unsupported_calls_launch_nothing(sm90, monkeypatch):
     b_t = _Operand(_Data(384, 4 * 512), 4 * 512, 1, 512, block=(128, 128))
     assert ws.launch_dispatched(_ops(k=512)[0], b_t, None, 4096, 384, 512, 4, torch.bfloat16, None) == "launched"
     assert calls[1]["b_columnwise"] is True
+    # an output of a multiple of 256 columns takes the wide tiles
+    assert ws.launch_dispatched(a, b, None, 4096, 512, 512, 4, torch.bfloat16, None) == "launched"
+    assert calls[2]["bn"] == 256 and calls[2]["pipe"] == ws.DISPATCH_WIDE["pipe"]
+    assert calls[0]["bn"] == 128
 
 
 @launcher
