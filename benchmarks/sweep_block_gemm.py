@@ -57,11 +57,10 @@ def variants(extra: bool = False):
 
 
 def wgrad_variants():
-    """wgrad (k-grouped): "current" is k_grouped_gemm's Triton kernel (what it dispatches)."""
-    v = {"current": None}
-    for pipe, stages in ((0, 5), (3, 5), (0, 4)):
-        v[f"gluon-wgrad pipe{pipe} s{stages}"] = dict(kind="wgrad", pipe=pipe, stages=stages)
-    return v
+    """wgrad (k-grouped): "current" is k_grouped_gemm's Triton kernel (what it dispatches). A
+    warp-specialised Gluon wgrad (commit c86797a) stopped the H200 with an illegal instruction
+    and was removed."""
+    return {"current": None}
 
 
 def uneven_splits(experts: int, rows: int, seed: int, empty: bool) -> list[int]:
@@ -128,13 +127,7 @@ def _runner(name, kw, a, b, layout, programs, info):
 
     columnwise = layout == "dgrad"
     if layout == "wgrad":
-        if kw is None:
-            return lambda: gg.k_grouped_gemm_with(a, b)
-        from qmoe.kernels._block_wgrad_ws import launch_block_wgrad_ws
-        a_op, b_op = gg.tokens_operand(a, Scaling.BLOCK), gg.tokens_operand(b, Scaling.BLOCK)
-        kw = {key: v for key, v in kw.items() if key != "kind"}
-        return lambda: launch_block_wgrad_ws(a_op, b_op, a.offsets, a.shape[1], b.shape[1], a.num_groups,
-                                             programs=programs, info=info, **kw)
+        return lambda: gg.k_grouped_gemm_with(a, b)
     if name == "dispatched":
         return lambda: gg.m_grouped_gemm_with(a, b, b_columnwise=columnwise)
     if kw is None:  # the Triton kernel with its default tiles (a config bypasses the Gluon dispatch)
