@@ -1,10 +1,11 @@
 """Triton device functions of the NVFP4 kernels (`qmoe.kernels.quantize_nvfp4`), on whole tiles.
 
-- Tile order: a tile's row t = i * (BM/16) + j holds row row0 + 16 j + i. The load's layout puts
-  the slowest index (i) in one thread's registers, so each thread holds whole 16-row runs of its
-  columns: the columnwise blocks, their Hadamard transform and their packing along M need no
-  exchange between threads, and the tile splits along i (rows) or its in-register columns for
-  free (`split_rows`, `split_cols`: smaller pieces keep fewer values live).
+- Two views of a tile, each loaded as the copy it feeds needs (the second load hits the cache):
+  rows in order, 8 columns a thread (16-byte loads), for the rowwise copy; and the tile order,
+  where tile row t = i * (BM/16) + j holds row row0 + 16 j + i: the load's layout puts the slowest
+  index (i) in one thread's registers, so with narrow vectors along K each thread holds whole
+  16-row runs of a few columns, and the columnwise blocks, their Hadamard transform and their
+  packing along M need no exchange between threads.
 - Arithmetic (NUMERICS.md, bit for bit, the same in the interpreter): E4M3 block scales and E2M1
   codes by one fp32 addition of a binade constant each (RNE onto the grid), 1 / (s_b * S_dec) by
   `_arith.rcp_rn`; codes packed eight to an int32 word, -0 made +0.
@@ -108,18 +109,6 @@ def tile_runs(v, BM: tl.constexpr, BK: tl.constexpr):
     return tl.reshape(tl.permute(tl.reshape(v, (16, BM // 16, BK)), (2, 1, 0)), (BK * BM // 16, 16))
 
 
-@triton.jit
-def split_rows(v, R: tl.constexpr, C: tl.constexpr):
-    """[R, C] in tile order -> the halves [R/2, C] of its slowest row index (registers)."""
-    return tl.split(tl.permute(tl.reshape(v, (2, R // 2, C)), (1, 2, 0)))
-
-
-@triton.jit
-def split_cols(v, R: tl.constexpr, C: tl.constexpr):
-    """[R, C] -> its even and odd columns [R, C/2] (in-register columns of a thread)."""
-    return tl.split(tl.reshape(v, (R, C // 2, 2)))
-
-
 # ---------------------------------------------------------------- stochastic rounding draws
 
 @triton.jit
@@ -205,68 +194,86 @@ def store_col(col_ptr, words, cols, k_ok, row0, row_end, gstart, stride_col,
 # ---------------------------------------------------------------- the copies
 
 @triton.jit
-def quantize_rows(x, rows, col0, row_end, K, s_enc, seed_ptr, row_ptr, row_s_ptr, stride_row, stride_rs,
-                  STOCHASTIC: tl.constexpr, ROW_WORDS: tl.constexpr, R: tl.constexpr, BK: tl.constexpr):
-    """1x16 blocks along K of rows x [R, BK] (any rows): codes and scales stored."""
-    xf = tl.reshape(x.to(tl.float32), (R, BK // 16, 16))
-    sb, enc, lim = block_scale(tl.reduce(tl.abs(xf), 2, max_keep_nan), s_enc)
+def encode_rows(xf, enc, lim, rows, col0, row_end, K, seed_ptr, row_ptr, stride_row, STOCHASTIC: tl.constexpr,
+                ROW_WORDS: tl.constexpr, R: tl.constexpr, BK: tl.constexpr):
+    """Codes of xf [R, BK/16, 16] (fp32, runs along K) with their blocks' enc / lim [R, BK/16], stored."""
     u = 0.0
     if STOCHASTIC:
         u = tl.reshape(rowwise_uniform(seed_ptr, rows, col0, K, R, BK), (R, BK // 16, 16))
     codes = e2m1_codes(xf * enc[:, :, None], lim[:, :, None], STOCHASTIC, u)
-    m_ok = rows < row_end
     words = tl.reshape(pack8(tl.reshape(codes, (R * BK // 8, 8)), R * BK // 8), (R, BK // 8))
-    store_row(row_ptr, words, rows, col0, m_ok, K, stride_row, ROW_WORDS, R, BK)
+    store_row(row_ptr, words, rows, col0, rows < row_end, K, stride_row, ROW_WORDS, R, BK)
+
+
+@triton.jit
+def encode_cols(y, enc, lim, cols, row0, row_end, gstart, M, K, seed_ptr, col_ptr, stride_col,
+                RUNS_OF_ROWS: tl.constexpr, STOCHASTIC: tl.constexpr, COL_WORDS: tl.constexpr, GROUPED: tl.constexpr,
+                BM: tl.constexpr, BK: tl.constexpr):
+    """Codes of the runs y [BK * BM/16, 16] (`tile_runs` of columns `cols`) with enc / lim per run, stored."""
+    N: tl.constexpr = BK * BM // 16
+    u = 0.0
+    if STOCHASTIC:
+        u = colwise_uniform(seed_ptr, row0, cols, M, RUNS_OF_ROWS, BM, BK)
+    codes = e2m1_codes(y * enc[:, None], lim[:, None], STOCHASTIC, u)
+    words = tl.reshape(pack8(tl.reshape(codes, (2 * N, 8)), 2 * N), (BK, BM // 8))
+    store_col(col_ptr, words, cols, cols < K, row0, row_end, gstart, stride_col, COL_WORDS, GROUPED, BM, BK)
+
+
+@triton.jit
+def quantize_rows(x, rows, col0, row_end, K, s_enc, seed_ptr, row_ptr, row_s_ptr, stride_row, stride_rs,
+                  STOCHASTIC: tl.constexpr, ROW_WORDS: tl.constexpr, R: tl.constexpr, BK: tl.constexpr):
+    """1x16 blocks along K of rows x [R, BK]: codes and scales stored."""
+    xf = tl.reshape(x.to(tl.float32), (R, BK // 16, 16))
+    sb, enc, lim = block_scale(tl.reduce(tl.abs(xf), 2, max_keep_nan), s_enc)
+    encode_rows(xf, enc, lim, rows, col0, row_end, K, seed_ptr, row_ptr, stride_row, STOCHASTIC, ROW_WORDS, R, BK)
     kb = col0 // 16 + tl.arange(0, BK // 16)
     tl.store(row_s_ptr + rows[:, None].to(tl.int64) * stride_rs + kb[None, :], sb,
-             mask=m_ok[:, None] & (kb * 16 < K)[None, :])
+             mask=(rows < row_end)[:, None] & (kb * 16 < K)[None, :])
 
 
 @triton.jit
-def quantize_cols(x, cols, row0, row_end, gstart, sblk0, M, K, s_enc, seed_ptr, col_ptr, col_s_ptr, stride_col,
+def quantize_cols(xt, cols, row0, row_end, gstart, sblk0, M, K, s_enc, seed_ptr, col_ptr, col_s_ptr, stride_col,
                   stride_cs, RHT: tl.constexpr, STOCHASTIC: tl.constexpr, COL_WORDS: tl.constexpr,
-                  GROUPED: tl.constexpr, SIGN_MASK: tl.constexpr, BM: tl.constexpr, BKC: tl.constexpr):
-    """1x16 blocks along M of columns x [BM, BKC] (tile order; the columnwise copy, Hadamard-
-    transformed with RHT): codes and scales stored."""
-    N: tl.constexpr = BKC * BM // 16
+                  GROUPED: tl.constexpr, SIGN_MASK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """1x16 blocks along M of xt [BM, BK] (tile order; the columnwise copy, Hadamard-transformed with
+    RHT): codes and scales stored."""
     if RHT:
-        y = rht16(tile_runs(x, BM, BKC), N, SIGN_MASK)
+        y = rht16(tile_runs(xt, BM, BK), BK * BM // 16, SIGN_MASK)
     else:
-        y = tile_runs(x, BM, BKC).to(tl.float32)
+        y = tile_runs(xt, BM, BK).to(tl.float32)
     sb, enc, lim = block_scale(tl.reduce(tl.abs(y), 1, max_keep_nan), s_enc)
-    u = 0.0
-    if STOCHASTIC:
-        u = colwise_uniform(seed_ptr, row0, cols, M, RHT, BM, BKC)
-    codes = e2m1_codes(y * enc[:, None], lim[:, None], STOCHASTIC, u)
-    words = tl.reshape(pack8(tl.reshape(codes, (2 * N, 8)), 2 * N), (BKC, BM // 8))
-    k_ok = cols < K
-    store_col(col_ptr, words, cols, k_ok, row0, row_end, gstart, stride_col, COL_WORDS, GROUPED, BM, BKC)
+    encode_cols(y, enc, lim, cols, row0, row_end, gstart, M, K, seed_ptr, col_ptr, stride_col, RHT, STOCHASTIC,
+                COL_WORDS, GROUPED, BM, BK)
     mb = sblk0 + tl.arange(0, BM // 16)
-    tl.store(col_s_ptr + cols[:, None].to(tl.int64) * stride_cs + mb[None, :], tl.reshape(sb, (BKC, BM // 16)),
-             mask=k_ok[:, None] & (row0 + 16 * tl.arange(0, BM // 16) < row_end)[None, :])
+    tl.store(col_s_ptr + cols[:, None].to(tl.int64) * stride_cs + mb[None, :], tl.reshape(sb, (BK, BM // 16)),
+             mask=(cols < K)[:, None] & (row0 + 16 * tl.arange(0, BM // 16) < row_end)[None, :])
 
 
 @triton.jit
-def blocks_16x16(x, s_enc, seed_ptr, rows, row0, cols, col0, M, K, COLWISE: tl.constexpr, STOCHASTIC: tl.constexpr,
-                 BM: tl.constexpr, BK: tl.constexpr):
-    """16x16 blocks of the tile x [BM, BK] (tile order), one scale for both copies -> (row words
-    [BM, BK/8], columnwise words [BK, BM/8] (0 unless COLWISE), scales [BM/16, BK/16] as E4M3 bits)."""
+def quantize_16x16(x, xt, rows, row0, row_end, gstart, sblk0, col0, cols, M, K, s_enc, seed_ptr, row_ptr, row_s_ptr,
+                   col_ptr, col_s_ptr, stride_row, stride_rs, stride_col, stride_cs, ROWWISE: tl.constexpr,
+                   COLWISE: tl.constexpr, STOCHASTIC: tl.constexpr, ROW_WORDS: tl.constexpr, COL_WORDS: tl.constexpr,
+                   GROUPED: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """16x16 blocks, one scale for both copies: scales from xt [BM, BK] (tile order: a block is 16 of a
+    thread's rows), rowwise codes from x (natural order), columnwise codes from xt; all stored."""
     J: tl.constexpr = BM // 16
-    xf = tl.reshape(x.to(tl.float32), (16, J, BK // 16, 16))
-    sb, enc, lim = block_scale(tl.reduce(tl.reduce(tl.abs(xf), 3, max_keep_nan), 0, max_keep_nan), s_enc)
-    y = tl.reshape(xf * enc[None, :, :, None], (BM, BK))
-    lim = tl.reshape(tl.broadcast_to(lim[None, :, :, None], (16, J, BK // 16, 16)), (BM, BK))
-    u = 0.0
-    if STOCHASTIC:
-        u = rowwise_uniform(seed_ptr, rows, col0, K, BM, BK)
-    codes = e2m1_codes(y, lim, STOCHASTIC, u)
-    row_words = tl.reshape(pack8(tl.reshape(codes, (BM * BK // 8, 8)), BM * BK // 8), (BM, BK // 8))
-    col_words = tl.zeros((BK, BM // 8), tl.int32)
+    yt = tile_runs(xt, BM, BK).to(tl.float32)  # run k * J + j
+    runs = tl.reshape(tl.reduce(tl.abs(yt), 1, max_keep_nan), (BK // 16, 16, J))
+    sb, enc, lim = block_scale(tl.reduce(runs, 1, max_keep_nan), s_enc)  # block (column block, row block)
+    mb = sblk0 + tl.arange(0, J)
+    mb_ok = row0 + 16 * tl.arange(0, J) < row_end
+    kb = col0 // 16 + tl.arange(0, BK // 16)
+    kb_ok = kb * 16 < K
+    if ROWWISE:
+        enc_r = tl.reshape(tl.broadcast_to(tl.trans(enc)[:, None, :], (J, 16, BK // 16)), (BM, BK // 16))
+        lim_r = tl.reshape(tl.broadcast_to(tl.trans(lim)[:, None, :], (J, 16, BK // 16)), (BM, BK // 16))
+        encode_rows(tl.reshape(x.to(tl.float32), (BM, BK // 16, 16)), enc_r, lim_r, rows, col0, row_end, K,
+                    seed_ptr, row_ptr, stride_row, STOCHASTIC, ROW_WORDS, BM, BK)
+        tl.store(row_s_ptr + mb[:, None] * stride_rs + kb[None, :], tl.trans(sb.to(tl.int32)).to(tl.uint8),
+                 mask=mb_ok[:, None] & kb_ok[None, :])
     if COLWISE:
-        if STOCHASTIC:  # the columnwise copy draws its own random stream
-            codes_t = e2m1_codes(tile_runs(y, BM, BK), tile_runs(lim, BM, BK), True,
-                                 colwise_uniform(seed_ptr, row0, cols, M, True, BM, BK))
-        else:
-            codes_t = tile_runs(codes, BM, BK)
-        col_words = tl.reshape(pack8(tl.reshape(codes_t, (BK * BM // 8, 8)), BK * BM // 8), (BK, BM // 8))
-    return row_words, col_words, sb
+        enc_t = tl.reshape(tl.broadcast_to(enc[:, None, :], (BK // 16, 16, J)), (BK * J,))
+        lim_t = tl.reshape(tl.broadcast_to(lim[:, None, :], (BK // 16, 16, J)), (BK * J,))
+        encode_cols(yt, enc_t, lim_t, cols, row0, row_end, gstart, M, K, seed_ptr, col_ptr, stride_col, True,
+                    STOCHASTIC, COL_WORDS, GROUPED, BM, BK)
+        tl.store(col_s_ptr + kb[:, None] * stride_cs + mb[None, :], sb, mask=kb_ok[:, None] & mb_ok[None, :])

@@ -3,7 +3,7 @@
 - The random Hadamard transform is exactly rounded (`_tiles.rht16`), so the columnwise RHT copy,
   its scales and amax equal the reference's on normal, wide-range and mixed (NaN, inf) inputs,
   in bf16, fp16 and fp32, dense and grouped.
-- Every exposed config of the quantize and amax launches (tile, warps, row / column chunks)
+- Every exposed config of the quantize and amax launches (tile, warps, column tiles per program, columns a thread loads)
   gives the same bits: the reference's for round-to-nearest, and one another's for stochastic
   rounding with one seed (each value's draw depends only on its position).
 - `_arith.rcp_rn`, the reciprocal without a division slow path, is 1/p rounded to nearest for
