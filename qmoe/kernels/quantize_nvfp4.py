@@ -2,10 +2,10 @@
 
 Twin of `qmoe/reference/quantize_nvfp4.py`. Two launches, because every code depends on the
 tensor amax: `_nvfp4_amax_kernel` (max|x| over finite values, and the same over the Hadamard
-transform of the columnwise copy when RHT is on), then `_nvfp4_kernel`, which reads each [BM, BK]
-tile of x once and writes the rowwise codes [M, K/2] and the columnwise codes [K, M/2] (the
-transpose, packed along M) with their E4M3 block scales. The tile helpers, and the tile order
-that keeps every 16-row run in one thread, are in `qmoe.kernels._nvfp4_tiles`.
+transform of the columnwise copy when RHT is on), then `_nvfp4_kernel`, which loads each [BM, BK]
+tile of x in the view each copy needs (from DRAM once; the second view hits the cache) and writes
+the rowwise codes [M, K/2] and the columnwise codes [K, M/2] (the transpose, packed along M) with
+their E4M3 block scales. The tile helpers and views are in `qmoe.kernels._nvfp4_tiles`.
 
 - RHT: `_tiles.rht16`, the exactly rounded transform, in both launches: the columnwise amax and
   codes are the reference's bit for bit whatever the tile shape or launch.
