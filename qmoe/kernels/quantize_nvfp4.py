@@ -48,8 +48,8 @@ def _configs(tiles) -> list[triton.Config]:
             for bm, bk, w, kt, cv in tiles]
 
 
-CAST_CONFIGS = _configs(((32, 128, 4, 4, 2), (64, 64, 4, 8, 2), (64, 128, 4, 4, 4), (32, 256, 8, 2, 2)))
-AMAX_CONFIGS = _configs(((32, 128, 4, 4, 2), (64, 128, 4, 4, 4), (32, 256, 8, 4, 2)))
+CAST_CONFIGS = _configs(((32, 128, 4, 1, 2), (64, 64, 4, 1, 2), (32, 256, 8, 1, 2), (32, 128, 4, 4, 2)))
+AMAX_CONFIGS = _configs(((32, 128, 4, 1, 2), (32, 256, 8, 1, 2), (32, 128, 4, 4, 2)))
 _SMALL = triton.Config({"BM": 32, "BK": 64, "K_TILES": 1, "COL_VEC": 2}, num_warps=4, num_stages=1)
 _KEY = ["M", "K", "G", "ACT"]
 
