@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from qmoe.kernels._launch import num_sms
+
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - triton without host-side descriptors
@@ -161,7 +163,7 @@ def launch_block_gemm_tl(a, b, offsets: torch.Tensor, total_rows: int, n_out: in
         return out
     g_rows, g_cols = b_group_offsets(b, b_columnwise)
     if programs is None:
-        programs = (torch.cuda.get_device_properties(a.data.device).multi_processor_count if a.data.is_cuda else 4)
+        programs = num_sms(a.data.device)
     b_block = [bn // 2 if split else bn, 128]
     compiled = block_gemm_tl_kernel[(programs,)](
         TensorDescriptor.from_tensor(a.data, [bm, 128]), TensorDescriptor.from_tensor(b.data, b_block), out, offsets,

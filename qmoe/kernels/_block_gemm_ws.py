@@ -51,7 +51,7 @@ import torch
 import triton
 
 from qmoe.kernels._block_gemm_tl import b_group_offsets, check_block_operands, kernel_info
-from qmoe.kernels._launch import faking
+from qmoe.kernels._launch import faking, num_sms
 
 GLUON_ERROR = None if gluon is not None else "triton.experimental.gluon is not available in this triton"
 if gluon is not None:  # the TMA copies' names since triton 3.7 (the old ones raise there)
@@ -496,7 +496,7 @@ def launch_block_gemm_ws(a, b, offsets: torch.Tensor, total_rows: int, n_out: in
         return out
     g_rows, g_cols = b_group_offsets(b, b_columnwise)
     if programs is None:
-        programs = torch.cuda.get_device_properties(a.data.device).multi_processor_count
+        programs = num_sms(a.data.device)
     sub = min(bn, 128)
     compiled = block_gemm_ws_kernel[(programs,)](
         _desc(a.data, [bm, 128]), _desc(b.data, [bn, 128]), _desc(out, [bm // 2, sub]), out, offsets, a.scale,

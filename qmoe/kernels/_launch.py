@@ -5,12 +5,14 @@
   shapes while eager calls on plain tensors skip the dispatcher.
 - `wrapped`: what a launcher launches through, `kernel[grid](...)`; nothing while a KernelOp's
   fake twin computes output shapes.
+- `num_sms`: the device's SM count (persistent grids), read once per device.
 - `launch`, `tile_configs`, `prune_oversized`: the choice between the autotuned kernel (large
   problems) and one fixed config (small problems: no tuning runs, no host syncs), and the
   autotune config lists.
 """
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -132,3 +134,15 @@ def launch(kernel, grid, args: tuple, small: triton.Config, numel: int, **meta) 
         wrapped(kernel.fn)[grid](*args, **meta, **small.kwargs, num_warps=small.num_warps,
                                  num_stages=small.num_stages)
 
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (cached: the query is a driver call); 4 off CUDA, so
+    Triton's interpreter still runs several programs through the multi-program paths."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from qmoe.kernels._counters import is_last_to_arrive, sum_partials, tickets
-from qmoe.kernels._launch import wrapped
+from qmoe.kernels._launch import num_sms, wrapped
 from qmoe.kernels._layout import rows_contiguous
 from qmoe.contracts.validate import (check_coeff, check_moe_aux_loss_args, check_scores, check_seq_aux_loss_args,
                                      check_update_expert_bias_args)
@@ -341,14 +341,6 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # Triton's interpreter: a few programs exercise the multi-program paths
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 @functools.lru_cache(maxsize=4096)
 def _tile(t: int, e: int, max_block_e: int = _MAX_BLOCK_E):
     """(BLOCK_T, BLOCK_E) of about _TILE elements for a [t, e] operand."""
@@ -369,7 +361,7 @@ def _reduce_geometry(t: int, e: int, device: torch.device):
     """(programs, BLOCK_T, BLOCK_E) of the persistent reductions over a [t, e] operand."""
     block_t, block_e = _tile(t, e)
     tiles = _cdiv(t, block_t) * _cdiv(e, block_e)
-    return max(1, min(tiles, _PROGRAMS_PER_SM * _num_sms(device))), block_t, block_e
+    return max(1, min(tiles, _PROGRAMS_PER_SM * num_sms(device))), block_t, block_e
 
 
 @functools.lru_cache(maxsize=4096)
@@ -381,7 +373,7 @@ def _seq_geometry(b: int, seq_length: int, e: int, device: torch.device):
     """
     block_t, block_e = _tile(seq_length, e, _SEQ_BLOCK_E)
     pairs = b * _cdiv(e, block_e)
-    want = _cdiv(_PROGRAMS_PER_SM * _num_sms(device), pairs)
+    want = _cdiv(_PROGRAMS_PER_SM * num_sms(device), pairs)
     chunks = max(1, min(want, _cdiv(seq_length, block_t)))
     chunk = _cdiv(_cdiv(seq_length, chunks), block_t) * block_t
     chunks = _cdiv(seq_length, chunk)
@@ -396,7 +388,7 @@ def _z_geometry(t: int, e: int, device: torch.device):
     block_e = min(_next_pow2(e), _MAX_BLOCK_E)
     block_t = max(1, min(_TILE // block_e, 64, _next_pow2(t)))
     blocks = _cdiv(t, block_t)
-    return max(1, min(blocks, _PROGRAMS_PER_SM * _num_sms(device))), blocks, block_t, block_e
+    return max(1, min(blocks, _PROGRAMS_PER_SM * num_sms(device))), blocks, block_t, block_e
 
 
 # ---------------------------------------------------------------- unchecked launchers (qmoe.ops)

@@ -26,7 +26,6 @@ sm100+ has native MXFP8/NVFP4 grouped GEMMs in torch; qmoe keeps them behind
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -37,7 +36,7 @@ from qmoe.contracts.errors import UnsupportedError
 from qmoe.contracts.formats import ceil_div, nvfp4_tensor_scale
 from qmoe.kernels import _block_gemm_ws
 from qmoe.kernels import _grouped_gemm_jit as jit
-from qmoe.kernels._launch import kernel_op, wrapped
+from qmoe.kernels._launch import kernel_op, num_sms, wrapped
 from qmoe.kernels._layout import group_pow2
 from qmoe.contracts.enums import GemmRoute, Scaling, is_grouped, parse_gemm_route, scaling_of
 
@@ -114,16 +113,6 @@ def k_tile_config(scaling: Scaling) -> TileConfig:
 
 def _fp32_config(cfg: TileConfig) -> TileConfig:
     return replace(cfg, bn=min(cfg.bn, 128), bk=32, stages=2)  # fp32 tiles are 2x the bytes
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(index) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count if torch.cuda.is_available() else 4
-
-
-def _sms(device: torch.device) -> int:
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 4
 
 
 # ---------------------------------------------------------------- operands
@@ -254,7 +243,7 @@ def _launch_m_tiles(a: _Operand, b: _Operand, offsets, total_rows, n_out, k, gro
     if scaling is Scaling.BLOCK and cfg.bk != 128:
         raise ValueError(f"FP8 block scaling promotes once per 128-deep step: tile bk must be 128, got {cfg.bk}")
     upper = (ceil_div(total_rows, cfg.bm) + groups + 1) * ceil_div(n_out, cfg.bn)
-    programs = max(1, min(_sms(device) * cfg.ctas_per_sm, upper))
+    programs = max(1, min(num_sms(device) * cfg.ctas_per_sm, upper))
     fa = a.factor if a.factor is not None else a.data
     fb = b.factor if b.factor is not None else b.data
     wrapped(jit.m_grouped_gemm_kernel)[(programs,)](
