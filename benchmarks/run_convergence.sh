@@ -32,10 +32,13 @@ NAME=convergence$([ "$PRESET" = small ] || echo "_$PRESET")
 RECIPES=${RECIPES:-bf16 delayed current block mxfp8 nvfp4}
 CKPT_DIR=${CKPT_DIR:-/tmp/qmoe_converge_ckpt/$NAME}
 mkdir -p "$OUT_DIR" "$PLOT_DIR"
-args=(converge --preset "$PRESET" --recipes $RECIPES --seeds "${SEEDS:-2}" --out "$OUT_DIR/$NAME.json"
-      --plot "$PLOT_DIR/$NAME.png" --checkpoint-dir "$CKPT_DIR" --time-budget "${BUDGET:-540}" --no-progress)
-[ -n "${PRECISION:-}" ] && args+=(--precision "$PRECISION")
-[ "${ABLATIONS:-0}" = 1 ] && args+=(--ablations)
+# what every job of this config is given; the single job adds its results file and plot
+common=(converge --preset "$PRESET" --recipes $RECIPES --seeds "${SEEDS:-2}" --checkpoint-dir "$CKPT_DIR"
+        --time-budget "${BUDGET:-540}" --no-progress)
+[ -n "${PRECISION:-}" ] && common+=(--precision "$PRECISION")
+[ -n "${STEPS:-}" ] && common+=(--steps "$STEPS")
+[ "${ABLATIONS:-0}" = 1 ] && common+=(--ablations)
+args=("${common[@]}" --out "$OUT_DIR/$NAME.json" --plot "$PLOT_DIR/$NAME.png")
 if [ "${RESUME:-0}" = 1 ]; then
     if [ -f "benchmarks/results/$NAME.json" ] && [ "benchmarks/results/$NAME.json" != "$OUT_DIR/$NAME.json" ]; then
         cp "benchmarks/results/$NAME.json" "$OUT_DIR/$NAME.json"
@@ -66,11 +69,8 @@ for ((j = 0; j < JOBS && j < ${#all[@]}; j++)); do
     for ((i = j; i < ${#all[@]}; i += JOBS)); do mine+=("${all[i]}"); done
     part="$OUT_DIR/$NAME.parts/job$j.json"
     parts+=("$part")
-    python3 -m qmoe.cli converge --preset "$PRESET" --recipes $RECIPES --seeds "${SEEDS:-2}" --out "$part" \
-        --checkpoint-dir "$CKPT_DIR" --time-budget "${BUDGET:-540}" --no-progress --only "${mine[@]}" \
-        --concurrent-jobs "$(( JOBS < ${#all[@]} ? JOBS : ${#all[@]} ))" \
-        ${PRECISION:+--precision "$PRECISION"} ${STEPS:+--steps "$STEPS"} $([ "${ABLATIONS:-0}" = 1 ] && echo --ablations) \
-        > "$part.log" 2>&1 &
+    python3 -m qmoe.cli "${common[@]}" --out "$part" --only "${mine[@]}" \
+        --concurrent-jobs "$(( JOBS < ${#all[@]} ? JOBS : ${#all[@]} ))" > "$part.log" 2>&1 &
     pids+=($!)
 done
 status=0
