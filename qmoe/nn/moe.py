@@ -14,7 +14,7 @@ from qmoe import ops
 from qmoe.autocast import RecipeState, autocast_state
 from qmoe.nn.grouped_mlp import GroupedMLP
 from qmoe.nn.mlp import MLP
-from qmoe.nn.router import TopKRouter, detached_results
+from qmoe.nn.router import TopKRouter, detach_at_backward, detached_results
 from qmoe.nn.side_stream import side_stream_for
 from qmoe.contracts.carriers import AmaxSlot, num_permuted_rows
 from qmoe.contracts.validate import check_flag, check_layer_input, check_params_dtype, check_process_group, check_size
@@ -39,6 +39,7 @@ class MoELayer(nn.Module):
 
     forward(x [..., H]) -> [..., H]. After each forward `layer.aux_loss` is the sum of the enabled
     auxiliary losses (a scalar with autograd; zero when all coefficients are 0): add it to the loss.
+    The backward detaches it (and the router's kept logits), so the layer holds no graph past it.
     For the sequence-level loss a 3-D input is read as [B, S, H] (batch-major).
 
     Parameters: `router.weight [E, H]` (fp32), `experts.fc1.weight [E, 2F, H]` for GLU activations
@@ -248,6 +249,8 @@ class MoELayer(nn.Module):
 
     def _set_aux_loss(self) -> None:
         self.aux_loss = self.router.aux_loss
+        if self.router.logits is not None:
+            detach_at_backward(self.router.logits, self, ("aux_loss",))
         log = active_log()
         if log is not None:  # qmoe.checkpoint(use_reentrant=True) passes the loss out with the output
             log.note_side_output(self)

@@ -26,8 +26,10 @@ class TopKRouter(nn.Module):
     vanish in a 16-bit buffer. After a forward, `self.aux_loss` holds the sum of the enabled
     auxiliary losses (0 when all coefficients are 0), `self.tokens_per_expert` the counts and
     `self.logits` the fp32 logits [T, E] (with autograd, for losses computed outside, such as
-    Hugging Face's load-balancing loss). With `expert_bias=True` the bias shifts selection only
-    and is updated in place after every training forward (aux-loss-free balancing).
+    Hugging Face's load-balancing loss); the backward through the logits detaches `aux_loss` and
+    `logits` so the module does not hold the step's graph into the next one. With
+    `expert_bias=True` the bias shifts selection only and is updated in place after every training
+    forward (aux-loss-free balancing).
 
     Routing options of real models (see `qmoe.ops.topk_route`): `group_score_topk` (DeepSeek-V3
     scores a group by its top 2), `normalize_topk_probs` (Qwen's and DeepSeek's norm_topk_prob),
@@ -115,6 +117,7 @@ class TopKRouter(nn.Module):
         self.tokens_per_expert = tokens_per_expert
         self.logits = logits
         self.aux_loss = self._aux_losses(logits, routing_map, tokens_per_expert, seq_length)
+        detach_at_backward(logits, self, ("logits", "aux_loss"))
         if self.expert_bias is not None and self.training and not recomputing():
             ops.update_expert_bias(self.expert_bias, tokens_per_expert, self.expert_bias_update_rate)
         return probs, routing_map
@@ -136,6 +139,25 @@ class TopKRouter(nn.Module):
         if self.z_loss_coeff:
             loss = loss + ops.z_loss(logits, self.z_loss_coeff)
         return loss
+
+
+def detach_at_backward(anchor: torch.Tensor, owner: nn.Module, names: tuple[str, ...]) -> None:
+    """Once the backward has passed `anchor`, replace `owner`'s named results by detached tensors.
+
+    A result kept with its graph keeps the whole forward's autograd graph alive into the next step,
+    the parameters' gradient-accumulation nodes included. Those nodes remember the stream they were
+    made on, so steps run on another stream (a CUDA-graph capture, whose warm-up runs on a side
+    stream) would synchronise with that stream, and a capture fails. Compiled code keeps them.
+    """
+    if not anchor.requires_grad or torch.compiler.is_compiling():
+        return
+
+    def release(grad):
+        for name in names:
+            value = getattr(owner, name, None)
+            if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                setattr(owner, name, value.detach())
+    anchor.register_hook(release)
 
 
 def detached_results(state: dict, names: tuple[str, ...]) -> dict:

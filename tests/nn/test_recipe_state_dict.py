@@ -181,6 +181,8 @@ def test_model_copied_or_saved_whole_after_a_forward():
     x, target = batch(0)
     with qmoe.autocast(recipe=DELAYED):
         loss_of(model, x, target).backward()
+        loss = loss_of(model, x, target)  # a forward whose backward has not run yet
+    assert loss.grad_fn is not None
     assert model.moe.aux_loss.grad_fn is not None and model.moe.router.logits.grad_fn is not None
     buf = io.BytesIO()
     torch.save(model, buf)
