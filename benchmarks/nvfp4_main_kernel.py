@@ -1,0 +1,336 @@
+"""The NVFP4 quantize kernels as they were before the rewrite (qmoe.kernels.quantize_nvfp4 at c510d66).
+
+Kept only for benchmarks/sweep_nvfp4_quantize.py, which reports how many bytes of the current
+kernels' output equal these kernels' (stochastic rounding draws the same stream). Not part of
+qmoe: no test or module imports it.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from qmoe.contracts.formats import E2M1, E4M3, FLT_MAX, NVFP4_BLOCK, NVFP4_TENSOR_MAX, RHT_SIZE, ceil_div
+from qmoe.kernels.activation import NO_ACTIVATION, input_width, load_rows
+from qmoe.kernels._arith import (atomic_max_bits, cast_satfinite, clamp_nan, is_nan, max_abs_bits, reciprocal, trans8)
+from qmoe.kernels._launch import kernel_op, launch, prune_oversized, tile_configs
+from qmoe.kernels._layout import as_rows, group_pow2
+from qmoe.kernels._tiles import (RHT_SIGN_MASK, block_amax_2d, block_amax_first, block_amax_last, rht_last, scale_2d,
+                                scale_first, scale_last, store8, tile_rows, tile_span, uniform_tile)
+
+ORIENTED_KEY = ["M", "K", "G", "ACT", "ROWWISE", "COLWISE"]
+
+
+def prune_blocks(configs, named_args, **kwargs):
+    b = kwargs.get("B", 1)
+    along_m = kwargs.get("COLWISE", False) or kwargs.get("BLOCK_2D", False)
+    ok = [c for c in configs if c.kwargs["BK"] % b == 0 and (not along_m or c.kwargs["BM"] % b == 0)]
+    return prune_oversized(ok, named_args, **kwargs)
+
+
+def scale_width(m: int, block: int, num_groups: int, grouped: bool) -> int:
+    return m // block + num_groups if grouped else ceil_div(m, block)
+
+
+def tile_grid(m: int, k: int, groups: int, grouped: bool):
+    return lambda meta: (triton.cdiv(m, meta["BM"]) + (groups if grouped else 0), triton.cdiv(k, meta["BK"]))
+
+
+_FLT_MAX = tl.constexpr(FLT_MAX)
+_ONE_SIXTH = tl.constexpr(float(torch.tensor(1.0 / 6.0, dtype=torch.float32)))  # fp32(1/6), as the reference
+_TENSOR_MAX = tl.constexpr(NVFP4_TENSOR_MAX)
+_E4M3_MAX = tl.constexpr(E4M3.max)
+_E2M1_MAX = tl.constexpr(E2M1.max)
+
+# Tiles: BM a multiple of the 16-row blocks and RHT runs; 16-32 elements per thread keep the
+# two copies, the Hadamard product and Philox in registers (ptxas -v on sm_90a).
+_CONFIGS = tile_configs(((32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 8)))
+_SMALL = triton.Config({"BM": 32, "BK": 64}, num_warps=4, num_stages=1)
+_KEY = ["M", "K", "G", "ACT"]  # as in kernels/quantize.py
+
+
+# ---------------------------------------------------------------- elementwise pieces
+
+@triton.jit
+def tensor_scale(amax):
+    """S_enc = min(448*6 / amax, FLT_MAX) (NaN -> FLT_MAX), 1 where that is 0."""
+    s = tl.math.div_rn(tl.full(amax.shape, _TENSOR_MAX, tl.float32), amax)
+    s = tl.where(is_nan(s) | (s > _FLT_MAX), _FLT_MAX, s)
+    return tl.where(s == 0, 1.0, s)
+
+
+@triton.jit
+def e2m1_value(c):
+    """Magnitude of codes 0..7: {0, .5, 1, 1.5, 2, 3, 4, 6}."""
+    big = tl.where(c == 4, 2.0, tl.where(c == 5, 3.0, tl.where(c == 6, 4.0, 6.0)))
+    return tl.where(c < 4, c.to(tl.float32) * 0.5, big)
+
+
+@triton.jit
+def e2m1_codes(y, STOCHASTIC: tl.constexpr, u):
+    """4-bit E2M1 codes (int32) of y in [-6, 6]: RNE on the grid, or up with probability
+    (|y| - lo) / (hi - lo) when u < p (u uniform in [0, 1)); NaN -> 0, -0 -> +0."""
+    a = tl.abs(y)
+    if STOCHASTIC:
+        lo = ((a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32)
+              + (a >= 2.0).to(tl.int32) + (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32)
+              + (a >= 6.0).to(tl.int32))
+        hi = tl.minimum(lo + 1, 7)
+        lo_v = e2m1_value(lo)
+        hi_v = e2m1_value(hi)
+        p = tl.where(hi_v > lo_v, tl.math.div_rn(a - lo_v, tl.maximum(hi_v - lo_v, 0.5)), 0.0)
+        mag = tl.where(u < p, hi, lo)
+    else:  # ties go to the even code: upper bounds inclusive after 0, 1, 2, 4
+        mag = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+               + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+               + (a > 5.0).to(tl.int32))
+    mag = tl.where(a != a, 0, mag)
+    return tl.where((y < 0) & (mag != 0), mag | 8, mag)
+
+
+@triton.jit
+def block_scale(amax_b, s_enc, s_dec):
+    """(E4M3 block scale s_b, encode multiplier min(1 / (s_b * S_dec), FLT_MAX)) from block amaxes."""
+    sb = cast_satfinite(tl.minimum(amax_b * (s_enc * _ONE_SIXTH), _FLT_MAX, propagate_nan=tl.PropagateNan.ALL),
+                        _E4M3_MAX, tl.float8e4nv)
+    enc = tl.minimum(reciprocal(sb.to(tl.float32) * s_dec), _FLT_MAX, propagate_nan=tl.PropagateNan.ALL)
+    return sb, enc
+
+
+@triton.jit
+def quantize_runs_last(x, s_enc, R: tl.constexpr, C: tl.constexpr, STOCHASTIC: tl.constexpr, u):
+    """1x16 NVFP4 of x [R, C] fp32 in runs along the last axis -> (codes [R, C], scales [R, C/16] e4m3)."""
+    sb, enc = block_scale(block_amax_last(x, R, C, 16, False), s_enc, reciprocal(s_enc))
+    y = clamp_nan(scale_last(x, enc, R, C, 16), -_E2M1_MAX, _E2M1_MAX)
+    return e2m1_codes(y, STOCHASTIC, u), sb
+
+
+@triton.jit
+def quantize_runs_first(x, s_enc, R: tl.constexpr, C: tl.constexpr, STOCHASTIC: tl.constexpr, u):
+    """1x16 NVFP4 in runs along the first axis -> (codes [R, C], scales [R/16, C] e4m3)."""
+    sb, enc = block_scale(block_amax_first(x, R, C, 16, False), s_enc, reciprocal(s_enc))
+    y = clamp_nan(scale_first(x, enc, R, C, 16), -_E2M1_MAX, _E2M1_MAX)
+    return e2m1_codes(y, STOCHASTIC, u), sb
+
+
+@triton.jit
+def pack_pairs(codes, R: tl.constexpr, C: tl.constexpr):
+    """[R, C] codes -> [R, C/2] bytes, even element in the low nibble."""
+    lo, hi = tl.split(tl.reshape(codes, (R, C // 2, 2)))
+    return (lo | (hi << 4)).to(tl.uint8)
+
+
+@triton.jit
+def or_nibbles(col_ptr, codes_t, cols, rows, stride_col, mask):
+    """OR codes_t [BK, BM] into their nibbles of col (bytes [K, M/2]) with int32 atomics (zeroed bytes)."""
+    addr = cols[:, None].to(tl.int64) * stride_col + (rows // 2)[None, :]
+    shift = ((addr & 3) * 8).to(tl.int32) + (rows % 2)[None, :] * 4
+    words = col_ptr.to(tl.pointer_type(tl.int32)) + (addr >> 2)
+    tl.atomic_or(words, codes_t << shift, mask=mask & (codes_t != 0))
+
+
+@triton.jit
+def store_col_codes(col_ptr, codes_t, col0, row0, row_end, gstart, K, stride_col,
+                    BK: tl.constexpr, BM: tl.constexpr, GROUPED: tl.constexpr):
+    """Store codes_t [BK, BM] (rows row0.. of the tile) into packed columnwise data [K, M/2]."""
+    packed = pack_pairs(codes_t, BK, BM)
+    if GROUPED:  # whole bytes: both rows in this group, which starts byte-aligned
+        limit = tl.where(gstart % 2 == 0, row_end // 2, 0)
+        store8(col_ptr, packed, col0, row0 // 2, stride_col, K, limit, BK, BM // 2)
+        odd_start = gstart % 2 == 1
+        if odd_start | ((row_end % 2 == 1) & (row0 + BM >= row_end)):  # bytes shared with a neighbour group
+            rows = row0 + tl.arange(0, BM)
+            cols = col0 + tl.arange(0, BK)
+            shared = (rows < row_end) & (((rows * 0 + gstart) % 2 == 1) | (rows == row_end - 1))
+            or_nibbles(col_ptr, codes_t, cols, rows, stride_col, (cols < K)[:, None] & shared[None, :])
+    else:
+        store8(col_ptr, packed, col0, row0 // 2, stride_col, K, row_end // 2, BK, BM // 2)
+
+
+# ---------------------------------------------------------------- amax launch
+
+@triton.autotune(configs=_CONFIGS, key=_KEY, reset_to_zero=["amax_ptr", "rht_amax_ptr"],
+                 prune_configs_by={"early_config_prune": prune_oversized})
+@triton.jit
+def _nvfp4_amax_kernel(
+        # pointers
+        x_ptr, probs_ptr, amax_ptr, rht_amax_ptr, col_ptr, splits_ptr,
+        # sizes
+        M, K, G,
+        # strides
+        stride_xm, stride_col,
+        # meta
+        ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, RHT: tl.constexpr, ZERO_ODD: tl.constexpr, GROUPED: tl.constexpr,
+        G_P2: tl.constexpr,
+        SIGN_MASK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """Per group: max|x| over finite values, the same after RHT along M; zero bytes of odd-start groups."""
+    g, row0, row_end, _, gstart = tile_rows(splits_ptr, M, G, tl.program_id(0), BM, BM, G_P2, GROUPED)
+    if g >= G:
+        return
+    rows, _, cols, m_ok, k_ok = tile_span(row0, row_end, K, BM, BK)
+    x = load_rows(x_ptr, probs_ptr, rows, cols, m_ok, k_ok, stride_xm, K, ACT, GLU_BLOCK)
+    atomic_max_bits(amax_ptr + g, max_abs_bits(x.to(tl.float32), True))
+    if RHT:
+        atomic_max_bits(rht_amax_ptr + g, max_abs_bits(rht_last(tl.trans(x), BK, BM, SIGN_MASK), True))
+    if ZERO_ODD:
+        if gstart % 2 == 1:
+            tl.store(col_ptr + cols[:, None].to(tl.int64) * stride_col + (rows // 2)[None, :],
+                     tl.zeros((BK, BM), tl.uint8), mask=k_ok[:, None] & m_ok[None, :])
+
+
+# ---------------------------------------------------------------- quantize launch
+
+@triton.autotune(configs=_CONFIGS, key=ORIENTED_KEY + ["BLOCK_2D"],
+                 prune_configs_by={"early_config_prune": prune_blocks})
+@triton.jit
+def _nvfp4_kernel(
+        # pointers
+        x_ptr, probs_ptr, amax_ptr, col_amax_ptr, seed_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr,
+        # sizes
+        M, K, G,
+        # strides (packed data: K/2 and M/2 bytes per row; scales: row [*, stride_rs], columnwise [*, stride_cs])
+        stride_xm, stride_row, stride_col, stride_rs, stride_cs,
+        # meta
+        ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, B: tl.constexpr, BLOCK_2D: tl.constexpr, RHT: tl.constexpr,
+        STOCHASTIC: tl.constexpr,
+        ROWWISE: tl.constexpr, COLWISE: tl.constexpr, GROUPED: tl.constexpr, G_P2: tl.constexpr,
+        SIGN_MASK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    pid_k = tl.program_id(1)
+    g, row0, row_end, sblk0, gstart = tile_rows(splits_ptr, M, G, tl.program_id(0), BM, B, G_P2, GROUPED)
+    if g >= G:
+        return
+    rows, col0, cols, m_ok, k_ok = tile_span(row0, row_end, K, BM, BK)
+    x_raw = load_rows(x_ptr, probs_ptr, rows, cols, m_ok, k_ok, stride_xm, K, ACT, GLU_BLOCK)
+    x = x_raw.to(tl.float32)
+    s_enc = tensor_scale(tl.load(amax_ptr + g))
+    quads = pid_k * BK + 4 * tl.arange(0, BK // 4)  # Philox counters: one per 4 values (uniform_tile)
+    u_row = 0.0
+    if STOCHASTIC:
+        u_row = uniform_tile(tl.load(seed_ptr), rows[:, None].to(tl.int64) * K + quads[None, :], BM, BK)
+    kb = pid_k * (BK // B) + tl.arange(0, BK // B)
+    kb_ok = kb * B < K
+    mb = sblk0 + tl.arange(0, BM // B)
+    mb_ok = row0 + tl.arange(0, BM // B) * B < row_end
+    if BLOCK_2D:  # one scale per 16x16 block, shared by both copies
+        sb, enc = block_scale(block_amax_2d(x, BM, BK, B), s_enc, reciprocal(s_enc))
+        y = clamp_nan(scale_2d(x, enc, BM, BK, B), -_E2M1_MAX, _E2M1_MAX)
+        codes = e2m1_codes(y, STOCHASTIC, u_row)
+        if ROWWISE:
+            store8(row_ptr, pack_pairs(codes, BM, BK), row0, col0 // 2, stride_row, row_end, stride_row, BM, BK // 2)
+            tl.store(row_s_ptr + mb[:, None] * stride_rs + kb[None, :], sb.to(tl.uint8, bitcast=True),
+                     mask=mb_ok[:, None] & kb_ok[None, :])
+        if COLWISE:
+            if STOCHASTIC:  # the columnwise copy draws its own random stream
+                u_col = uniform_tile(tl.load(seed_ptr + 1), cols[:, None].to(tl.int64) * M
+                                     + (row0 + 4 * tl.arange(0, BM // 4))[None, :], BK, BM)
+                codes_t = e2m1_codes(tl.trans(y), STOCHASTIC, u_col)
+            else:
+                codes_t = tl.trans(codes)
+            store_col_codes(col_ptr, codes_t, col0, row0, row_end, gstart, K, stride_col, BK, BM, GROUPED)
+            tl.store(col_s_ptr + kb[:, None] * stride_cs + mb[None, :], trans8(sb),
+                     mask=kb_ok[:, None] & mb_ok[None, :])
+    else:
+        if ROWWISE:
+            codes, sb = quantize_runs_last(x, s_enc, BM, BK, STOCHASTIC, u_row)
+            store8(row_ptr, pack_pairs(codes, BM, BK), row0, col0 // 2, stride_row, row_end, stride_row, BM, BK // 2)
+            tl.store(row_s_ptr + rows[:, None].to(tl.int64) * stride_rs + kb[None, :], sb.to(tl.uint8, bitcast=True),
+                     mask=m_ok[:, None] & kb_ok[None, :])
+        if COLWISE:
+            if RHT:  # transform runs of 16 rows on tensor cores; quantize the [BK, BM] result along M
+                xt = rht_last(tl.trans(x_raw), BK, BM, SIGN_MASK)
+                u_col = 0.0
+                if STOCHASTIC:
+                    u_col = uniform_tile(tl.load(seed_ptr + 1), cols[:, None].to(tl.int64) * M
+                                         + (row0 + 4 * tl.arange(0, BM // 4))[None, :], BK, BM)
+                codes_t, sb_t = quantize_runs_last(xt, tensor_scale(tl.load(col_amax_ptr + g)), BK, BM,
+                                                   STOCHASTIC, u_col)
+            else:  # runs along M quantized in the loaded layout, then transposed
+                u_col = 0.0
+                if STOCHASTIC:
+                    u_col = uniform_tile(tl.load(seed_ptr + 1), quads[None, :].to(tl.int64) * M + rows[:, None],
+                                         BM, BK)
+                codes, sb_c = quantize_runs_first(x, s_enc, BM, BK, STOCHASTIC, u_col)
+                codes_t = tl.trans(codes)  # 32-bit: see trans8
+                sb_t = trans8(sb_c)
+            store_col_codes(col_ptr, codes_t, col0, row0, row_end, gstart, K, stride_col, BK, BM, GROUPED)
+            tl.store(col_s_ptr + cols[:, None].to(tl.int64) * stride_cs + mb[None, :], sb_t.to(tl.uint8, bitcast=True),
+                     mask=k_ok[:, None] & mb_ok[None, :])
+
+
+@kernel_op("qmoe_bench::quantize_nvfp4_main")
+def nvfp4_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, block_2d: bool, rowwise: bool,
+             columnwise: bool, rht: bool, seeds: Optional[torch.Tensor], probs: Optional[torch.Tensor] = None,
+             act: int = NO_ACTIVATION, glu_block: int = 0) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row [M, K/2] u8, row_s e4m3, amax [G], col [K, M/2] u8, col_s e4m3, col_amax [G]); empty if unasked.
+
+    seeds: [2] int64 on the device for stochastic rounding (None: round to nearest).
+    probs, act, glu_block: the fused activation (kernels.quantize.amax_op).
+    """
+    m, k = x.shape[0], input_width(x, act)
+    b, grouped, dev = NVFP4_BLOCK, splits is not None, x.device
+    nkb, width = ceil_div(k, b), scale_width(m, b, num_groups, grouped)
+    alloc = torch.zeros if grouped else torch.empty  # grouped scale entries no group uses are zero
+    e4m3, u8 = torch.float8_e4m3fn, torch.uint8
+    row = torch.empty((m, k // 2) if rowwise else (0,), dtype=u8, device=dev)
+    col = torch.empty((k, m // 2) if columnwise else (0,), dtype=u8, device=dev)
+    if block_2d:
+        row_s = alloc((width, nkb) if rowwise else (0,), dtype=e4m3, device=dev)
+        col_s = alloc((nkb, width) if columnwise else (0,), dtype=e4m3, device=dev)
+    else:
+        row_s = torch.empty((m, nkb) if rowwise else (0,), dtype=e4m3, device=dev)
+        col_s = alloc((k, width) if columnwise else (0,), dtype=e4m3, device=dev)
+    bits = torch.zeros((2, num_groups), dtype=torch.int32, device=dev)  # amax, amax after RHT
+    amax, rht_amax = bits.view(torch.float32).unbind(0)
+    if m * k:
+        amax_bits, rht_bits = bits.unbind(0)  # atomic_max runs on the int32 patterns
+        rht_col = rht and columnwise
+        grid = tile_grid(m, k, num_groups, grouped)
+        dummy = splits if grouped else x
+        p = probs if probs is not None else x
+        launch(_nvfp4_amax_kernel, grid, (x, p, amax_bits, rht_bits, col, dummy, m, k, num_groups, x.stride(0), m // 2),
+               _SMALL, m * k, ACT=act, GLU_BLOCK=glu_block, RHT=rht_col, ZERO_ODD=grouped and columnwise,
+               GROUPED=grouped,
+               G_P2=group_pow2(num_groups), SIGN_MASK=RHT_SIGN_MASK)
+        launch(_nvfp4_kernel, grid,
+               (x, p, amax, rht_amax if rht_col else amax, seeds if seeds is not None else x, row,
+                row_s.view(torch.uint8), col, col_s.view(torch.uint8), dummy, m, k, num_groups, x.stride(0), k // 2,
+                m // 2, nkb, width),
+               _SMALL, m * k, ACT=act, GLU_BLOCK=glu_block, B=b, BLOCK_2D=block_2d, RHT=rht_col,
+               STOCHASTIC=seeds is not None,
+               ROWWISE=rowwise, COLWISE=columnwise, GROUPED=grouped, G_P2=group_pow2(num_groups),
+               SIGN_MASK=RHT_SIGN_MASK)
+    col_amax = rht_amax if rht and columnwise else amax
+    return row, row_s, amax.clone(), col, col_s, col_amax.clone()
+
+
+def check_nvfp4_shape(m: int, k: int, rowwise: bool, columnwise: bool, rht: bool, block_2d: bool) -> None:
+    if block_2d and rht:
+        raise ValueError("the random Hadamard transform applies to 1x16 (activation/gradient) copies only")
+    if rowwise and k % 2:
+        raise ValueError(f"NVFP4 packs two values per byte: the last dimension ({k}) must be even")
+    if columnwise and m % 2:
+        raise ValueError(f"NVFP4 columnwise data packs two rows per byte: the row count ({m}) must be even")
+    if columnwise and rht and m % RHT_SIZE:
+        raise ValueError(f"the random Hadamard transform needs the quantized dimension ({m}) to be a multiple of "
+                         f"{RHT_SIZE}; pad the rows or use NVFP4BlockScaling(disable_rht=True)")
+
+
+def draw_seeds(stochastic: bool, generator: torch.Generator | None, device: torch.device):
+    """Two Philox seeds as a device tensor, drawn from `generator` without a host sync."""
+    if not stochastic:
+        return None
+    return torch.randint(0, 2 ** 62, (2,), generator=generator, dtype=torch.int64, device=device)
+
+
+def quantize_nvfp4(x: torch.Tensor, block_2d: bool = False, rowwise: bool = True, columnwise: bool = False,
+                   rht: bool = False, stochastic: bool = False, generator: torch.Generator | None = None):
+    """NVFP4-quantize x [M, K]; returns the reference's 6-tuple (None for copies not asked for)."""
+    x = as_rows(x)
+    check_nvfp4_shape(*x.shape, rowwise, columnwise, rht, block_2d)
+    row, rs, amax, col, cs, camax = nvfp4_op(
+        x, None, 1, block_2d, rowwise, columnwise, rht, draw_seeds(stochastic, generator, x.device))
+    return (row if rowwise else None, rs if rowwise else None, amax.reshape(()),
+            col if columnwise else None, cs if columnwise else None, camax.reshape(()) if columnwise else None)
