@@ -51,7 +51,6 @@ def _configs(tiles) -> list[triton.Config]:
 CAST_CONFIGS = _configs(((32, 128, 4, 1, 2), (64, 64, 4, 1, 2), (32, 256, 8, 1, 2), (32, 128, 4, 4, 2)))
 AMAX_CONFIGS = _configs(((32, 128, 4, 1, 2), (32, 256, 8, 1, 2), (32, 128, 4, 4, 2)))
 _SMALL = triton.Config({"BM": 32, "BK": 64, "K_TILES": 1, "COL_VEC": 2}, num_warps=4, num_stages=1)
-_SMALL_DEQUANTIZE = triton.Config({"BM": 32, "BK": 64}, num_warps=4, num_stages=1)
 _KEY = ["M", "K", "G", "ACT"]
 
 
@@ -331,7 +330,7 @@ def dequantize_nvfp4_op(data: torch.Tensor, scale: torch.Tensor, amax: torch.Ten
         grid = lambda meta: (triton.cdiv(r, meta["BM"]), triton.cdiv(c, meta["BK"]))  # noqa: E731
         launch(_dequantize_nvfp4_kernel, grid,
                (data, scale, amax.float().reshape(1), out, r, c, data.stride(0), scale.stride(0), scale.stride(1)),
-               _SMALL_DEQUANTIZE, out.numel(), BR=block_rows, DMAX=torch.finfo(out_dtype).max)
+               _SMALL, out.numel(), BR=block_rows, DMAX=torch.finfo(out_dtype).max)
     return out
 
 
