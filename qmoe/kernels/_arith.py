@@ -177,21 +177,3 @@ def mx_exponent(amax, FMT_MAX: tl.constexpr, EMAX: tl.constexpr, ROUND_UP: tl.co
     b = tl.where(abs_bits(amax) == INF_BITS, 127, b)
     return tl.where(is_nan(amax), 128, b)
 
-
-
-@triton.jit
-def rcp_rn(p):
-    """1/p rounded to nearest even, for fp32 p > 0 (inf where that overflows), with no call to the
-    slow path of an IEEE division (a subroutine whose saved registers spill large tiles).
-
-    A 2 ulp fp32 estimate (of p scaled by 2^64 or 2^-64 towards 1 when beyond them), refined by two
-    Newton steps in float64 to within 2^-52 of 1/p; 1/p is never within 2^-47 of an fp32 rounding
-    boundary (p has 24 bits) unless it is representable, so the final rounding is that of 1/p.
-    """
-    scale = tl.where(p < 5.421010862427522e-20, 18446744073709551616.0,  # below 2^-64: times 2^64
-                     tl.where(p > 18446744073709551616.0, 5.421010862427522e-20, 1.0))  # above 2^64: times 2^-64
-    r = (1.0 / (p * scale)).to(tl.float64) * scale.to(tl.float64)
-    p64 = p.to(tl.float64)
-    for _ in tl.static_range(2):
-        r = tl.fma(r, tl.fma(-p64, r, 1.0), r)
-    return r.to(tl.float32)

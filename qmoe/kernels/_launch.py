@@ -131,8 +131,16 @@ def launch(kernel, grid, args: tuple, small: triton.Config, numel: int, **meta) 
     if numel >= AUTOTUNE_MIN_ELEMENTS:
         wrapped(kernel)[grid](*args, **meta)
     else:
+        _check_config(kernel.fn, tuple(small.kwargs))  # the interpreter would ignore a name the kernel lacks
         wrapped(kernel.fn)[grid](*args, **meta, **small.kwargs, num_warps=small.num_warps,
                                  num_stages=small.num_stages)
+
+
+@functools.lru_cache(maxsize=None)
+def _check_config(fn, names: tuple[str, ...]) -> None:
+    unknown = sorted(set(names) - set(fn.arg_names))
+    if unknown:
+        raise TypeError(f"{fn.__name__} has no parameters {unknown}: a config names only the kernel's own")
 
 
 @functools.lru_cache(maxsize=None)

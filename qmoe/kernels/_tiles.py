@@ -209,97 +209,12 @@ def runs_max_first(b, R: tl.constexpr, C: tl.constexpr, B: tl.constexpr):
 
 
 @triton.jit
-def _mul_wide(a, B: tl.constexpr):
-    """(high, low) 32-bit halves of the 64-bit product of uint32 a and the constant B: one wide multiply."""
-    p = a.to(tl.uint64) * B
-    return (p >> 32).to(tl.uint32), p.to(tl.uint32)
-
-
-@triton.jit
-def philox4x(seed, offs):
-    """tl.randint4x(seed, offs) bit for bit (Philox4x32-10, counter (offs low, offs high, 0, 0), key
-    seed): each round's two 32x32 products as two wide multiplies instead of four."""
-    seed = seed.to(tl.uint64)
-    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
-    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    c0 = offs.to(tl.uint32)
-    c2 = c0 * 0
-    if offs.dtype.primitive_bitwidth > 32:
-        c1 = (offs >> 32).to(tl.uint32)
-    else:
-        c1 = c2
-    c3 = c0 * 0
-    for _ in tl.static_range(10):
-        hb, lb = _mul_wide(c2, 0xCD9E8D57)
-        ha, la = _mul_wide(c0, 0xD2511F53)
-        c0, c1, c2, c3 = hb ^ c1 ^ k0, lb, ha ^ c3 ^ k1, la
-        k0 = tl.add(k0, 0x9E3779B9, sanitize_overflow=False)
-        k1 = tl.add(k1, 0xBB67AE85, sanitize_overflow=False)
-    return c0, c1, c2, c3
-
-
-@triton.jit
 def uniform_tile(seed, offs, R: tl.constexpr, C: tl.constexpr):
     """[R, C] uniforms in [0, 1) (24-bit resolution) from one Philox call per 4 elements.
 
-    offs [R, C // 4]: distinct int64 Philox counters, one per run of 4 elements along the last axis.
+    offs [R, C // 4]: distinct Philox counters, one per run of 4 elements along the last axis.
     """
-    r0, r1, r2, r3 = philox4x(seed, offs)
+    r0, r1, r2, r3 = tl.randint4x(seed, offs)
     r = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (R, C))
     return (r >> 8).to(tl.float32) * (1.0 / 16777216.0)
 
-
-# ---------------------------------------------------------------- exactly rounded Hadamard transform
-
-@triton.jit
-def fwht16(v, N: tl.constexpr):
-    """H16 @ run for every row of v [N, 16] (Sylvester order, unnormalised), additions only.
-
-    Four constant-geometry stages (out[i] = v[2i] + v[2i+1], out[i+8] = v[2i] - v[2i+1]): one fixed
-    order of additions per output, with no product an FMA could contract, so it gives the same bits
-    in every kernel, tile shape and launch.
-    """
-    for _ in tl.static_range(4):
-        a, b = tl.split(tl.reshape(v, (N, 8, 2)))
-        v = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (N, 16))
-    return v
-
-
-@triton.jit
-def _max_keep_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def rht16(v, N: tl.constexpr, SIGN_MASK: tl.constexpr):
-    """The random Hadamard transform of every run v [N, 16] (the input dtype) -> fp32 [N, 16]:
-    v @ (diag(s) H16) / 4 rounded once to fp32, bit for bit the reference's float64 product.
-
-    fp32 input: in float64, exact while a run's nonzero values span less than 2^25 (as the
-    reference's). bf16 / fp16 input: each value splits exactly into h, on the grid of 2^-19 times
-    the run's largest power of two, and the rest l; the transforms of both are exact in fp32 (h
-    has 22 bits; l runs from 2^-20 down to 2^-33 of the largest value), so fl(H + L) is the
-    exactly rounded sum. Runs with a nonzero value below that, inf or NaN, or values above 2^123
-    or below 2^-67 (subnormal sums) take float64 (exact up to a 2^41 span, as the reference).
-    """
-    i = tl.arange(0, 16)
-    neg = ((SIGN_MASK >> i) & 1)[None, :] == 1
-    if v.dtype == tl.float32:
-        w = v.to(tl.float64)
-        return (fwht16(tl.where(neg, -w, w), N) * 0.25).to(tl.float32)
-    w = v.to(tl.float32)
-    w = tl.where(neg, -w, w)
-    a = tl.abs(w)
-    m = tl.reduce(a, 1, _max_keep_nan)
-    eb = (m.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent; 255 for inf and NaN
-    ebc = tl.minimum(tl.maximum(eb, 60), 250)
-    span = 30 if v.dtype == tl.float16 else 33  # l's span in fp32 (24 bits, 4 of growth): 20 + mantissa bits
-    tiny = ((a < ((ebc - span) << 23).to(tl.float32, bitcast=True)[:, None]) & (a > 0)).to(tl.int32)
-    slow = (eb > 250) | ((eb < 60) & (m != 0)) | (tl.max(tiny, 1) > 0)
-    c = (((ebc + 4) << 23) | 0x400000).to(tl.float32, bitcast=True)[:, None]
-    h = (w + c) - c  # 1.5 * 2^(e + 4) rounds w to the grid 2^(e - 19)
-    y = (fwht16(h, N) + fwht16(w - h, N)) * 0.25
-    if tl.max(slow.to(tl.int32), 0) > 0:
-        y64 = (fwht16(w.to(tl.float64), N) * 0.25).to(tl.float32)
-        y = tl.where(slow[:, None], y64, y)
-    return y

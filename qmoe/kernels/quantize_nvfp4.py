@@ -1,58 +1,53 @@
 """Triton NVFP4 quantization: E2M1 codes, E4M3 block scales, fp32 tensor amax (NUMERICS.md).
 
 Twin of `qmoe/reference/quantize_nvfp4.py`. Two launches, because every code depends on the
-tensor amax: `_nvfp4_amax_kernel` (max|x| over finite values, and the same over the Hadamard
-transform of the columnwise copy when RHT is on), then `_nvfp4_kernel`, which loads each [BM, BK]
-tile of x in the view each copy needs (from DRAM once; the second view hits the cache) and writes
-the rowwise codes [M, K/2] and the columnwise codes [K, M/2] (the transpose, packed along M) with
-their E4M3 block scales. The tile helpers and views are in `qmoe.kernels._nvfp4_tiles`.
+tensor amax: `_nvfp4_amax_kernel` (max|x| over finite values, and the amax of the Hadamard-transformed
+columnwise copy when RHT is on), then `_nvfp4_kernel`, which reads each [BM, BK] tile of x once
+and writes the rowwise codes [M, K/2] and the columnwise codes [K, M/2] (the transpose, packed
+along M) with their E4M3 block scales.
 
-- RHT: `_tiles.rht16`, the exactly rounded transform, in both launches: the columnwise amax and
-  codes are the reference's bit for bit whatever the tile shape or launch.
-- Stochastic rounding: Philox draws from two seeds drawn on the device from the torch generator
-  (no host sync), one stream per copy, each value's draw fixed by its position. Unbiased and
-  reproducible, not the reference's random stream.
-- Configs (tile, warps, column tiles a program loops over, columns a thread loads for the
-  columnwise view) change no bit of any output.
+- RHT: each run of 16 rows of the tile goes through one [16, 16] tensor-core product with the
+  signed Hadamard matrix (fp32 accumulation), so it matches the float64 reference to fp32
+  rounding, not bit for bit; inputs whose transform is exact in fp32 match exactly.
+- Stochastic rounding: `tl.rand` (Philox) from two seeds drawn on the device from the torch
+  generator (no host sync), one stream per copy; unbiased and reproducible, not the
+  reference's random stream.
 - Grouped columnwise data is packed over all groups, so a group may start in the middle of a
   byte. Bytes shared by two groups (odd group starts or ends) are written with int32
   `atomic_or` of nibbles into bytes the amax launch zeroed; all others with plain stores.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from qmoe.contracts.formats import FLT_MAX, NVFP4_BLOCK, NVFP4_TENSOR_MAX, RHT_SIZE, ceil_div
+from qmoe.contracts.formats import E2M1, E4M3, FLT_MAX, NVFP4_BLOCK, NVFP4_TENSOR_MAX, RHT_SIZE, ceil_div
 from qmoe.kernels.activation import NO_ACTIVATION, input_width, load_rows
-from qmoe.kernels._arith import atomic_max_bits, is_nan, max_abs_bits, reciprocal, saturate
-from qmoe.kernels._launch import kernel_op, launch, prune_oversized, tile_configs, wrapped
+from qmoe.kernels._arith import (atomic_max_bits, cast_satfinite, clamp_nan, is_nan, max_abs_bits, reciprocal, saturate,
+                                trans8)
+from qmoe.kernels._launch import kernel_op, launch, prune_oversized, tile_configs
 from qmoe.kernels._layout import as_rows, group_pow2
-from qmoe.kernels._nvfp4_tiles import quantize_16x16, quantize_cols, quantize_rows, tile_rows_order, tile_runs
-from qmoe.kernels._tiles import RHT_SIGN_MASK, rht16, tile_rows
+from qmoe.kernels.quantize import ORIENTED_KEY, prune_blocks, scale_width, tile_grid
+from qmoe.kernels._tiles import (RHT_SIGN_MASK, block_amax_2d, block_amax_first, block_amax_last, rht_last, scale_2d,
+                                scale_first, scale_last, store8, tile_rows, tile_span, uniform_tile)
 
 _FLT_MAX = tl.constexpr(FLT_MAX)
+_ONE_SIXTH = tl.constexpr(float(torch.tensor(1.0 / 6.0, dtype=torch.float32)))  # fp32(1/6), as the reference
 _TENSOR_MAX = tl.constexpr(NVFP4_TENSOR_MAX)
+_E4M3_MAX = tl.constexpr(E4M3.max)
+_E2M1_MAX = tl.constexpr(E2M1.max)
+
+# Tiles: BM a multiple of the 16-row blocks and RHT runs; 16-32 elements per thread keep the
+# two copies, the Hadamard product and Philox in registers (ptxas -v on sm_90a).
+_CONFIGS = tile_configs(((32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 8)))
+_SMALL = triton.Config({"BM": 32, "BK": 64}, num_warps=4, num_stages=1)
+_KEY = ["M", "K", "G", "ACT"]  # as in kernels/quantize.py
 
 
-def _configs(tiles) -> list[triton.Config]:
-    """(BM, BK, warps, K_TILES, COL_VEC): a program quantizes rows [BM] x K_TILES tiles of BK columns,
-    one at a time. The columnwise view loads COL_VEC columns a thread (narrow vectors, so each
-    thread's 16-row runs stay few: BM/16 must cover the lanes and warps along M, here
-    BM * BK = 16 * COL_VEC * 32 * warps or more)."""
-    return [triton.Config({"BM": bm, "BK": bk, "K_TILES": kt, "COL_VEC": cv}, num_warps=w, num_stages=1)
-            for bm, bk, w, kt, cv in tiles]
-
-
-CAST_CONFIGS = _configs(((32, 128, 4, 1, 2), (64, 64, 4, 1, 2), (32, 256, 8, 1, 2), (32, 128, 4, 4, 2)))
-AMAX_CONFIGS = _configs(((32, 128, 4, 1, 2), (32, 256, 8, 1, 2), (32, 128, 4, 4, 2)))
-_SMALL = triton.Config({"BM": 32, "BK": 64, "K_TILES": 1, "COL_VEC": 2}, num_warps=4, num_stages=1)
-_KEY = ["M", "K", "G", "ACT"]
-
+# ---------------------------------------------------------------- elementwise pieces
 
 @triton.jit
 def tensor_scale(amax):
@@ -69,9 +64,90 @@ def e2m1_value(c):
     return tl.where(c < 4, c.to(tl.float32) * 0.5, big)
 
 
+@triton.jit
+def e2m1_codes(y, STOCHASTIC: tl.constexpr, u):
+    """4-bit E2M1 codes (int32) of y in [-6, 6]: RNE on the grid, or up with probability
+    (|y| - lo) / (hi - lo) when u < p (u uniform in [0, 1)); NaN -> 0, -0 -> +0."""
+    a = tl.abs(y)
+    if STOCHASTIC:
+        lo = ((a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32)
+              + (a >= 2.0).to(tl.int32) + (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32)
+              + (a >= 6.0).to(tl.int32))
+        hi = tl.minimum(lo + 1, 7)
+        lo_v = e2m1_value(lo)
+        hi_v = e2m1_value(hi)
+        p = tl.where(hi_v > lo_v, tl.math.div_rn(a - lo_v, tl.maximum(hi_v - lo_v, 0.5)), 0.0)
+        mag = tl.where(u < p, hi, lo)
+    else:  # ties go to the even code: upper bounds inclusive after 0, 1, 2, 4
+        mag = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+               + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+               + (a > 5.0).to(tl.int32))
+    mag = tl.where(a != a, 0, mag)
+    return tl.where((y < 0) & (mag != 0), mag | 8, mag)
+
+
+@triton.jit
+def block_scale(amax_b, s_enc, s_dec):
+    """(E4M3 block scale s_b, encode multiplier min(1 / (s_b * S_dec), FLT_MAX)) from block amaxes."""
+    sb = cast_satfinite(tl.minimum(amax_b * (s_enc * _ONE_SIXTH), _FLT_MAX, propagate_nan=tl.PropagateNan.ALL),
+                        _E4M3_MAX, tl.float8e4nv)
+    enc = tl.minimum(reciprocal(sb.to(tl.float32) * s_dec), _FLT_MAX, propagate_nan=tl.PropagateNan.ALL)
+    return sb, enc
+
+
+@triton.jit
+def quantize_runs_last(x, s_enc, R: tl.constexpr, C: tl.constexpr, STOCHASTIC: tl.constexpr, u):
+    """1x16 NVFP4 of x [R, C] fp32 in runs along the last axis -> (codes [R, C], scales [R, C/16] e4m3)."""
+    sb, enc = block_scale(block_amax_last(x, R, C, 16, False), s_enc, reciprocal(s_enc))
+    y = clamp_nan(scale_last(x, enc, R, C, 16), -_E2M1_MAX, _E2M1_MAX)
+    return e2m1_codes(y, STOCHASTIC, u), sb
+
+
+@triton.jit
+def quantize_runs_first(x, s_enc, R: tl.constexpr, C: tl.constexpr, STOCHASTIC: tl.constexpr, u):
+    """1x16 NVFP4 in runs along the first axis -> (codes [R, C], scales [R/16, C] e4m3)."""
+    sb, enc = block_scale(block_amax_first(x, R, C, 16, False), s_enc, reciprocal(s_enc))
+    y = clamp_nan(scale_first(x, enc, R, C, 16), -_E2M1_MAX, _E2M1_MAX)
+    return e2m1_codes(y, STOCHASTIC, u), sb
+
+
+@triton.jit
+def pack_pairs(codes, R: tl.constexpr, C: tl.constexpr):
+    """[R, C] codes -> [R, C/2] bytes, even element in the low nibble."""
+    lo, hi = tl.split(tl.reshape(codes, (R, C // 2, 2)))
+    return (lo | (hi << 4)).to(tl.uint8)
+
+
+@triton.jit
+def or_nibbles(col_ptr, codes_t, cols, rows, stride_col, mask):
+    """OR codes_t [BK, BM] into their nibbles of col (bytes [K, M/2]) with int32 atomics (zeroed bytes)."""
+    addr = cols[:, None].to(tl.int64) * stride_col + (rows // 2)[None, :]
+    shift = ((addr & 3) * 8).to(tl.int32) + (rows % 2)[None, :] * 4
+    words = col_ptr.to(tl.pointer_type(tl.int32)) + (addr >> 2)
+    tl.atomic_or(words, codes_t << shift, mask=mask & (codes_t != 0))
+
+
+@triton.jit
+def store_col_codes(col_ptr, codes_t, col0, row0, row_end, gstart, K, stride_col,
+                    BK: tl.constexpr, BM: tl.constexpr, GROUPED: tl.constexpr):
+    """Store codes_t [BK, BM] (rows row0.. of the tile) into packed columnwise data [K, M/2]."""
+    packed = pack_pairs(codes_t, BK, BM)
+    if GROUPED:  # whole bytes: both rows in this group, which starts byte-aligned
+        limit = tl.where(gstart % 2 == 0, row_end // 2, 0)
+        store8(col_ptr, packed, col0, row0 // 2, stride_col, K, limit, BK, BM // 2)
+        odd_start = gstart % 2 == 1
+        if odd_start | ((row_end % 2 == 1) & (row0 + BM >= row_end)):  # bytes shared with a neighbour group
+            rows = row0 + tl.arange(0, BM)
+            cols = col0 + tl.arange(0, BK)
+            shared = (rows < row_end) & (((rows * 0 + gstart) % 2 == 1) | (rows == row_end - 1))
+            or_nibbles(col_ptr, codes_t, cols, rows, stride_col, (cols < K)[:, None] & shared[None, :])
+    else:
+        store8(col_ptr, packed, col0, row0 // 2, stride_col, K, row_end // 2, BK, BM // 2)
+
+
 # ---------------------------------------------------------------- amax launch
 
-@triton.autotune(configs=AMAX_CONFIGS, key=_KEY, reset_to_zero=["amax_ptr", "rht_amax_ptr"],
+@triton.autotune(configs=_CONFIGS, key=_KEY, reset_to_zero=["amax_ptr", "rht_amax_ptr"],
                  prune_configs_by={"early_config_prune": prune_oversized})
 @triton.jit
 def _nvfp4_amax_kernel(
@@ -83,46 +159,27 @@ def _nvfp4_amax_kernel(
         stride_xm, stride_col,
         # meta
         ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, RHT: tl.constexpr, ZERO_ODD: tl.constexpr, GROUPED: tl.constexpr,
-        G_P2: tl.constexpr, SIGN_MASK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, K_TILES: tl.constexpr,
-        COL_VEC: tl.constexpr):
+        G_P2: tl.constexpr,
+        SIGN_MASK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     """Per group: max|x| over finite values, the same after RHT along M; zero bytes of odd-start groups."""
     g, row0, row_end, _, gstart = tile_rows(splits_ptr, M, G, tl.program_id(0), BM, BM, G_P2, GROUPED)
     if g >= G:
         return
-    rows = tile_rows_order(row0, BM)  # any order does for the amaxes; the transform needs this one
-    m_ok = rows < row_end
-    amax = tl.zeros((), tl.int32)
-    rht_amax = tl.zeros((), tl.int32)
-    for kt in tl.range(0, K_TILES, loop_unroll_factor=1):
-        col0 = (tl.program_id(1) * K_TILES + kt) * BK
-        if col0 < K:
-            cols = col0 + tl.arange(0, BK)
-            k_ok = cols < K
-            x = load_rows(x_ptr, probs_ptr, rows, tl.max_contiguous(cols, COL_VEC), m_ok, k_ok, stride_xm, K, ACT,
-                          GLU_BLOCK)
-            amax = tl.maximum(amax, max_abs_bits(x.to(tl.float32), True))
-            if RHT:  # the very transform the quantize launch applies (rht16): the same bits in any launch
-                y = rht16(tile_runs(x, BM, BK), BK * BM // 16, SIGN_MASK)
-                rht_amax = tl.maximum(rht_amax, max_abs_bits(y, True))
-            if ZERO_ODD:
-                if gstart % 2 == 1:
-                    tl.store(col_ptr + cols[:, None].to(tl.int64) * stride_col + (rows // 2)[None, :],
-                             tl.zeros((BK, BM), tl.uint8), mask=k_ok[:, None] & m_ok[None, :])
-    atomic_max_bits(amax_ptr + g, amax)
+    rows, _, cols, m_ok, k_ok = tile_span(row0, row_end, K, BM, BK)
+    x = load_rows(x_ptr, probs_ptr, rows, cols, m_ok, k_ok, stride_xm, K, ACT, GLU_BLOCK)
+    atomic_max_bits(amax_ptr + g, max_abs_bits(x.to(tl.float32), True))
     if RHT:
-        atomic_max_bits(rht_amax_ptr + g, rht_amax)
+        atomic_max_bits(rht_amax_ptr + g, max_abs_bits(rht_last(tl.trans(x), BK, BM, SIGN_MASK), True))
+    if ZERO_ODD:
+        if gstart % 2 == 1:
+            tl.store(col_ptr + cols[:, None].to(tl.int64) * stride_col + (rows // 2)[None, :],
+                     tl.zeros((BK, BM), tl.uint8), mask=k_ok[:, None] & m_ok[None, :])
 
 
 # ---------------------------------------------------------------- quantize launch
 
-def _prune_cast(configs, named_args, **kwargs):
-    """Tiles hold whole 16-blocks along K and M."""
-    return prune_oversized([c for c in configs if c.kwargs["BK"] % 16 == 0 and c.kwargs["BM"] % 16 == 0],
-                           named_args, **kwargs)
-
-
-@triton.autotune(configs=CAST_CONFIGS, key=_KEY + ["BLOCK_2D", "RHT", "STOCHASTIC", "ROWWISE", "COLWISE"],
-                 prune_configs_by={"early_config_prune": _prune_cast})
+@triton.autotune(configs=_CONFIGS, key=ORIENTED_KEY + ["BLOCK_2D"],
+                 prune_configs_by={"early_config_prune": prune_blocks})
 @triton.jit
 def _nvfp4_kernel(
         # pointers
@@ -132,116 +189,70 @@ def _nvfp4_kernel(
         # strides (packed data: K/2 and M/2 bytes per row; scales: row [*, stride_rs], columnwise [*, stride_cs])
         stride_xm, stride_row, stride_col, stride_rs, stride_cs,
         # meta
-        ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, BLOCK_2D: tl.constexpr, RHT: tl.constexpr,
-        STOCHASTIC: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr, ROW_WORDS: tl.constexpr,
-        COL_WORDS: tl.constexpr, GROUPED: tl.constexpr, G_P2: tl.constexpr, SIGN_MASK: tl.constexpr,
-        BM: tl.constexpr, BK: tl.constexpr, K_TILES: tl.constexpr, COL_VEC: tl.constexpr):
-    g, row0, row_end, sblk0, gstart = tile_rows(splits_ptr, M, G, tl.program_id(0), BM, 16, G_P2, GROUPED)
+        ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, B: tl.constexpr, BLOCK_2D: tl.constexpr, RHT: tl.constexpr,
+        STOCHASTIC: tl.constexpr,
+        ROWWISE: tl.constexpr, COLWISE: tl.constexpr, GROUPED: tl.constexpr, G_P2: tl.constexpr,
+        SIGN_MASK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    pid_k = tl.program_id(1)
+    g, row0, row_end, sblk0, gstart = tile_rows(splits_ptr, M, G, tl.program_id(0), BM, B, G_P2, GROUPED)
     if g >= G:
         return
-    rows = row0 + tl.arange(0, BM)
-    rows_t = tile_rows_order(row0, BM)
+    rows, col0, cols, m_ok, k_ok = tile_span(row0, row_end, K, BM, BK)
+    x_raw = load_rows(x_ptr, probs_ptr, rows, cols, m_ok, k_ok, stride_xm, K, ACT, GLU_BLOCK)
+    x = x_raw.to(tl.float32)
     s_enc = tensor_scale(tl.load(amax_ptr + g))
-    s_col = s_enc
-    if COLWISE and not BLOCK_2D:
-        s_col = tensor_scale(tl.load(col_amax_ptr + g))
-    for kt in tl.range(0, K_TILES, loop_unroll_factor=1):
-        col0 = (tl.program_id(1) * K_TILES + kt) * BK
-        if col0 < K:
-            cols = col0 + tl.arange(0, BK)
-            k_ok = cols < K
-            if BLOCK_2D or ROWWISE:
-                x = load_rows(x_ptr, probs_ptr, rows, cols, rows < row_end, k_ok, stride_xm, K, ACT, GLU_BLOCK)
-            if BLOCK_2D or COLWISE:
-                xt = load_rows(x_ptr, probs_ptr, rows_t, tl.max_contiguous(cols, COL_VEC), rows_t < row_end, k_ok,
-                               stride_xm, K, ACT, GLU_BLOCK)
-            if BLOCK_2D:  # one scale per 16x16 block, shared by both copies
-                quantize_16x16(x, xt, rows, row0, row_end, gstart, sblk0, col0, cols, M, K, s_enc, seed_ptr, row_ptr,
-                               row_s_ptr, col_ptr, col_s_ptr, stride_row, stride_rs, stride_col, stride_cs, ROWWISE,
-                               COLWISE, STOCHASTIC, ROW_WORDS, COL_WORDS, GROUPED, BM, BK)
+    quads = pid_k * BK + 4 * tl.arange(0, BK // 4)  # Philox counters: one per 4 values (uniform_tile)
+    u_row = 0.0
+    if STOCHASTIC:
+        u_row = uniform_tile(tl.load(seed_ptr), rows[:, None].to(tl.int64) * K + quads[None, :], BM, BK)
+    kb = pid_k * (BK // B) + tl.arange(0, BK // B)
+    kb_ok = kb * B < K
+    mb = sblk0 + tl.arange(0, BM // B)
+    mb_ok = row0 + tl.arange(0, BM // B) * B < row_end
+    if BLOCK_2D:  # one scale per 16x16 block, shared by both copies
+        sb, enc = block_scale(block_amax_2d(x, BM, BK, B), s_enc, reciprocal(s_enc))
+        y = clamp_nan(scale_2d(x, enc, BM, BK, B), -_E2M1_MAX, _E2M1_MAX)
+        codes = e2m1_codes(y, STOCHASTIC, u_row)
+        if ROWWISE:
+            store8(row_ptr, pack_pairs(codes, BM, BK), row0, col0 // 2, stride_row, row_end, stride_row, BM, BK // 2)
+            tl.store(row_s_ptr + mb[:, None] * stride_rs + kb[None, :], sb.to(tl.uint8, bitcast=True),
+                     mask=mb_ok[:, None] & kb_ok[None, :])
+        if COLWISE:
+            if STOCHASTIC:  # the columnwise copy draws its own random stream
+                u_col = uniform_tile(tl.load(seed_ptr + 1), cols[:, None].to(tl.int64) * M
+                                     + (row0 + 4 * tl.arange(0, BM // 4))[None, :], BK, BM)
+                codes_t = e2m1_codes(tl.trans(y), STOCHASTIC, u_col)
             else:
-                if ROWWISE:
-                    quantize_rows(x, rows, col0, row_end, K, s_enc, seed_ptr, row_ptr, row_s_ptr, stride_row,
-                                  stride_rs, STOCHASTIC, ROW_WORDS, BM, BK)
-                if COLWISE:
-                    quantize_cols(xt, cols, row0, row_end, gstart, sblk0, M, K, s_col, seed_ptr, col_ptr, col_s_ptr,
-                                  stride_col, stride_cs, RHT, STOCHASTIC, COL_WORDS, GROUPED, SIGN_MASK, BM, BK)
-
-
-# ---------------------------------------------------------------- the op
-
-_FORCED: dict = {}
-
-
-@contextlib.contextmanager
-def forced_configs(cast: Optional[triton.Config] = None, amax: Optional[triton.Config] = None):
-    """Launch the quantize and amax kernels with these configs whatever the size (tests and sweeps
-    run every config this way; the configs change no bit of the output)."""
-    saved = dict(_FORCED)
-    _FORCED.update(cast=cast, amax=amax)
-    try:
-        yield
-    finally:
-        _FORCED.clear()
-        _FORCED.update(saved)
-
-
-def _launch(kernel, forced, grid, args, numel, **meta):
-    if forced is None:
-        launch(kernel, grid, args, _SMALL, numel, **meta)
+                codes_t = tl.trans(codes)
+            store_col_codes(col_ptr, codes_t, col0, row0, row_end, gstart, K, stride_col, BK, BM, GROUPED)
+            tl.store(col_s_ptr + kb[:, None] * stride_cs + mb[None, :], trans8(sb),
+                     mask=kb_ok[:, None] & mb_ok[None, :])
     else:
-        wrapped(kernel.fn)[grid](*args, **meta, **forced.kwargs, num_warps=forced.num_warps,
-                                 num_stages=forced.num_stages)
-
-
-def tile_grid(m: int, k: int, groups: int, grouped: bool):
-    """Virtual row tiles (`tile_rows`: a static bound over every split) x runs of K_TILES column tiles."""
-    return lambda meta: (triton.cdiv(m, meta["BM"]) + (groups if grouped else 0),
-                         triton.cdiv(k, meta["BK"] * meta["K_TILES"]))
-
-
-def nvfp4_plan(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, block_2d: bool, rowwise: bool,
-               columnwise: bool, rht: bool, seeds: Optional[torch.Tensor], probs: Optional[torch.Tensor] = None,
-               act: int = NO_ACTIVATION, glu_block: int = 0):
-    """(outputs, amax launch, quantize launch): nvfp4_op's output tensors and its two launches as
-    closures (benchmarks time them apart; the quantize launch reads the amaxes the first wrote)."""
-    m, k = x.shape[0], input_width(x, act)
-    b, grouped, dev = NVFP4_BLOCK, splits is not None, x.device
-    nkb = ceil_div(k, b)
-    width = m // b + num_groups if grouped else ceil_div(m, b)  # scale blocks along M (grouped: static bound)
-    alloc = torch.zeros if grouped else torch.empty  # grouped scale entries no group uses are zero
-    e4m3, u8 = torch.float8_e4m3fn, torch.uint8
-    row = torch.empty((m, k // 2) if rowwise else (0,), dtype=u8, device=dev)
-    col = torch.empty((k, m // 2) if columnwise else (0,), dtype=u8, device=dev)
-    if block_2d:
-        row_s = alloc((width, nkb) if rowwise else (0,), dtype=e4m3, device=dev)
-        col_s = alloc((nkb, width) if columnwise else (0,), dtype=e4m3, device=dev)
-    else:
-        row_s = torch.empty((m, nkb) if rowwise else (0,), dtype=e4m3, device=dev)
-        col_s = alloc((k, width) if columnwise else (0,), dtype=e4m3, device=dev)
-    bits = torch.zeros((2, num_groups), dtype=torch.int32, device=dev)  # amax, amax after RHT
-    amax, rht_amax = bits.view(torch.float32).unbind(0)
-    amax_bits, rht_bits = bits.unbind(0)  # atomic_max runs on the int32 patterns
-    rht_col = rht and columnwise
-    grid = tile_grid(m, k, num_groups, grouped)
-    dummy = splits if grouped else x
-    p = probs if probs is not None else x
-    common = dict(ACT=act, GLU_BLOCK=glu_block, GROUPED=grouped, G_P2=group_pow2(num_groups), SIGN_MASK=RHT_SIGN_MASK)
-
-    def amax_launch():
-        _launch(_nvfp4_amax_kernel, _FORCED.get("amax"), grid,
-                (x, p, amax_bits, rht_bits, col, dummy, m, k, num_groups, x.stride(0), m // 2), m * k,
-                RHT=rht_col, ZERO_ODD=grouped and columnwise, **common)
-
-    def cast_launch():
-        _launch(_nvfp4_kernel, _FORCED.get("cast"), grid,
-                (x, p, amax, rht_amax if rht_col else amax, seeds if seeds is not None else x, row,
-                 row_s.view(torch.uint8), col, col_s.view(torch.uint8), dummy, m, k, num_groups, x.stride(0), k // 2,
-                 m // 2, nkb, width), m * k,
-                BLOCK_2D=block_2d, RHT=rht_col, STOCHASTIC=seeds is not None, ROWWISE=rowwise, COLWISE=columnwise,
-                ROW_WORDS=k % 8 == 0, COL_WORDS=m % 8 == 0, **common)
-
-    return (row, row_s, amax, col, col_s, rht_amax if rht_col else amax), amax_launch, cast_launch
+        if ROWWISE:
+            codes, sb = quantize_runs_last(x, s_enc, BM, BK, STOCHASTIC, u_row)
+            store8(row_ptr, pack_pairs(codes, BM, BK), row0, col0 // 2, stride_row, row_end, stride_row, BM, BK // 2)
+            tl.store(row_s_ptr + rows[:, None].to(tl.int64) * stride_rs + kb[None, :], sb.to(tl.uint8, bitcast=True),
+                     mask=m_ok[:, None] & kb_ok[None, :])
+        if COLWISE:
+            if RHT:  # transform runs of 16 rows on tensor cores; quantize the [BK, BM] result along M
+                xt = rht_last(tl.trans(x_raw), BK, BM, SIGN_MASK)
+                u_col = 0.0
+                if STOCHASTIC:
+                    u_col = uniform_tile(tl.load(seed_ptr + 1), cols[:, None].to(tl.int64) * M
+                                         + (row0 + 4 * tl.arange(0, BM // 4))[None, :], BK, BM)
+                codes_t, sb_t = quantize_runs_last(xt, tensor_scale(tl.load(col_amax_ptr + g)), BK, BM,
+                                                   STOCHASTIC, u_col)
+            else:  # runs along M quantized in the loaded layout, then transposed
+                u_col = 0.0
+                if STOCHASTIC:
+                    u_col = uniform_tile(tl.load(seed_ptr + 1), quads[None, :].to(tl.int64) * M + rows[:, None],
+                                         BM, BK)
+                codes, sb_c = quantize_runs_first(x, s_enc, BM, BK, STOCHASTIC, u_col)
+                codes_t = tl.trans(codes)  # 32-bit: see trans8
+                sb_t = trans8(sb_c)
+            store_col_codes(col_ptr, codes_t, col0, row0, row_end, gstart, K, stride_col, BK, BM, GROUPED)
+            tl.store(col_s_ptr + cols[:, None].to(tl.int64) * stride_cs + mb[None, :], sb_t.to(tl.uint8, bitcast=True),
+                     mask=k_ok[:, None] & mb_ok[None, :])
 
 
 @kernel_op("qmoe::quantize_nvfp4")
@@ -254,11 +265,40 @@ def nvfp4_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, b
     seeds: [2] int64 on the device for stochastic rounding (None: round to nearest).
     probs, act, glu_block: the fused activation (kernels.quantize.amax_op).
     """
-    (row, row_s, amax, col, col_s, col_amax), amax_launch, cast_launch = nvfp4_plan(
-        x, splits, num_groups, block_2d, rowwise, columnwise, rht, seeds, probs, act, glu_block)
-    if x.shape[0] * input_width(x, act):
-        amax_launch()
-        cast_launch()
+    m, k = x.shape[0], input_width(x, act)
+    b, grouped, dev = NVFP4_BLOCK, splits is not None, x.device
+    nkb, width = ceil_div(k, b), scale_width(m, b, num_groups, grouped)
+    alloc = torch.zeros if grouped else torch.empty  # grouped scale entries no group uses are zero
+    e4m3, u8 = torch.float8_e4m3fn, torch.uint8
+    row = torch.empty((m, k // 2) if rowwise else (0,), dtype=u8, device=dev)
+    col = torch.empty((k, m // 2) if columnwise else (0,), dtype=u8, device=dev)
+    if block_2d:
+        row_s = alloc((width, nkb) if rowwise else (0,), dtype=e4m3, device=dev)
+        col_s = alloc((nkb, width) if columnwise else (0,), dtype=e4m3, device=dev)
+    else:
+        row_s = torch.empty((m, nkb) if rowwise else (0,), dtype=e4m3, device=dev)
+        col_s = alloc((k, width) if columnwise else (0,), dtype=e4m3, device=dev)
+    bits = torch.zeros((2, num_groups), dtype=torch.int32, device=dev)  # amax, amax after RHT
+    amax, rht_amax = bits.view(torch.float32).unbind(0)
+    if m * k:
+        amax_bits, rht_bits = bits.unbind(0)  # atomic_max runs on the int32 patterns
+        rht_col = rht and columnwise
+        grid = tile_grid(m, k, num_groups, grouped)
+        dummy = splits if grouped else x
+        p = probs if probs is not None else x
+        launch(_nvfp4_amax_kernel, grid, (x, p, amax_bits, rht_bits, col, dummy, m, k, num_groups, x.stride(0), m // 2),
+               _SMALL, m * k, ACT=act, GLU_BLOCK=glu_block, RHT=rht_col, ZERO_ODD=grouped and columnwise,
+               GROUPED=grouped,
+               G_P2=group_pow2(num_groups), SIGN_MASK=RHT_SIGN_MASK)
+        launch(_nvfp4_kernel, grid,
+               (x, p, amax, rht_amax if rht_col else amax, seeds if seeds is not None else x, row,
+                row_s.view(torch.uint8), col, col_s.view(torch.uint8), dummy, m, k, num_groups, x.stride(0), k // 2,
+                m // 2, nkb, width),
+               _SMALL, m * k, ACT=act, GLU_BLOCK=glu_block, B=b, BLOCK_2D=block_2d, RHT=rht_col,
+               STOCHASTIC=seeds is not None,
+               ROWWISE=rowwise, COLWISE=columnwise, GROUPED=grouped, G_P2=group_pow2(num_groups),
+               SIGN_MASK=RHT_SIGN_MASK)
+    col_amax = rht_amax if rht and columnwise else amax
     return row, row_s, amax.clone(), col, col_s, col_amax.clone()
 
 

@@ -1,6 +1,7 @@
 """KernelOp: eager calls skip torch's dispatcher; torch.compile and fake tensors still see the op."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
@@ -85,3 +86,18 @@ def test_launches_happen_in_eager_calls_and_never_in_the_fake_twin():
         y = op(torch.empty(5))
     assert isinstance(y, FakeTensor) and y.shape == (5,)
     assert len(kernel.launches) == 1  # the fake twin allocated its output and launched nothing
+
+
+def test_small_problem_config_names_only_kernel_parameters():
+    """launch() runs small problems with a fixed config: a name the kernel lacks is refused, under
+    the interpreter too (which would ignore it, while a GPU compile raises)."""
+    import triton
+
+    from qmoe.kernels import _launch, quantize_nvfp4
+
+    foreign = triton.Config({"BM": 32, "BK": 64, "K_TILES": 1}, num_warps=4)
+    with pytest.raises(TypeError, match="K_TILES"):
+        _launch.launch(quantize_nvfp4._dequantize_nvfp4_kernel, (1,), (), foreign, 1)
+    for kernel in (quantize_nvfp4._dequantize_nvfp4_kernel, quantize_nvfp4._nvfp4_kernel,
+                   quantize_nvfp4._nvfp4_amax_kernel):
+        _launch._check_config(kernel.fn, tuple(quantize_nvfp4._SMALL.kwargs))
