@@ -313,8 +313,11 @@ class GroupedLinearFunction(torch.autograd.Function):
         plan, needs, saved = ctx.plan, ctx.needs, _Saved.unstash(ctx)
         # from here `saved` holds the operands alone, so each is freed once its GEMM has read it: the
         # backward's peak (the wgrad, after the dgrad) no longer holds dgrad's weight copy and
-        # gradient copy; they live on only in a deferred wgrad
-        ctx.saved = None
+        # gradient copy; they live on only in a deferred wgrad. (Compiled code traces this backward
+        # and manages its own buffers: ctx stays as it is there.)
+        release = not torch.compiler.is_compiling()
+        if release:
+            ctx.saved = None
         groups = saved.groups
         dy_amax = plan.grad_output_amax.take(dy) if plan.grad_output_amax is not None else None
         dy = dy.contiguous()
@@ -325,8 +328,9 @@ class GroupedLinearFunction(torch.autograd.Function):
             if plan.recompute_weight_columnwise:
                 w_op = plan.rebuild_weight(saved.weight, saved.x_dtype, ctx.weight_log)
             dx = plan.dgrad(g_op, w_op, groups, saved.x_shape, out_dtype=dy.dtype)
-            saved.w_operand = w_op = None
-            g_op = drop_rowwise(g_op, shared=True)  # wgrad reads the columnwise copy
+            if release:
+                saved.w_operand = w_op = None
+                g_op = drop_rowwise(g_op, shared=True)  # wgrad reads the columnwise copy
         if needs.weight:
             shape = (len(groups.split_sizes), dy.shape[1], saved.x_shape[1])
             x_op = saved.x_operand
@@ -345,6 +349,7 @@ class GroupedLinearFunction(torch.autograd.Function):
                                                                     needs.scales)
             dbias = dbias.to(saved.bias.dtype) if needs.bias else None
             dscales = dscales.to(saved.scales.dtype) if dscales is not None else None
+        ctx.saved = None
         if plan.activation is not None and dx is not None:  # dx is the activation output's gradient
             slot = plan.grad_input_amax if needs.x else None
             dx, dprobs = activation_backward(saved.h, saved.probs, dx, plan.activation.value,
