@@ -30,7 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.harness import run_header, write_results
+from benchmarks.harness import error_line, run_header, write_results
 
 # per-rank shard shapes: tokens routed by each rank, experts held by each rank (E = local * ep)
 SHAPES = {
@@ -39,10 +39,6 @@ SHAPES = {
 }
 RECIPES = ("bf16", "current", "block", "mxfp8", "delayed", "nvfp4")
 QUICK_RECIPES = ("bf16", "block", "mxfp8")
-
-
-def _err(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400]
 
 
 class _Timer:
@@ -147,7 +143,7 @@ def bench(rows, name, shape, recipes, warmup, iters, device, capacity_factor):
                 if not quantized:
                     bf16_ms, bf16_bytes = row["step_ms"], row["dispatch_bytes"]
             except Exception as e:  # noqa: BLE001 - one recipe failing must not stop the others
-                row["error"] = _err(e)
+                row["error"] = error_line(e)
             rows.append(row)
             _print_row(row)
             if device.type == "cuda":

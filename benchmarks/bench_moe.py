@@ -34,7 +34,7 @@ import sys
 
 import torch
 
-from benchmarks.harness import run_header, write_results
+from benchmarks.harness import error_line, run_header, write_results
 
 # (tokens, experts, top_k, hidden, ffn)
 SHAPES = {
@@ -47,10 +47,6 @@ QUICK_SHAPES = ("deepseek-v3-ep8",)
 TARGETS = ("deepseek-v3-ep8 and mixtral: delayed and current >= 1.4x qmoe bf16, block >= 1.25x, MXFP8 >= 0.9x, "
            "NVFP4 >= 0.8x; qwen3-30b-a3b: every FP8 recipe >= 1.1x; FP8 peak memory <= 1.0x qmoe bf16 by default, "
            "<= 0.85x with an option; qmoe bf16 >= 1.0x the plain PyTorch MoE; graphed >= eager")
-
-
-def _err(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400]
 
 
 def _time_ms(fn, warmup: int, iters: int) -> float:
@@ -115,7 +111,7 @@ def _graphed_ms(step, warmup: int, iters: int):
             torch.cuda.synchronize()
         except Exception:  # noqa: BLE001
             pass
-        return None, _err(inner[0] if inner else e)
+        return None, error_line(inner[0] if inner else e)
 
 
 def _optimizer_steps(step, module, micro_batches: int):
@@ -209,7 +205,7 @@ def _recipe_row(layer, x, dy, recipe, warmup, iters, graphed, base: dict, bf16_m
         if bf16_ms:
             row["ratio_vs_qmoe_bf16"] = bf16_ms / row["eager_ms"]
     except Exception as e:  # noqa: BLE001 - one recipe failing must not stop the others
-        row["error"] = _err(e)
+        row["error"] = error_line(e)
     _free()
     return row
 
@@ -255,7 +251,7 @@ def bench_shape(rows, name, shape, recipes, warmup, iters, graphed, device="cuda
                     peer_graph_error=m["graph_error"])
         del moe
     except Exception as e:  # noqa: BLE001
-        peer["peer_error"] = _err(e)
+        peer["peer_error"] = error_line(e)
     _free()
     print(f"{name}: plain PyTorch MoE ({peer['peer_impl']}): eager {_fmt(peer['peer_ms'], '.3f')} ms, graphed "
           f"{_fmt(peer['peer_graphed_ms'], '.3f')} ms, peak {_fmt(peer['peer_peak_gib'], '.2f')} GiB"

@@ -28,6 +28,11 @@ RECORDED_ENV = ("QMOE_BACKEND", "TRITON_INTERPRET", "NCCL_NVLS_ENABLE")
 
 # ---------------------------------------------------------------- timing
 
+def error_line(e: BaseException, limit: int = 400) -> str:
+    """A failed measurement's error as one line for a results file: type and first line of text."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:limit]
+
+
 def median_ms(fn, warmup: int = 10, rep: int = 50) -> float:
     """Median ms of `fn` by triton.testing.do_bench (CUDA events; warmup / rep in ms of running)."""
     import triton.testing

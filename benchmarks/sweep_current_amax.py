@@ -34,15 +34,11 @@ import time
 
 import torch
 
-from benchmarks.harness import run_header, write_results
+from benchmarks.harness import error_line, run_header, write_results
 
 SHAPE = dict(tokens=8192, experts=32, top_k=8, hidden=7168, ffn=2048, align=16)
 TINY = dict(tokens=48, experts=4, top_k=2, hidden=64, ffn=32, align=16)
 FIELDS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
-
-
-def _err(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
 
 
 def _median_ms(fn, device, rep: int = 40) -> float:
@@ -119,13 +115,13 @@ class Sweep:
             try:
                 outs.append(fn())
             except Exception as e:  # noqa: BLE001 - a failing variant is a result
-                row["error"] = _err(e)
+                row["error"] = error_line(e)
                 outs.append(None)
         if outs[0] is not None and outs[1] is not None:
             try:
                 why = check(outs[0], outs[1])
             except Exception as e:  # noqa: BLE001
-                why = _err(e)
+                why = error_line(e)
             rows[1]["same_bits"] = why is None
             rows[1]["error"] = rows[1]["error"] or why
             rows[0]["same_bits"] = True
@@ -141,7 +137,7 @@ class Sweep:
                 row["gbps"] = nbytes / (row["ms"] * 1e-3) / 1e9
                 row["fraction_of_copy"] = row["gbps"] / self.copy if self.copy else None
             except Exception as e:  # noqa: BLE001
-                row["error"] = _err(e)
+                row["error"] = error_line(e)
         for row in rows:
             self.rows.append(row)
             note = row["error"] or ("same bits" if row["same_bits"] else "")
@@ -288,7 +284,7 @@ class LayerRows:
                 row["ms"] = _median_ms(step, dev, rep=300)
                 del call, step
         except Exception as e:  # noqa: BLE001 - a failing variant is a result
-            row["error"] = row["error"] or _err(e)
+            row["error"] = row["error"] or error_line(e)
         print(f"{'MoELayer fwd+bwd ' + mode:<34} {variant:<26} {_fmt(row['ms'])}  "
               f"{row['error'] or ('same bits' if row['same_bits'] else '')}", flush=True)
         if dev.type == "cuda":
@@ -312,8 +308,8 @@ def main(argv=None) -> int:
         try:
             fn()
         except Exception as e:  # noqa: BLE001 - set-up failures are results too
-            sweep.rows.append(dict(op=name, error=_err(e)))
-            print(f"{name}: {_err(e)}", flush=True)
+            sweep.rows.append(dict(op=name, error=error_line(e)))
+            print(f"{name}: {error_line(e)}", flush=True)
 
     def layer_runs(*runs):
         nonlocal layer

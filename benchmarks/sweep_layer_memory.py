@@ -20,16 +20,12 @@ from collections import defaultdict
 
 import torch
 
-from benchmarks.bench_moe import SHAPES
-from benchmarks.harness import run_header, write_results
+from benchmarks.bench_moe import SHAPES, _step_fn
+from benchmarks.harness import error_line, run_header, write_results
 
 TINY = dict(tokens=64, experts=4, top_k=2, hidden=128, ffn=128)
 OPTIONS = {"": {}, "+rw": dict(recompute_weight_columnwise=True), "+rc": dict(recompute_activation=True),
            "+rw+rc": dict(recompute_weight_columnwise=True, recompute_activation=True)}
-
-
-def _err(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
 
 
 def _recipe(name):
@@ -80,16 +76,7 @@ def profile(shape: dict, recipe_name: str, option: str, device) -> dict:
                              params_dtype=torch.bfloat16, device=device, **OPTIONS[option])
     x = torch.randn(shape["tokens"], shape["hidden"], device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
-    recipe = _recipe(recipe_name)
-
-    def step():
-        for p in layer.parameters():
-            p.grad = None
-        x.grad = None
-        with qmoe.autocast(recipe=recipe, enabled=recipe is not None):
-            y = layer(x)
-        y.backward(dy)
-
+    step = _step_fn(layer, x, dy, _recipe(recipe_name))
     step()  # compiles, autotunes, builds recipe state
     for p in layer.parameters():
         p.grad = None
@@ -133,7 +120,7 @@ def main(argv=None) -> int:
             try:
                 row = profile(shape, name, option, device)
             except Exception as e:  # noqa: BLE001 - a failing variant is a result
-                row = dict(recipe=name, option=option, error=_err(e))
+                row = dict(recipe=name, option=option, error=error_line(e))
             rows.append(row)
             if "peak_gib" in row:
                 print(f"{name}{option}: peak {row['peak_gib']:.2f} GiB (step {row['step_peak_gib']:.2f} above "

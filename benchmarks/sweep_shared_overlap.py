@@ -22,15 +22,11 @@ import time
 
 import torch
 
-from benchmarks.harness import run_header, write_results
+from benchmarks.harness import error_line, run_header, write_results
 
 SHAPE = dict(tokens=8192, experts=32, top_k=8, hidden=7168, ffn=2048, shared_ffn=2048)
 TINY = dict(tokens=64, experts=8, top_k=2, hidden=128, ffn=128, shared_ffn=128)
 RECIPES = ("bf16", "delayed")
-
-
-def _err(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
 
 
 def _median_ms(fn, device) -> float:
@@ -113,7 +109,7 @@ def _variant_rows(base, recipe_name, mode, x, dy, device) -> list[dict]:
             bits[overlap] = _bits(layer, step, x)  # the first step of both copies, from the same state
             layers[overlap] = (layer, call, step)
         except Exception as e:  # noqa: BLE001 - a failing variant is a result
-            row["error"] = _err(e)
+            row["error"] = error_line(e)
     if False in bits and True in bits:
         same, why = _same_bits(bits[True], bits[False])
         rows[1]["same_bits_as_off"] = same
@@ -128,7 +124,7 @@ def _variant_rows(base, recipe_name, mode, x, dy, device) -> list[dict]:
             if mode == "eager":
                 row["forward_ms"] = _median_ms(_forward_fn(call, x, recipe), device)
         except Exception as e:  # noqa: BLE001
-            row["error"] = _err(e)
+            row["error"] = error_line(e)
     del layers, bits
     return rows
 
@@ -148,7 +144,7 @@ def _part_rows(base, recipe_name, x, dy, device) -> list[dict]:
             row["step_ms"] = _median_ms(_step_fn(module, module, x, dy, recipe), device)
             row["forward_ms"] = _median_ms(_forward_fn(module, x, recipe), device)
         except Exception as e:  # noqa: BLE001
-            row["error"] = _err(e)
+            row["error"] = error_line(e)
         rows.append(row)
     del routed
     return rows

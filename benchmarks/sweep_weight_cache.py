@@ -35,7 +35,7 @@ import time
 import torch
 
 from benchmarks.bench_linear import SHAPES as LINEAR_SHAPES
-from benchmarks.harness import median_ms, run_header, write_results
+from benchmarks.harness import error_line, median_ms, run_header, write_results
 
 SHAPES = {"qwen3-fc1": LINEAR_SHAPES["qwen3-fc1"], "dsv3-fc1": LINEAR_SHAPES["dsv3-fc1"]}
 # experts, rows per expert, K, N; under the interpreter the emulated GEMMs take their fused route at
@@ -49,10 +49,6 @@ CHECK_STEPS = 2
 def _variants(recipe: str) -> list[str]:
     extra = {"mxfp8": ["wc-nobf16"], "nvfp4": ["wc-nobf16"], "delayed": ["wc-1region"]}.get(recipe, [])
     return ["off", "wc", *extra, "rw", "wc+rw"]
-
-
-def _err(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
 
 
 class _Case:
@@ -202,7 +198,7 @@ def run(shapes: dict, recipes, tiny: bool, deadline: float, device, micro: int =
                         if row["peak_gib"] is not None:
                             row["peak_saved_vs_off_gib"] = off["peak_gib"] - row["peak_gib"]
                 except Exception as e:  # noqa: BLE001 - one variant failing must not stop the others
-                    row["error"] = _err(e)
+                    row["error"] = error_line(e)
                 _print_row(row)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
