@@ -2,7 +2,9 @@
 ("current"), what m_grouped_gemm dispatches now ("dispatched": the warp-specialised Gluon kernel
 of qmoe/kernels/_block_gemm_ws.py where it applies), the Gluon kernel's other schedules and
 tiles, and the dense F.scaled_mm peer, side by side at DeepSeek-V3 FC1 (fprop, even and uneven
-splits; dgrad), FC2 fprop and Mixtral FC1 fprop.
+splits; dgrad), FC2 fprop and Mixtral FC1 fprop; and wgrad (k-grouped, both operands 1x128-scaled
+along the tokens) at DeepSeek-V3 FC1 / FC2 and Mixtral FC1: the Triton kernel against the
+warp-specialised Gluon kernel of qmoe/kernels/_block_wgrad_ws.py.
 
 Every variant is checked against the current kernel's bf16 output (max abs / rel difference,
 bit equality, and NUMERICS.md's GEMM bound ||out - ref|| / ||ref|| <= 1e-3 against the same
@@ -32,7 +34,8 @@ SHAPES = {  # name: (experts, mean rows per expert, K, N) as in benchmarks/bench
     "mixtral-fc1": (8, 4096, 4096, 28672),
 }
 CASES = [("dsv3-fc1", "fprop", "uneven"), ("dsv3-fc1", "dgrad", "uneven"), ("dsv3-fc1", "wgrad", "uneven"),
-         ("dsv3-fc2", "fprop", "uneven"), ("mixtral-fc1", "fprop", "uneven"), ("dsv3-fc1", "fprop", "even")]
+         ("dsv3-fc2", "fprop", "uneven"), ("mixtral-fc1", "fprop", "uneven"), ("dsv3-fc1", "fprop", "even"),
+         ("dsv3-fc2", "wgrad", "uneven"), ("mixtral-fc1", "wgrad", "uneven")]
 TINY = {"dsv3-fc1": (4, 100, 256, 256), "dsv3-fc2": (4, 100, 256, 256), "mixtral-fc1": (2, 150, 256, 384)}
 PAD_ROWS = 48  # rows past the last group (static buffers): written as zeros; tokens stay a multiple of 16 (TMA)
 
@@ -57,10 +60,13 @@ def variants(extra: bool = False):
 
 
 def wgrad_variants():
-    """wgrad (k-grouped): "current" is k_grouped_gemm's Triton kernel (what it dispatches). A
-    warp-specialised Gluon wgrad (commit c86797a) stopped the H200 with an illegal instruction
-    and was removed."""
-    return {"current": None}
+    """wgrad (k-grouped): "current" is the Triton kernel (its tiles forced through `config`),
+    "dispatched" what k_grouped_gemm runs now (the Gluon kernel of qmoe/kernels/_block_wgrad_ws.py
+    where it applies), then the Gluon kernel's schedules and stage counts."""
+    v = {"current": None, "dispatched": None}
+    for pipe, stages, group_m in ((0, 4, 8), (1, 4, 8), (0, 3, 8), (1, 3, 8), (0, 4, 16), (1, 4, 16)):
+        v[f"gluon-wg pipe{pipe} s{stages} gm{group_m}"] = dict(kind="wg", pipe=pipe, stages=stages, group_m=group_m)
+    return v
 
 
 def uneven_splits(experts: int, rows: int, seed: int, empty: bool) -> list[int]:
@@ -127,7 +133,17 @@ def _runner(name, kw, a, b, layout, programs, info):
 
     columnwise = layout == "dgrad"
     if layout == "wgrad":
-        return lambda: gg.k_grouped_gemm_with(a, b)
+        if name == "dispatched":
+            return lambda: gg.k_grouped_gemm_with(a, b)
+        if kw is None:
+            return lambda: gg.k_grouped_gemm_with(a, b, config=gg.k_tile_config(Scaling.BLOCK))
+        from qmoe.kernels._block_wgrad_ws import launch_block_wgrad_ws
+        kw = {key: v for key, v in kw.items() if key != "kind"}
+        a_op, b_op = gg.tokens_operand(a, Scaling.BLOCK), gg.tokens_operand(b, Scaling.BLOCK)
+        n_w, k_w = a.shape[1], b.shape[1]
+        out = torch.empty((a.num_groups, n_w, k_w), dtype=torch.bfloat16, device=a_op.data.device)
+        return lambda: launch_block_wgrad_ws(a_op, b_op, a.offsets, n_w, k_w, a.num_groups, out, programs=programs,
+                                             info=info, **kw)
     if name == "dispatched":
         return lambda: gg.m_grouped_gemm_with(a, b, b_columnwise=columnwise)
     if kw is None:  # the Triton kernel with its default tiles (a config bypasses the Gluon dispatch)
@@ -213,6 +229,8 @@ def run(args, header) -> list[dict]:
                                          "rows": rows + ([partial] if partial else [])}, indent=1, quiet=True)
 
     for ci, (shape, layout, split_kind) in enumerate(CASES):
+        if args.cases and not any(c in f"{shape}:{layout}:{split_kind}" for c in args.cases):
+            continue
         e, m, k, n = shapes[shape]
         empty = shape.startswith("dsv3")  # 32 experts per rank: one may get no token
         splits = [m] * e if split_kind == "even" else uneven_splits(e, m, seed=ci, empty=empty)
@@ -278,6 +296,8 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU: run with TRITON_INTERPRET=1)")
     p.add_argument("--variants", nargs="*", help="only variants whose name contains one of these (current always)")
     p.add_argument("--skip", nargs="*", help="leave out variants whose name contains one of these")
+    p.add_argument("--cases", nargs="*", help="only cases whose shape:layout:splits name contains one of these "
+                                              "(e.g. wgrad, mixtral-fc1:fprop)")
     p.add_argument("--extra", action="store_true", help="also the persistent Triton TMA variants (tl ...)")
     p.add_argument("--budget-s", type=float, default=100.0, help="skip the variants left after this many seconds")
     p.add_argument("--watchdog-s", type=float, default=115.0, help="end the process (a hung kernel) after this long")

@@ -34,7 +34,7 @@ import triton
 
 from qmoe.contracts.errors import UnsupportedError
 from qmoe.contracts.formats import ceil_div, nvfp4_tensor_scale
-from qmoe.kernels import _block_gemm_ws
+from qmoe.kernels import _block_gemm_ws, _block_wgrad_ws
 from qmoe.kernels import _grouped_gemm_jit as jit
 from qmoe.kernels._launch import kernel_op, num_sms, wrapped
 from qmoe.kernels._layout import group_pow2
@@ -423,6 +423,9 @@ def _k_op(a_data: torch.Tensor, a_scale: Optional[torch.Tensor], a_factor: Optio
 
 def _launch_k_into(a: _Operand, b: _Operand, offsets, n, k, groups, scaling, out, accumulate, cfg):
     if n == 0 or k == 0 or groups == 0:
+        return out
+    if cfg is None and scaling is Scaling.BLOCK and _block_wgrad_ws.launch_dispatched(  # Gluon, where it applies
+            a, b, offsets, n, k, groups, out, accumulate) is not None:
         return out
     plain_fp32 = scaling is Scaling.NONE and a.data.dtype == torch.float32
     tokens_contiguous = a.stride_k == 1 and b.stride_k == 1

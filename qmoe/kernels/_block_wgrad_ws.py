@@ -1,0 +1,361 @@
+"""FP8 block-scaled k-grouped GEMM (wgrad: both operands 1x128-scaled along the tokens) with warp
+specialisation, in Triton's Gluon dialect (private helper of `qmoe/kernels/grouped_gemm.py`, which
+dispatches the BLOCK k-grouped GEMM here where `unsupported` returns None).
+
+Same contract and bits as `k_grouped_gemm_kernel` under BLOCK scaling with its 64 x 128 tiles:
+out[g] [N, K] = A[:, tokens of g] @ B[:, tokens of g]^T, each 128-token step's FP8 product
+accumulated by the tensor cores from zero, then promoted to the fp32 total as
+`acc + p * (a_scale[row, step] * b_scale[col, step])`, steps in order, the group's last, partial
+step with the tokens past its end read as zeros.
+
+Why a second kernel: the promotion is an outer product (two operations per element, twice the
+m-grouped GEMM's), and in the single-partition kernel the tensor cores idle while it runs. Here
+one warp streams the full 128-token steps of A and B through a ring of shared-memory stages by
+TMA, and two consumer warpgroups each own 64 rows of a 128 x 128 output tile, so one's promotion
+runs while the other's MMA holds the tensor cores. PIPE 1 also overlaps within a consumer: it
+issues step i's MMA, then promotes step i-1.
+
+A group's tokens start anywhere (groups are padded to the recipe's `align_size`, not to 128), so
+its last step may be partial. TMA cannot stop at a group's end, so the consumers read that step
+themselves: masked loads of their own A rows and of the whole B tile (zeros past the end, as the
+Triton kernel reads them) into private shared buffers, then the same MMA and promotion.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from qmoe.kernels import _block_gemm_ws as ws
+from qmoe.kernels._launch import faking, num_sms
+
+gluon = ws.gluon
+if gluon is not None:
+    from qmoe.kernels._block_gemm_ws import (fence_async_shared, gl, mbarrier, tma, warpgroup_mma,
+                                             warpgroup_mma_wait)
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _tile_of(t, offs_ptr, per_group, num_m, num_n, GROUP_M: gl.constexpr):
+        """Tile t -> (group, row tile, column tile, the group's first token, its token count)."""
+        g = t // per_group
+        local = t - g * per_group
+        width = GROUP_M * num_n
+        first_m = (local // width) * GROUP_M
+        size_m = gl.minimum(num_m - first_m, GROUP_M)
+        pm = first_m + (local % width) % size_m
+        pn = (local % width) // size_m
+        start = gl.load(offs_ptr + g).to(gl.int32)
+        end = gl.load(offs_ptr + g + 1).to(gl.int32)
+        return g, pm, pn, start, end - start
+
+    @gluon.jit
+    def _producer(a_desc, b_desc, a_bufs, b_bufs, full, empty, offs_ptr, total_tiles, per_group, num_m, num_n,
+                  BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
+                  STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr):
+        """One warp: TMA loads of every tile's full 128-token steps into the stage ring."""
+        nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+        it = 0
+        for t in range(gl.program_id(0), total_tiles, NUM_PROGRAMS):
+            g, pm, pn, start, length = _tile_of(t, offs_ptr, per_group, num_m, num_n, GROUP_M)
+            for ki in range(length // BK):
+                s = it % STAGES
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                mbarrier.expect(full.index(s), nbytes)
+                ws._tma_load(a_desc, [pm * BM, start + ki * BK], full.index(s), a_bufs.index(s))
+                ws._tma_load(b_desc, [pn * BN, start + ki * BK], full.index(s), b_bufs.index(s))
+                it += 1
+
+    @gluon.jit
+    def _factor(sa_tile, sb_tile, n_rows, n_cols, ki, s_stride_an, s_stride_at, s_stride_bk, s_stride_bt,
+                HM: gl.constexpr, BN: gl.constexpr, row_l: gl.constexpr, col_l: gl.constexpr):
+        """Step ki's promotion factors: a_scale[row, ki] and b_scale[col, ki] (zero past N, K).
+
+        One base pointer per operand and 32-bit offsets keep addresses out of registers; the
+        column scales are read one per thread, then spread over the MMA layout.
+        """
+        r = gl.arange(0, HM, layout=row_l)
+        fa = gl.load(sa_tile + ki * s_stride_at + r * s_stride_an, mask=r < n_rows, other=0.0)
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        c = gl.arange(0, BN, layout=one)
+        fb = gl.load(sb_tile + ki * s_stride_bt + c * s_stride_bk, mask=c < n_cols, other=0.0)
+        return fa, gl.convert_layout(fb, col_l)
+
+    @gluon.jit
+    def _promote(acc, p, fa, fb):
+        return acc + p * (gl.expand_dims(fa, 1) * gl.expand_dims(fb, 0))
+
+    @gluon.jit
+    def _tail_operand(ptr, rows, n_rows, t0, tail, stride_r, R: gl.constexpr, BK: gl.constexpr,
+                      layout: gl.constexpr, DTYPE: gl.constexpr):
+        """[R, BK] codes of rows `rows..` at tokens t0.., zero past `tail` tokens or n_rows rows.
+
+        ptr: the codes as bytes. Loads whole 16-token chunks (one vector each; the chunk holding
+        the group's end stays inside the data, whose token count is a multiple of 16), zeroes the
+        tokens past the end as integers, then reinterprets the bytes as DTYPE.
+        """
+        r = rows + gl.arange(0, R, layout=gl.SliceLayout(1, layout))
+        c = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
+        ptrs = ptr + gl.expand_dims(r.to(gl.int64) * stride_r, 1) + gl.expand_dims(t0 + c, 0)
+        row_ok = gl.expand_dims(r < n_rows, 1)
+        x = gl.load(ptrs, mask=row_ok & gl.expand_dims((c // 16) * 16 < tail, 0), other=0)
+        x = gl.where(row_ok & gl.expand_dims(c < tail, 0), x, 0)
+        return x.to(DTYPE, bitcast=True)
+
+    @gluon.jit
+    def _tail_to_smem(ptr, smem, rows, n_rows, t0, tail, stride_r, layout: gl.constexpr):
+        """The tail step's [R, BK] operand rows into `smem`, 32 rows at a time (few registers)."""
+        R: gl.constexpr = smem.shape[0]
+        BK: gl.constexpr = smem.shape[1]
+        for i in gl.static_range(R // 32):
+            smem.slice(i * 32, 32).store(_tail_operand(ptr, rows + i * 32, n_rows, t0, tail, stride_r, 32, BK,
+                                                       layout, smem.dtype))
+
+    @gluon.jit
+    def _consumer(a_bufs, b_bufs, c_bufs, a_tail, b_tail, full, empty, c_desc, a_ptr, b_ptr, out_ptr, offs_ptr,
+                  sa_ptr, sb_ptr, soffs_a_ptr, soffs_b_ptr, total_tiles, per_group, num_m, num_n, N, K,
+                  stride_an, stride_bk, stride_og, stride_on, s_stride_an, s_stride_at, s_stride_bk, s_stride_bt,
+                  HALF: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
+                  STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, PIPE: gl.constexpr, ACCUMULATE: gl.constexpr,
+                  TMA_OUT: gl.constexpr):
+        """One warpgroup: rows HALF*BM/2.. of each output tile; MMA per step, promotion, epilogue."""
+        HM: gl.constexpr = BM // 2
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
+        row_l: gl.constexpr = gl.SliceLayout(1, mma)
+        col_l: gl.constexpr = gl.SliceLayout(0, mma)
+        ld: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+        zero = gl.zeros([HM, BN], gl.float32, mma)
+        a_mine = a_tail.index(HALF)
+        b_mine = b_tail.index(HALF)
+        it = 0
+        for t in range(gl.program_id(0), total_tiles, NUM_PROGRAMS):
+            g, pm, pn, start, length = _tile_of(t, offs_ptr, per_group, num_m, num_n, GROUP_M)
+            row0 = pm * BM + HALF * HM
+            rows = row0 + gl.arange(0, HM, layout=row_l)
+            row_ok = rows < N
+            col0 = pn * BN
+            cols = col0 + gl.arange(0, BN, layout=col_l)
+            col_ok = cols < K
+            sa_tile = sa_ptr + row0.to(gl.int64) * s_stride_an + gl.load(soffs_a_ptr + g) * s_stride_at
+            sb_tile = sb_ptr + col0.to(gl.int64) * s_stride_bk + gl.load(soffs_b_ptr + g) * s_stride_bt
+            nk = length // BK
+            acc = zero
+            if PIPE == 0:  # promote each step after its MMA (the two consumers overlap each other)
+                for ki in range(nk):
+                    s = it % STAGES
+                    mbarrier.wait(full.index(s), (it // STAGES) & 1)
+                    tok = warpgroup_mma(a_bufs.index(s).slice(HALF * HM, HM), b_bufs.index(s).permute((1, 0)), zero,
+                                        use_acc=False, is_async=True)
+                    fa, fb = _factor(sa_tile, sb_tile, N - row0, K - col0, ki, s_stride_an, s_stride_at,
+                                     s_stride_bk, s_stride_bt, HM, BN, row_l, col_l)
+                    p = warpgroup_mma_wait(0, deps=(tok, ))
+                    mbarrier.arrive(empty.index(s), count=1)
+                    acc = _promote(acc, p, fa, fb)
+                    it += 1
+            else:  # promote step i-1 while step i's MMA runs
+                p = zero
+                fa = gl.zeros([HM], gl.float32, row_l)
+                fb = gl.zeros([BN], gl.float32, col_l)
+                for ki in range(nk):
+                    s = it % STAGES
+                    mbarrier.wait(full.index(s), (it // STAGES) & 1)
+                    tok = warpgroup_mma(a_bufs.index(s).slice(HALF * HM, HM), b_bufs.index(s).permute((1, 0)), zero,
+                                        use_acc=False, is_async=True)
+                    acc = _promote(acc, p, fa, fb)
+                    fa, fb = _factor(sa_tile, sb_tile, N - row0, K - col0, ki, s_stride_an, s_stride_at,
+                                     s_stride_bk, s_stride_bt, HM, BN, row_l, col_l)
+                    p, acc = warpgroup_mma_wait(0, deps=(tok, acc))  # the promotion stays before the wait
+                    mbarrier.arrive(empty.index(s), count=1)
+                    it += 1
+                acc = _promote(acc, p, fa, fb)
+            tail = length - nk * BK
+            if tail > 0:  # the group's partial last step: masked loads into this consumer's own buffers
+                t0 = start + nk * BK
+                if start % 16 == 0:  # 16-byte vectors (groups padded to a multiple of 16 tokens)
+                    t16 = (start // 16) * 16 + nk * BK  # == t0, visibly a multiple of 16 to the compiler
+                    _tail_to_smem(a_ptr, a_mine, row0, N, t16, tail, stride_an, ld)
+                    _tail_to_smem(b_ptr, b_mine, col0, K, t16, tail, stride_bk, ld)
+                else:
+                    _tail_to_smem(a_ptr, a_mine, row0, N, t0, tail, stride_an, ld)
+                    _tail_to_smem(b_ptr, b_mine, col0, K, t0, tail, stride_bk, ld)
+                fence_async_shared()
+                tok = warpgroup_mma(a_mine, b_mine.permute((1, 0)), zero, use_acc=False, is_async=True)
+                fa, fb = _factor(sa_tile, sb_tile, N - row0, K - col0, nk, s_stride_an, s_stride_at,
+                                 s_stride_bk, s_stride_bt, HM, BN, row_l, col_l)
+                p = warpgroup_mma_wait(0, deps=(tok, ))
+                acc = _promote(acc, p, fa, fb)
+            if ACCUMULATE:  # the Triton kernel's order: the new sum, then what out held
+                ptrs = (out_ptr + g.to(gl.int64) * stride_og + gl.expand_dims(rows.to(gl.int64) * stride_on, 1)
+                        + gl.expand_dims(cols, 0))
+                mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(col_ok, 0)
+                acc = acc + gl.load(ptrs, mask=mask, other=0.0).to(gl.float32)
+            out = acc.to(out_ptr.dtype.element_ty)
+            if TMA_OUT and row0 + HM <= N and col0 + BN <= K:
+                c_smem = c_bufs.index(HALF)
+                tma.store_wait(0)
+                c_smem.store(out)
+                fence_async_shared()
+                ws._tma_store(c_desc, [g * N + row0, col0], c_smem)
+            else:
+                ptrs = (out_ptr + g.to(gl.int64) * stride_og + gl.expand_dims(rows.to(gl.int64) * stride_on, 1)
+                        + gl.expand_dims(cols, 0))
+                gl.store(ptrs, out, mask=gl.expand_dims(row_ok, 1) & gl.expand_dims(col_ok, 0))
+        if TMA_OUT:
+            tma.store_wait(0)
+
+    # sizes that only index are not specialised (one compile for every shape); the operands' row
+    # strides are (multiples of 16, as TMA needs: the tail's loads are vectors)
+    _SIZES = ["total_tiles", "per_group", "num_m", "num_n", "stride_og", "s_stride_an", "s_stride_bk"]
+
+    @gluon.jit(do_not_specialize=_SIZES)
+    def block_wgrad_ws_kernel(a_desc, b_desc, c_desc, a_ptr, b_ptr, out_ptr, offs_ptr, sa_ptr, sb_ptr, soffs_a_ptr,
+                              soffs_b_ptr, total_tiles, per_group, num_m, num_n, N, K,
+                              stride_an, stride_bk, stride_og, stride_on,
+                              s_stride_an, s_stride_at, s_stride_bk, s_stride_bt,
+                              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
+                              STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, PIPE: gl.constexpr,
+                              ACCUMULATE: gl.constexpr, TMA_OUT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                              PRODUCER_REGS: gl.constexpr):
+        """out[g] = A[:, tokens of g] @ B[:, tokens of g]^T (see k_grouped_gemm_kernel), FP8 block scaling.
+
+        Partitions: the default one (4 warps) and a 4-warp worker consume the two 64-row halves of
+        each tile; a 1-warp worker produces. `empty` counts both consumers' releases.
+        """
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
+        c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2 if TMA_OUT else 1, BM // 2, BN], c_desc.layout)
+        a_tail = gl.allocate_shared_memory(a_desc.dtype, [2, BM // 2, BK], a_desc.layout)
+        b_tail = gl.allocate_shared_memory(b_desc.dtype, [2, BN, BK], b_desc.layout)
+        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(full.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)
+        gl.warp_specialize([
+            (_consumer, (a_bufs, b_bufs, c_bufs, a_tail, b_tail, full, empty, c_desc, a_ptr, b_ptr, out_ptr, offs_ptr,
+                         sa_ptr, sb_ptr, soffs_a_ptr, soffs_b_ptr, total_tiles, per_group, num_m, num_n, N, K,
+                         stride_an, stride_bk, stride_og, stride_on, s_stride_an, s_stride_at, s_stride_bk,
+                         s_stride_bt, 0, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, PIPE, ACCUMULATE, TMA_OUT)),
+            (_consumer, (a_bufs, b_bufs, c_bufs, a_tail, b_tail, full, empty, c_desc, a_ptr, b_ptr, out_ptr, offs_ptr,
+                         sa_ptr, sb_ptr, soffs_a_ptr, soffs_b_ptr, total_tiles, per_group, num_m, num_n, N, K,
+                         stride_an, stride_bk, stride_og, stride_on, s_stride_an, s_stride_at, s_stride_bk,
+                         s_stride_bt, 1, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, PIPE, ACCUMULATE, TMA_OUT)),
+            (_producer, (a_desc, b_desc, a_bufs, b_bufs, full, empty, offs_ptr, total_tiles, per_group, num_m, num_n,
+                         BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# What the k-grouped FP8 block GEMM dispatches to (launch_block_wgrad_ws's keywords); the benchmark
+# sweep (benchmarks/sweep_block_gemm.py --wgrad) times the other schedules against it.
+DISPATCH = dict(pipe=1, stages=4, group_m=8)
+# Calls whose kernel failed to compile (a Triton without this Gluon API): they take the Triton kernel.
+FAILED: dict[tuple, str] = {}
+
+
+def _smem(stages: int, out_dtype, tma_out: bool) -> int:
+    """Shared-memory bytes: the stage ring, the result buffers and each consumer's tail buffers."""
+    c = (2 if tma_out else 1) * 64 * 128 * torch.finfo(out_dtype).bits // 8
+    return stages * 2 * 128 * 128 + c + 2 * (64 + 128) * 128
+
+
+def fit_stages(stages: int, out_dtype, tma_out: bool = True) -> int:
+    """At most `stages` stages such that everything fits in sm90's shared memory."""
+    while stages > 1 and _smem(stages, out_dtype, tma_out) > ws.SMEM_BYTES - ws._SMEM_SPARE:
+        stages -= 1
+    return stages
+
+
+def _tma_out(out: torch.Tensor, n: int, k: int, accumulate: bool) -> bool:
+    """Whether results leave by TMA: a contiguous [G, N, K] output, 16-byte rows, no read-back."""
+    return (not accumulate and out.is_contiguous() and (k * out.element_size()) % 16 == 0
+            and out.data_ptr() % 16 == 0)
+
+
+def unsupported(a, b, out: torch.Tensor) -> str | None:
+    """Why the dispatched Gluon kernel cannot run this k-grouped BLOCK call (None: it can).
+
+    It needs Gluon's Hopper API, an sm90 device, 1x128 token blocks on both operands with their
+    group scale offsets, tokens contiguous and TMA-aligned, and a 16-bit or fp32 output.
+    QMOE_BLOCK_GEMM=triton turns it off.
+    """
+    if faking():
+        return "a fake-tensor pass (shapes only)"
+    if os.environ.get("QMOE_BLOCK_GEMM", "").strip().lower() == "triton":
+        return "QMOE_BLOCK_GEMM=triton"
+    if gluon is None:
+        return ws.GLUON_ERROR
+    device = a.data.device
+    if device.type != "cuda":
+        return f"{device} is not a CUDA device"
+    if not ws._is_sm90(device.index if device.index is not None else torch.cuda.current_device()):
+        return "the kernel uses sm90's warpgroup MMA"
+    if out.dtype not in (torch.bfloat16, torch.float16, torch.float32) or out.stride(2) != 1:
+        return f"output dtype {out.dtype}, strides {out.stride()} (contiguous rows needed)"
+    if a.block != (1, 128) or b.block != (1, 128) or a.soffs is None or b.soffs is None:
+        return f"blocks {a.block} x {b.block} (1x128 token blocks with group scale offsets)"
+    if a.stride_k != 1 or b.stride_k != 1 or not (ws._aligned(a.data) and ws._aligned(b.data)):
+        return "tokens not contiguous or rows not 16-byte aligned (TMA)"
+    return None
+
+
+def launch_dispatched(a, b, offsets, n: int, k: int, groups: int, out: torch.Tensor, accumulate: bool):
+    """The dispatched configuration into `out`; None, launching nothing, where `unsupported` says
+    so or its compile failed (recorded in FAILED, with a warning once): the caller then runs the
+    Triton kernel."""
+    if unsupported(a, b, out) is not None:
+        return None
+    cfg = dict(DISPATCH)
+    cfg["stages"] = fit_stages(cfg["stages"], out.dtype, _tma_out(out, n, k, accumulate))
+    key = (out.dtype, accumulate, *sorted(cfg.items()))
+    if key in FAILED:
+        return None
+    try:
+        return launch_block_wgrad_ws(a, b, offsets, n, k, groups, out, accumulate, **cfg)
+    except Exception as err:  # a compile failure (another Triton's Gluon); nothing was launched
+        import warnings
+
+        FAILED[key] = f"{type(err).__name__}: {err}"
+        warnings.warn(f"qmoe: the Gluon FP8 block wgrad GEMM did not compile ({FAILED[key][:300]}); "
+                      f"using the Triton kernel", RuntimeWarning, stacklevel=2)
+        return None
+
+
+def launch_block_wgrad_ws(a, b, offsets: torch.Tensor, n: int, k: int, groups: int, out: torch.Tensor,
+                          accumulate: bool = False, *, stages: int = 4, pipe: int = 1, group_m: int = 8,
+                          programs: int | None = None, consumer_regs: int = 232, producer_regs: int = 40,
+                          info: dict | None = None) -> torch.Tensor:
+    """out [groups, n, k] (+= with accumulate) of the FP8 block k-grouped GEMM; a [n, T], b [k, T]:
+    grouped_gemm._Operand (BLOCK scaling, 1x128 token blocks). Host-sync-free: the grid is the SM
+    count, the tile count depends on host sizes only."""
+    if gluon is None:
+        raise RuntimeError(ws.GLUON_ERROR)
+    if a.block != (1, 128) or b.block != (1, 128) or a.stride_k != 1 or b.stride_k != 1:
+        raise ValueError(f"the TMA block wgrad needs 1x128 token blocks and contiguous tokens "
+                         f"(blocks {a.block} x {b.block}, token strides {a.stride_k}, {b.stride_k})")
+    if pipe not in (0, 1):
+        raise ValueError(f"pipe={pipe}: the wgrad kernel takes 0 or 1")
+    tma_out = _tma_out(out, n, k, accumulate)
+    if fit_stages(stages, out.dtype, tma_out) < stages:
+        raise ValueError(f"{stages} stages with {out.dtype} results exceed shared memory: take fit_stages(...)")
+    if n == 0 or k == 0 or groups == 0 or faking():
+        return out
+    num_m, num_n = -(-n // 128), -(-k // 128)
+    per_group = num_m * num_n
+    if programs is None:
+        programs = num_sms(a.data.device)
+    flat = out.view(groups * n, k) if tma_out else out.new_empty((64, 128))  # a stand-in the kernel never stores to
+    compiled = block_wgrad_ws_kernel[(programs,)](
+        ws._desc(a.data, [128, 128]), ws._desc(b.data, [128, 128]), ws._desc(flat, [64, 128]),
+        a.data.view(torch.uint8), b.data.view(torch.uint8), out,
+        offsets, a.scale, b.scale, a.soffs, b.soffs, groups * per_group, per_group, num_m, num_n, n, k,
+        a.stride_r, b.stride_r, out.stride(0), out.stride(1),
+        a.s_stride_r, a.s_stride_k, b.s_stride_r, b.s_stride_k,
+        BM=128, BN=128, BK=128, GROUP_M=group_m, STAGES=stages, NUM_PROGRAMS=programs, PIPE=pipe,
+        ACCUMULATE=accumulate, TMA_OUT=tma_out, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
+        num_warps=4)
+    from qmoe.kernels._block_gemm_tl import kernel_info
+
+    kernel_info(compiled, info)
+    return out
