@@ -18,7 +18,10 @@ issues step i's MMA, then promotes step i-1.
 A group's tokens start anywhere (groups are padded to the recipe's `align_size`, not to 128), so
 its last step may be partial. TMA cannot stop at a group's end, so the consumers read that step
 themselves: masked loads of their own A rows and of the whole B tile (zeros past the end, as the
-Triton kernel reads them) into private shared buffers, then the same MMA and promotion.
+Triton kernel reads them) into private shared buffers, then the same MMA and promotion. A TMA
+load that starts off a 16-byte boundary stops the GPU (an illegal instruction, seen on the
+H200), so a group that starts off one (an `align_size` that is not a multiple of 16) takes
+every step that way: correct, slower.
 """
 from __future__ import annotations
 
@@ -60,7 +63,7 @@ if gluon is not None:
         it = 0
         for t in range(gl.program_id(0), total_tiles, NUM_PROGRAMS):
             g, pm, pn, start, length = _tile_of(t, offs_ptr, per_group, num_m, num_n, GROUP_M)
-            for ki in range(length // BK):
+            for ki in range(gl.where(start % 16 == 0, length // BK, 0)):  # TMA starts on 16 bytes only
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
                 mbarrier.expect(full.index(s), nbytes)
@@ -114,6 +117,18 @@ if gluon is not None:
                                                        layout, smem.dtype))
 
     @gluon.jit
+    def _own_step(acc, a_mine, b_mine, zero, sa_tile, sb_tile, n_rows, n_cols, ki, s_stride_an, s_stride_at,
+                  s_stride_bk, s_stride_bt, HM: gl.constexpr, BN: gl.constexpr, row_l: gl.constexpr,
+                  col_l: gl.constexpr):
+        """Step ki from this consumer's own buffers (just written by its threads): MMA, then promotion."""
+        fence_async_shared()
+        tok = warpgroup_mma(a_mine, b_mine.permute((1, 0)), zero, use_acc=False, is_async=True)
+        fa, fb = _factor(sa_tile, sb_tile, n_rows, n_cols, ki, s_stride_an, s_stride_at, s_stride_bk, s_stride_bt,
+                         HM, BN, row_l, col_l)
+        p = warpgroup_mma_wait(0, deps=(tok, ))
+        return _promote(acc, p, fa, fb)
+
+    @gluon.jit
     def _consumer(a_bufs, b_bufs, c_bufs, a_tail, b_tail, full, empty, c_desc, a_ptr, b_ptr, out_ptr, offs_ptr,
                   sa_ptr, sb_ptr, soffs_a_ptr, soffs_b_ptr, total_tiles, per_group, num_m, num_n, N, K,
                   stride_an, stride_bk, stride_og, stride_on, s_stride_an, s_stride_at, s_stride_bk, s_stride_bt,
@@ -140,7 +155,8 @@ if gluon is not None:
             col_ok = cols < K
             sa_tile = sa_ptr + row0.to(gl.int64) * s_stride_an + gl.load(soffs_a_ptr + g) * s_stride_at
             sb_tile = sb_ptr + col0.to(gl.int64) * s_stride_bk + gl.load(soffs_b_ptr + g) * s_stride_bt
-            nk = length // BK
+            aligned = start % 16 == 0
+            nk = gl.where(aligned, length // BK, 0)  # the producer's TMA steps
             acc = zero
             if PIPE == 0:  # promote each step after its MMA (the two consumers overlap each other)
                 for ki in range(nk):
@@ -170,22 +186,21 @@ if gluon is not None:
                     mbarrier.arrive(empty.index(s), count=1)
                     it += 1
                 acc = _promote(acc, p, fa, fb)
-            tail = length - nk * BK
-            if tail > 0:  # the group's partial last step: masked loads into this consumer's own buffers
-                t0 = start + nk * BK
-                if start % 16 == 0:  # 16-byte vectors (groups padded to a multiple of 16 tokens)
-                    t16 = (start // 16) * 16 + nk * BK  # == t0, visibly a multiple of 16 to the compiler
+            if aligned:
+                tail = length - nk * BK
+                if tail > 0:  # the group's partial last step: masked loads into this consumer's own buffers
+                    t16 = (start // 16) * 16 + nk * BK  # visibly a multiple of 16 to the compiler: vector loads
                     _tail_to_smem(a_ptr, a_mine, row0, N, t16, tail, stride_an, ld)
                     _tail_to_smem(b_ptr, b_mine, col0, K, t16, tail, stride_bk, ld)
-                else:
-                    _tail_to_smem(a_ptr, a_mine, row0, N, t0, tail, stride_an, ld)
-                    _tail_to_smem(b_ptr, b_mine, col0, K, t0, tail, stride_bk, ld)
-                fence_async_shared()
-                tok = warpgroup_mma(a_mine, b_mine.permute((1, 0)), zero, use_acc=False, is_async=True)
-                fa, fb = _factor(sa_tile, sb_tile, N - row0, K - col0, nk, s_stride_an, s_stride_at,
-                                 s_stride_bk, s_stride_bt, HM, BN, row_l, col_l)
-                p = warpgroup_mma_wait(0, deps=(tok, ))
-                acc = _promote(acc, p, fa, fb)
+                    acc = _own_step(acc, a_mine, b_mine, zero, sa_tile, sb_tile, N - row0, K - col0, nk, s_stride_an,
+                                    s_stride_at, s_stride_bk, s_stride_bt, HM, BN, row_l, col_l)
+            else:  # TMA cannot start off a 16-byte boundary: every step through masked byte loads
+                for ki in range(gl.cdiv(length, BK)):
+                    t0 = start + ki * BK
+                    _tail_to_smem(a_ptr, a_mine, row0, N, t0, length - ki * BK, stride_an, ld)
+                    _tail_to_smem(b_ptr, b_mine, col0, K, t0, length - ki * BK, stride_bk, ld)
+                    acc = _own_step(acc, a_mine, b_mine, zero, sa_tile, sb_tile, N - row0, K - col0, ki, s_stride_an,
+                                    s_stride_at, s_stride_bk, s_stride_bt, HM, BN, row_l, col_l)
             if ACCUMULATE:  # the Triton kernel's order: the new sum, then what out held
                 ptrs = (out_ptr + g.to(gl.int64) * stride_og + gl.expand_dims(rows.to(gl.int64) * stride_on, 1)
                         + gl.expand_dims(cols, 0))
