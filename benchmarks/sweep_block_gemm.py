@@ -35,7 +35,8 @@ SHAPES = {  # name: (experts, mean rows per expert, K, N) as in benchmarks/bench
 }
 CASES = [("dsv3-fc1", "fprop", "uneven"), ("dsv3-fc1", "dgrad", "uneven"), ("dsv3-fc1", "wgrad", "uneven"),
          ("dsv3-fc2", "fprop", "uneven"), ("mixtral-fc1", "fprop", "uneven"), ("dsv3-fc1", "fprop", "even"),
-         ("dsv3-fc2", "wgrad", "uneven"), ("mixtral-fc1", "wgrad", "uneven")]
+         ("dsv3-fc1", "wgrad", "uneven16"), ("dsv3-fc1", "wgrad", "even"), ("dsv3-fc2", "wgrad", "uneven16"),
+         ("mixtral-fc1", "wgrad", "uneven16")]
 TINY = {"dsv3-fc1": (4, 100, 256, 256), "dsv3-fc2": (4, 100, 256, 256), "mixtral-fc1": (2, 150, 256, 384)}
 PAD_ROWS = 48  # rows past the last group (static buffers): written as zeros; tokens stay a multiple of 16 (TMA)
 
@@ -64,8 +65,10 @@ def wgrad_variants():
     "dispatched" what k_grouped_gemm runs now (the Gluon kernel of qmoe/kernels/_block_wgrad_ws.py
     where it applies), then the Gluon kernel's schedules and stage counts."""
     v = {"current": None, "dispatched": None}
-    for pipe, stages, group_m in ((0, 4, 8), (1, 4, 8), (0, 3, 8), (1, 3, 8), (0, 4, 16), (1, 4, 16)):
-        v[f"gluon-wg pipe{pipe} s{stages} gm{group_m}"] = dict(kind="wg", pipe=pipe, stages=stages, group_m=group_m)
+    for pipe, stages, group_m, tail_tma in ((0, 4, 8, True), (0, 4, 8, False), (1, 4, 8, False), (0, 3, 8, True),
+                                            (0, 4, 16, True)):
+        v[f"gluon-wg pipe{pipe} s{stages} gm{group_m}{' tail-tma' if tail_tma else ''}"] = dict(
+            kind="wg", pipe=pipe, stages=stages, group_m=group_m, tail_tma=tail_tma)
     return v
 
 
@@ -234,6 +237,9 @@ def run(args, header) -> list[dict]:
         e, m, k, n = shapes[shape]
         empty = shape.startswith("dsv3")  # 32 experts per rank: one may get no token
         splits = [m] * e if split_kind == "even" else uneven_splits(e, m, seed=ci, empty=empty)
+        if split_kind == "uneven16":  # as the layer's permute pads them (align_size 16): groups start on 16 tokens
+            splits = [v // 16 * 16 for v in splits]
+            splits[-1] += e * m - sum(splits)
         a, b = _operands(e, splits, k, n, layout, device, seed=ci)
         t = sum(splits)
         k_c, n_c = (k, n) if layout == "fprop" else (n, k)

@@ -16,9 +16,11 @@ runs while the other's MMA holds the tensor cores. PIPE 1 also overlaps within a
 issues step i's MMA, then promotes step i-1.
 
 A group's tokens start anywhere (groups are padded to the recipe's `align_size`, not to 128), so
-its last step may be partial. TMA cannot stop at a group's end, so the consumers read that step
-themselves: masked loads of their own A rows and of the whole B tile (zeros past the end, as the
-Triton kernel reads them) into private shared buffers, then the same MMA and promotion. A TMA
+its last step may be partial, and TMA cannot stop at a group's end. Two ways, the same bits:
+TAIL_TMA loads that step like the others (its box runs into the next group's tokens) and each
+consumer zeroes those tokens in its own rows of A in place and in its own copy of B; otherwise
+the consumers read that step themselves, masked loads of their A rows and of the whole B tile
+(zeros past the end, as the Triton kernel reads them) into private buffers. A TMA
 load that starts off a 16-byte boundary stops the GPU (an illegal instruction, seen on the
 H200), so a group that starts off one (an `align_size` that is not a multiple of 16) takes
 every step that way: correct, slower.
@@ -57,13 +59,16 @@ if gluon is not None:
     @gluon.jit
     def _producer(a_desc, b_desc, a_bufs, b_bufs, full, empty, offs_ptr, total_tiles, per_group, num_m, num_n,
                   BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
-                  STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr):
+                  STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, TAIL_TMA: gl.constexpr):
         """One warp: TMA loads of every tile's full 128-token steps into the stage ring."""
         nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
         it = 0
         for t in range(gl.program_id(0), total_tiles, NUM_PROGRAMS):
             g, pm, pn, start, length = _tile_of(t, offs_ptr, per_group, num_m, num_n, GROUP_M)
-            for ki in range(gl.where(start % 16 == 0, length // BK, 0)):  # TMA starts on 16 bytes only
+            nk = gl.where(start % 16 == 0, length // BK, 0)  # TMA starts on 16 bytes only
+            if TAIL_TMA:  # the partial last step too (its box runs into the next group's tokens)
+                nk = gl.where(start % 16 == 0, gl.cdiv(length, BK), 0)
+            for ki in range(nk):
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
                 mbarrier.expect(full.index(s), nbytes)
@@ -117,6 +122,17 @@ if gluon is not None:
                                                        layout, smem.dtype))
 
     @gluon.jit
+    def _mask_tokens(src, dst, valid, layout: gl.constexpr):
+        """dst = src ([R, BK] codes in shared memory) with the tokens from `valid` on zeroed, 32 rows
+        at a time; each thread writes back exactly what it read, so src may be dst."""
+        R: gl.constexpr = src.shape[0]
+        BK: gl.constexpr = src.shape[1]
+        c = gl.expand_dims(gl.arange(0, BK, layout=gl.SliceLayout(0, layout)), 0)
+        for i in gl.static_range(R // 32):
+            x = src.slice(i * 32, 32).load(layout)
+            dst.slice(i * 32, 32).store(gl.where(c < valid, x, gl.zeros_like(x)))
+
+    @gluon.jit
     def _own_step(acc, a_mine, b_mine, zero, sa_tile, sb_tile, n_rows, n_cols, ki, s_stride_an, s_stride_at,
                   s_stride_bk, s_stride_bt, HM: gl.constexpr, BN: gl.constexpr, row_l: gl.constexpr,
                   col_l: gl.constexpr):
@@ -134,7 +150,7 @@ if gluon is not None:
                   stride_an, stride_bk, stride_og, stride_on, s_stride_an, s_stride_at, s_stride_bk, s_stride_bt,
                   HALF: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
                   STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, PIPE: gl.constexpr, ACCUMULATE: gl.constexpr,
-                  TMA_OUT: gl.constexpr):
+                  TMA_OUT: gl.constexpr, TAIL_TMA: gl.constexpr):
         """One warpgroup: rows HALF*BM/2.. of each output tile; MMA per step, promotion, epilogue."""
         HM: gl.constexpr = BM // 2
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
@@ -156,19 +172,28 @@ if gluon is not None:
             sa_tile = sa_ptr + row0.to(gl.int64) * s_stride_an + gl.load(soffs_a_ptr + g) * s_stride_at
             sb_tile = sb_ptr + col0.to(gl.int64) * s_stride_bk + gl.load(soffs_b_ptr + g) * s_stride_bt
             aligned = start % 16 == 0
-            nk = gl.where(aligned, length // BK, 0)  # the producer's TMA steps
+            nk = gl.where(aligned, length // BK, 0)  # the producer's TMA steps (TAIL_TMA: one more for a tail)
+            if TAIL_TMA:
+                nk = gl.where(aligned, gl.cdiv(length, BK), 0)
             acc = zero
             if PIPE == 0:  # promote each step after its MMA (the two consumers overlap each other)
                 for ki in range(nk):
                     s = it % STAGES
                     mbarrier.wait(full.index(s), (it // STAGES) & 1)
-                    tok = warpgroup_mma(a_bufs.index(s).slice(HALF * HM, HM), b_bufs.index(s).permute((1, 0)), zero,
-                                        use_acc=False, is_async=True)
-                    fa, fb = _factor(sa_tile, sb_tile, N - row0, K - col0, ki, s_stride_an, s_stride_at,
-                                     s_stride_bk, s_stride_bt, HM, BN, row_l, col_l)
-                    p = warpgroup_mma_wait(0, deps=(tok, ))
+                    a_s = a_bufs.index(s).slice(HALF * HM, HM)
+                    valid = length - ki * BK
+                    if valid < BK:  # TAIL_TMA's partial step: zero the next group's tokens (B: an own copy)
+                        _mask_tokens(a_s, a_s, valid, ld)
+                        _mask_tokens(b_bufs.index(s), b_mine, valid, ld)
+                        acc = _own_step(acc, a_s, b_mine, zero, sa_tile, sb_tile, N - row0, K - col0, ki,
+                                        s_stride_an, s_stride_at, s_stride_bk, s_stride_bt, HM, BN, row_l, col_l)
+                    else:
+                        tok = warpgroup_mma(a_s, b_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+                        fa, fb = _factor(sa_tile, sb_tile, N - row0, K - col0, ki, s_stride_an, s_stride_at,
+                                         s_stride_bk, s_stride_bt, HM, BN, row_l, col_l)
+                        p = warpgroup_mma_wait(0, deps=(tok, ))
+                        acc = _promote(acc, p, fa, fb)
                     mbarrier.arrive(empty.index(s), count=1)
-                    acc = _promote(acc, p, fa, fb)
                     it += 1
             else:  # promote step i-1 while step i's MMA runs
                 p = zero
@@ -187,7 +212,7 @@ if gluon is not None:
                     it += 1
                 acc = _promote(acc, p, fa, fb)
             if aligned:
-                tail = length - nk * BK
+                tail = length - nk * BK  # TAIL_TMA: none left
                 if tail > 0:  # the group's partial last step: masked loads into this consumer's own buffers
                     t16 = (start // 16) * 16 + nk * BK  # visibly a multiple of 16 to the compiler: vector loads
                     _tail_to_smem(a_ptr, a_mine, row0, N, t16, tail, stride_an, ld)
@@ -231,8 +256,8 @@ if gluon is not None:
                               s_stride_an, s_stride_at, s_stride_bk, s_stride_bt,
                               BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
                               STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, PIPE: gl.constexpr,
-                              ACCUMULATE: gl.constexpr, TMA_OUT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                              PRODUCER_REGS: gl.constexpr):
+                              ACCUMULATE: gl.constexpr, TMA_OUT: gl.constexpr, TAIL_TMA: gl.constexpr,
+                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         """out[g] = A[:, tokens of g] @ B[:, tokens of g]^T (see k_grouped_gemm_kernel), FP8 block scaling.
 
         Partitions: the default one (4 warps) and a 4-warp worker consume the two 64-row halves of
@@ -252,19 +277,21 @@ if gluon is not None:
             (_consumer, (a_bufs, b_bufs, c_bufs, a_tail, b_tail, full, empty, c_desc, a_ptr, b_ptr, out_ptr, offs_ptr,
                          sa_ptr, sb_ptr, soffs_a_ptr, soffs_b_ptr, total_tiles, per_group, num_m, num_n, N, K,
                          stride_an, stride_bk, stride_og, stride_on, s_stride_an, s_stride_at, s_stride_bk,
-                         s_stride_bt, 0, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, PIPE, ACCUMULATE, TMA_OUT)),
+                         s_stride_bt, 0, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, PIPE, ACCUMULATE, TMA_OUT,
+                         TAIL_TMA)),
             (_consumer, (a_bufs, b_bufs, c_bufs, a_tail, b_tail, full, empty, c_desc, a_ptr, b_ptr, out_ptr, offs_ptr,
                          sa_ptr, sb_ptr, soffs_a_ptr, soffs_b_ptr, total_tiles, per_group, num_m, num_n, N, K,
                          stride_an, stride_bk, stride_og, stride_on, s_stride_an, s_stride_at, s_stride_bk,
-                         s_stride_bt, 1, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, PIPE, ACCUMULATE, TMA_OUT)),
+                         s_stride_bt, 1, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, PIPE, ACCUMULATE, TMA_OUT,
+                         TAIL_TMA)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, full, empty, offs_ptr, total_tiles, per_group, num_m, num_n,
-                         BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS)),
+                         BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, TAIL_TMA)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # What the k-grouped FP8 block GEMM dispatches to (launch_block_wgrad_ws's keywords); the benchmark
 # sweep (benchmarks/sweep_block_gemm.py --wgrad) times the other schedules against it.
-DISPATCH = dict(pipe=1, stages=4, group_m=8)
+DISPATCH = dict(pipe=0, stages=4, group_m=8, tail_tma=True)
 # Calls whose kernel failed to compile (a Triton without this Gluon API): they take the Triton kernel.
 FAILED: dict[tuple, str] = {}
 
@@ -338,7 +365,8 @@ def launch_dispatched(a, b, offsets, n: int, k: int, groups: int, out: torch.Ten
 
 
 def launch_block_wgrad_ws(a, b, offsets: torch.Tensor, n: int, k: int, groups: int, out: torch.Tensor,
-                          accumulate: bool = False, *, stages: int = 4, pipe: int = 1, group_m: int = 8,
+                          accumulate: bool = False, *, stages: int = 4, pipe: int = 0, group_m: int = 8,
+                          tail_tma: bool = False,
                           programs: int | None = None, consumer_regs: int = 232, producer_regs: int = 40,
                           info: dict | None = None) -> torch.Tensor:
     """out [groups, n, k] (+= with accumulate) of the FP8 block k-grouped GEMM; a [n, T], b [k, T]:
@@ -349,8 +377,8 @@ def launch_block_wgrad_ws(a, b, offsets: torch.Tensor, n: int, k: int, groups: i
     if a.block != (1, 128) or b.block != (1, 128) or a.stride_k != 1 or b.stride_k != 1:
         raise ValueError(f"the TMA block wgrad needs 1x128 token blocks and contiguous tokens "
                          f"(blocks {a.block} x {b.block}, token strides {a.stride_k}, {b.stride_k})")
-    if pipe not in (0, 1):
-        raise ValueError(f"pipe={pipe}: the wgrad kernel takes 0 or 1")
+    if pipe not in (0, 1) or (tail_tma and pipe != 0):
+        raise ValueError(f"pipe={pipe}, tail_tma={tail_tma}: the wgrad kernel takes pipe 0 or 1, tail_tma with 0")
     tma_out = _tma_out(out, n, k, accumulate)
     if fit_stages(stages, out.dtype, tma_out) < stages:
         raise ValueError(f"{stages} stages with {out.dtype} results exceed shared memory: take fit_stages(...)")
@@ -368,8 +396,8 @@ def launch_block_wgrad_ws(a, b, offsets: torch.Tensor, n: int, k: int, groups: i
         a.stride_r, b.stride_r, out.stride(0), out.stride(1),
         a.s_stride_r, a.s_stride_k, b.s_stride_r, b.s_stride_k,
         BM=128, BN=128, BK=128, GROUP_M=group_m, STAGES=stages, NUM_PROGRAMS=programs, PIPE=pipe,
-        ACCUMULATE=accumulate, TMA_OUT=tma_out, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
-        num_warps=4)
+        ACCUMULATE=accumulate, TMA_OUT=tma_out, TAIL_TMA=tail_tma, CONSUMER_REGS=consumer_regs,
+        PRODUCER_REGS=producer_regs,        num_warps=4)
     from qmoe.kernels._block_gemm_tl import kernel_info
 
     kernel_info(compiled, info)

@@ -68,10 +68,10 @@ def test_gluon_wgrad_gives_the_triton_kernels_bits(splits, n, k):
     oracle = reference.k_grouped_gemm(dyq, xq, out_dtype=torch.float32)
     for out_dtype in (torch.bfloat16, torch.float16, torch.float32):
         want = _triton(dyq, xq, out_dtype=out_dtype)
-        for pipe in (0, 1):
+        for pipe, tail_tma in ((0, False), (1, False), (0, True)):
             out = torch.full((len(splits), n, k), float("nan"), dtype=out_dtype, device="cuda")
-            got = _gluon(dyq, xq, out, pipe=pipe, programs=5)
-            assert torch.equal(got, want), (out_dtype, pipe, (got.float() - want.float()).abs().max())
+            got = _gluon(dyq, xq, out, pipe=pipe, tail_tma=tail_tma, programs=5)
+            assert torch.equal(got, want), (out_dtype, pipe, tail_tma, (got.float() - want.float()).abs().max())
         assert (want[1 if splits[1] == 0 else 2] == 0).all()  # the empty group writes zeros
     rel = (want.float() - oracle).norm() / oracle.norm()
     assert rel <= 1e-3, rel  # fp32 output against the reference (NUMERICS.md)
@@ -83,8 +83,8 @@ def test_gluon_wgrad_accumulates_like_the_triton_kernel():
     dyq, xq = _operands(SPLITS, 256, 384, seed=9)
     start = torch.randn(len(SPLITS), 256, 384, device="cuda")
     want = _triton(dyq, xq, out=start.clone(), accumulate=True)
-    got = _gluon(dyq, xq, start.clone(), accumulate=True)
-    assert torch.equal(got, want)
+    for tail_tma in (False, True):
+        assert torch.equal(_gluon(dyq, xq, start.clone(), accumulate=True, tail_tma=tail_tma), want)
     strided = torch.randn(len(SPLITS), 256, 512, device="cuda")[:, :, :384]  # rows not contiguous: masked stores
     want = _triton(dyq, xq, out=strided.clone(), accumulate=True)
     got = _gluon(dyq, xq, strided.clone(), accumulate=True)
