@@ -401,6 +401,22 @@ def _aligned(t: torch.Tensor) -> bool:
             and (t.stride(0) * t.element_size()) % 16 == 0)
 
 
+def unavailable(device: torch.device) -> str | None:
+    """Why no Gluon FP8 block kernel runs on `device` now, whatever the operands (None: they can):
+    a fake-tensor pass, QMOE_BLOCK_GEMM=triton, a Triton without Gluon, or not an sm90 GPU."""
+    if faking():
+        return "a fake-tensor pass (shapes only)"
+    if os.environ.get("QMOE_BLOCK_GEMM", "").strip().lower() == "triton":
+        return "QMOE_BLOCK_GEMM=triton"
+    if gluon is None:
+        return GLUON_ERROR
+    if device.type != "cuda":
+        return f"{device} is not a CUDA device"
+    if not _is_sm90(device.index if device.index is not None else torch.cuda.current_device()):
+        return "the kernel uses sm90's warpgroup MMA"
+    return None
+
+
 def unsupported(a, b, n_out: int, k: int, out_dtype, total_rows: int, groups: int) -> str | None:
     """Why the dispatched Gluon kernel cannot run this m-grouped BLOCK call (None: it can).
 
@@ -408,17 +424,9 @@ def unsupported(a, b, n_out: int, k: int, out_dtype, total_rows: int, groups: in
     TMA-aligned operands and output rows, and enough rows per group for 128-row tiles (fewer
     go to the current kernel's small-M tiles). QMOE_BLOCK_GEMM=triton turns it off.
     """
-    if faking():
-        return "a fake-tensor pass (shapes only)"
-    if os.environ.get("QMOE_BLOCK_GEMM", "").strip().lower() == "triton":
-        return "QMOE_BLOCK_GEMM=triton"
-    if gluon is None:
-        return GLUON_ERROR
-    device = a.data.device
-    if device.type != "cuda":
-        return f"{device} is not a CUDA device"
-    if not _is_sm90(device.index if device.index is not None else torch.cuda.current_device()):
-        return "the kernel uses sm90's warpgroup MMA"
+    why = unavailable(a.data.device)
+    if why is not None:
+        return why
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"output dtype {out_dtype}"
     if k % 128 or a.block != (1, 128) or b.block != (128, 128) or a.stride_k != 1 or b.stride_k != 1:

@@ -21,17 +21,18 @@ TAIL_TMA loads that step like the others (its box runs into the next group's tok
 consumer zeroes those tokens in its own rows of A in place and in its own copy of B; otherwise
 the consumers read that step themselves, masked loads of their A rows and of the whole B tile
 (zeros past the end, as the Triton kernel reads them) into private buffers. A TMA
-load that starts off a 16-byte boundary stops the GPU (an illegal instruction, seen on the
-H200), so a group that starts off one (an `align_size` that is not a multiple of 16) takes
-every step that way: correct, slower.
+load that starts off a 16-byte boundary stops the GPU with an illegal instruction
+(docs/performance.md, block wgrad), so a group that starts off one (an `align_size` that is not
+a multiple of 16) takes every step that way: correct, slower.
 """
 from __future__ import annotations
 
-import os
+import warnings
 
 import torch
 
 from qmoe.kernels import _block_gemm_ws as ws
+from qmoe.kernels._block_gemm_tl import kernel_info
 from qmoe.kernels._launch import faking, num_sms
 
 gluon = ws.gluon
@@ -57,6 +58,16 @@ if gluon is not None:
         return g, pm, pn, start, end - start
 
     @gluon.jit
+    def _tma_steps(start, length, BK: gl.constexpr, TAIL_TMA: gl.constexpr):
+        """The group's steps that go through the TMA ring (the producer loads, the consumers take):
+        its full steps, and with TAIL_TMA its partial last one; none for a group starting off 16
+        bytes, which TMA cannot load."""
+        n = length // BK
+        if TAIL_TMA:
+            n = gl.cdiv(length, BK)
+        return gl.where(start % 16 == 0, n, 0)
+
+    @gluon.jit
     def _producer(a_desc, b_desc, a_bufs, b_bufs, full, empty, offs_ptr, total_tiles, per_group, num_m, num_n,
                   BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
                   STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, TAIL_TMA: gl.constexpr):
@@ -65,10 +76,7 @@ if gluon is not None:
         it = 0
         for t in range(gl.program_id(0), total_tiles, NUM_PROGRAMS):
             g, pm, pn, start, length = _tile_of(t, offs_ptr, per_group, num_m, num_n, GROUP_M)
-            nk = gl.where(start % 16 == 0, length // BK, 0)  # TMA starts on 16 bytes only
-            if TAIL_TMA:  # the partial last step too (its box runs into the next group's tokens)
-                nk = gl.where(start % 16 == 0, gl.cdiv(length, BK), 0)
-            for ki in range(nk):
+            for ki in range(_tma_steps(start, length, BK, TAIL_TMA)):
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
                 mbarrier.expect(full.index(s), nbytes)
@@ -172,9 +180,7 @@ if gluon is not None:
             sa_tile = sa_ptr + row0.to(gl.int64) * s_stride_an + gl.load(soffs_a_ptr + g) * s_stride_at
             sb_tile = sb_ptr + col0.to(gl.int64) * s_stride_bk + gl.load(soffs_b_ptr + g) * s_stride_bt
             aligned = start % 16 == 0
-            nk = gl.where(aligned, length // BK, 0)  # the producer's TMA steps (TAIL_TMA: one more for a tail)
-            if TAIL_TMA:
-                nk = gl.where(aligned, gl.cdiv(length, BK), 0)
+            nk = _tma_steps(start, length, BK, TAIL_TMA)
             acc = zero
             if PIPE == 0:  # promote each step after its MMA (the two consumers overlap each other)
                 for ki in range(nk):
@@ -322,17 +328,9 @@ def unsupported(a, b, out: torch.Tensor) -> str | None:
     group scale offsets, tokens contiguous and TMA-aligned, and a 16-bit or fp32 output.
     QMOE_BLOCK_GEMM=triton turns it off.
     """
-    if faking():
-        return "a fake-tensor pass (shapes only)"
-    if os.environ.get("QMOE_BLOCK_GEMM", "").strip().lower() == "triton":
-        return "QMOE_BLOCK_GEMM=triton"
-    if gluon is None:
-        return ws.GLUON_ERROR
-    device = a.data.device
-    if device.type != "cuda":
-        return f"{device} is not a CUDA device"
-    if not ws._is_sm90(device.index if device.index is not None else torch.cuda.current_device()):
-        return "the kernel uses sm90's warpgroup MMA"
+    why = ws.unavailable(a.data.device)
+    if why is not None:
+        return why
     if out.dtype not in (torch.bfloat16, torch.float16, torch.float32) or out.stride(2) != 1:
         return f"output dtype {out.dtype}, strides {out.stride()} (contiguous rows needed)"
     if a.block != (1, 128) or b.block != (1, 128) or a.soffs is None or b.soffs is None:
@@ -356,8 +354,6 @@ def launch_dispatched(a, b, offsets, n: int, k: int, groups: int, out: torch.Ten
     try:
         return launch_block_wgrad_ws(a, b, offsets, n, k, groups, out, accumulate, **cfg)
     except Exception as err:  # a compile failure (another Triton's Gluon); nothing was launched
-        import warnings
-
         FAILED[key] = f"{type(err).__name__}: {err}"
         warnings.warn(f"qmoe: the Gluon FP8 block wgrad GEMM did not compile ({FAILED[key][:300]}); "
                       f"using the Triton kernel", RuntimeWarning, stacklevel=2)
@@ -398,7 +394,5 @@ def launch_block_wgrad_ws(a, b, offsets: torch.Tensor, n: int, k: int, groups: i
         BM=128, BN=128, BK=128, GROUP_M=group_m, STAGES=stages, NUM_PROGRAMS=programs, PIPE=pipe,
         ACCUMULATE=accumulate, TMA_OUT=tma_out, TAIL_TMA=tail_tma, CONSUMER_REGS=consumer_regs,
         PRODUCER_REGS=producer_regs,        num_warps=4)
-    from qmoe.kernels._block_gemm_tl import kernel_info
-
     kernel_info(compiled, info)
     return out
