@@ -5,6 +5,10 @@
 - Amaxes are maxima of |x|'s bit patterns: exact, and NaN, whose bits exceed inf's, wins.
 - Casts clamp with NaN propagation, then convert with round-to-nearest-even
   (`cvt.rn.satfinite` on sm90).
+
+The elementwise helpers also serve Gluon kernels (`qmoe/kernels/_cast_transpose_gl.py`), which
+call them on tensors with explicit layouts: they build constants with `splat_like`, never with a
+shape-only `tl.full`.
 """
 from __future__ import annotations
 
@@ -20,6 +24,12 @@ _FLT_MAX = tl.constexpr(FLT_MAX)
 _HW_SATFINITE = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 INF_BITS = tl.constexpr(0x7F800000)  # bits of +inf: |x|'s bits above it are NaN
 _ABS_MASK = tl.constexpr(0x7FFFFFFF)
+
+
+@triton.jit
+def splat_like(x, value):
+    """`value` as an fp32 tensor of x's shape (and, in a Gluon kernel, x's layout); folds to a constant."""
+    return tl.where(x == x, value, value).to(tl.float32)
 
 
 @triton.jit
@@ -147,7 +157,7 @@ def exp2_int(e):
 def fp8_scale_from_amax(amax, FMT_MAX: tl.constexpr, POW2: tl.constexpr, eps):
     """NUMERICS.md "FP8 scale from amax": fmt_max / max(amax, eps), 1 for 0 or non-finite amax."""
     amax = tl.where(eps > 0, tl.maximum(amax, eps, propagate_nan=tl.PropagateNan.ALL), amax)
-    scale = tl.math.div_rn(tl.full(amax.shape, FMT_MAX, tl.float32), amax)
+    scale = tl.math.div_rn(splat_like(amax, FMT_MAX), amax)
     scale = tl.where((amax == 0) | ~is_finite(amax), 1.0, scale)
     scale = tl.where(abs_bits(scale) == INF_BITS, _FLT_MAX, scale)
     if POW2:  # zero the mantissa: round down to a power of two
@@ -157,14 +167,14 @@ def fp8_scale_from_amax(amax, FMT_MAX: tl.constexpr, POW2: tl.constexpr, eps):
 
 @triton.jit
 def reciprocal(x):
-    return tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), x)
+    return tl.math.div_rn(splat_like(x, 1.0), x)
 
 
 @triton.jit
 def mx_exponent(amax, FMT_MAX: tl.constexpr, EMAX: tl.constexpr, ROUND_UP: tl.constexpr):
     """Unbiased E8M0 exponent (int32) of each block amax; 128 marks a NaN block (byte 0xFF)."""
     if ROUND_UP:  # smallest k with 2^k >= amax / fmt_max
-        v = tl.math.div_rn(amax, tl.full(amax.shape, FMT_MAX, tl.float32))
+        v = tl.math.div_rn(amax, splat_like(amax, FMT_MAX))
         bits = v.to(tl.int32, bitcast=True)
         field = (bits >> 23) & 0xFF
         man = bits & 0x7FFFFF

@@ -93,6 +93,11 @@ def forced_config(kernel, config: triton.Config):
         del _FORCED[kernel]
 
 
+def is_forced(kernel) -> bool:
+    """Whether launches of `kernel` run a forced config now (no other kernel may stand in for it)."""
+    return kernel in _FORCED
+
+
 def configs_for(kernel, m: int, k: int, **meta) -> list[triton.Config]:
     """The configs the autotuner of `kernel` would try for an [m, k] input and these constexprs."""
     prune = kernel.early_config_prune or (lambda configs, named_args, **kw: configs)

@@ -28,12 +28,13 @@ import triton.language as tl
 
 from qmoe.contracts.errors import UnsupportedError
 from qmoe.contracts.formats import ElementFormat, ScaleMode, ceil_div
+from qmoe.kernels import _cast_transpose_gl as _block_cast_gl
 from qmoe.kernels.activation import NO_ACTIVATION, input_width, load_rows
 from qmoe.kernels._arith import (atomic_max_bits, cast_codes, exp2_int, fp8_scale_from_amax, max_abs_bits, reciprocal,
                                 saturate)
 from qmoe.kernels._cast_variants import prune_blocks  # noqa: F401 (the NVFP4 kernels prune with it too)
-from qmoe.kernels._cast_variants import (BLOCK128_CONFIGS, CAST_CONFIGS, block_quads, launch_cast, load_quads,
-                                         mx_multiplier, mx_quads, mx_rows, prune_variants, store_quads)
+from qmoe.kernels._cast_variants import (BLOCK128_CONFIGS, CAST_CONFIGS, block_quads, is_forced, launch_cast,
+                                         load_quads, mx_multiplier, mx_quads, mx_rows, prune_variants, store_quads)
 from qmoe.kernels._launch import kernel_op, launch, prune_oversized, tile_configs, wrapped
 from qmoe.kernels._layout import as_rows, group_pow2
 from qmoe.kernels._tiles import (block_amax_2d, block_amax_first, block_amax_last, quad_abs_bits, scale_2d, scale_last,
@@ -323,7 +324,11 @@ def fp8_block_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: in
                  block_cols: int, out_dtype: torch.dtype, fmt_max: float, power_2_scale: bool, amax_epsilon: float,
                  rowwise: bool, columnwise: bool, probs: Optional[torch.Tensor] = None, act: int = NO_ACTIVATION,
                  glu_block: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(row [M, K], row_si, col [K, M], col_si); unrequested outputs are empty. Layouts: reference."""
+    """(row [M, K], row_si, col [K, M], col_si); unrequested outputs are empty. Layouts: reference.
+
+    1x128 blocks in both orientations run the Gluon kernel of `_cast_transpose_gl` where it applies
+    (same bits; the Triton kernel is the faster one for the other calls, sweeps/block_cast.json).
+    """
     m, k = x.shape[0], input_width(x, act)
     b, two_d, grouped = block_cols, block_rows > 1, splits is not None
     nkb, width = ceil_div(k, b), scale_width(m, b, num_groups, grouped)
@@ -338,6 +343,11 @@ def fp8_block_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: in
     else:
         row_s = torch.empty((m, nkb) if rowwise else (0,), dtype=f32, device=dev)
         col_s = alloc((k, width) if columnwise else (0,), dtype=f32, device=dev)
+    gluon_cast = m * k and rowwise and columnwise and not two_d and not is_forced(_fp8_block_kernel)
+    if gluon_cast and _block_cast_gl.launch_dispatched(x, splits, num_groups, two_d, b, act != NO_ACTIVATION,
+                                                       _TL_FP8[out_dtype], fmt_max, power_2_scale, amax_epsilon,
+                                                       rowwise, row, row_s, col, col_s):
+        return row, row_s, col, col_s
     if m * k:
         small = triton.Config({"BM": b if (columnwise or two_d) else 32, "BK": b, "QUAD": 0, "K_MAJOR": 0, "BKC": b},
                               num_warps=4, num_stages=1)

@@ -1,0 +1,93 @@
+"""The Gluon FP8 block cast (qmoe/kernels/_cast_transpose_gl.py) against the Triton kernel, same run.
+
+For 1x128 and 128x128 blocks, rowwise + columnwise and columnwise alone, on bf16 65536x7168 and
+grouped 32 x 2048 x 7168 (one launch): the Triton kernel (autotuned, QMOE_BLOCK_CAST=triton),
+the dispatched Gluon configuration, and Gluon variants (ring stages, warps, programs per SM).
+Every variant's bytes are checked against the Triton kernel's (NaN sign aside); frac_copy is
+(input read once + outputs written once) / time over the device copy bandwidth.
+
+    PYTHONPATH=. python3 -m benchmarks.sweep_block_cast --out $OUT/block_cast.json
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from benchmarks.harness import copy_gbps, median_ms, run_header, write_results
+from benchmarks.sweep_quantize_tiles import make_input, mismatches, nbytes
+
+SHAPES = {"65536x7168": (65536, 7168, 0), "32x2048x7168": (65536, 7168, 32)}
+VARIANTS = [dict(stages=s, warps=w, per_sm=p, band=b, maxnreg=r) for s, w, p, b, r in
+            ((3, 8, 1, 8, None), (3, 8, 1, 1, None), (4, 8, 1, 8, None), (3, 4, 2, 8, None), (3, 16, 1, 8, None),
+             (3, 8, 2, 8, 128))]
+
+
+def run(x, splits, block_rows, rowwise, variant=None, outs=None):
+    """The public op's outputs; variant None: the dispatched path, "triton": the Triton kernel, a
+    dict: the Gluon kernel with these launch keywords into `outs` (allocated once, outside the
+    timing: the other two allocate theirs, a zero fill of the grouped scales included)."""
+    from qmoe.contracts.formats import E4M3
+    from qmoe.kernels import _cast_transpose_gl as ct
+    from qmoe.kernels import quantize as K
+
+    groups = 1 if splits is None else splits.numel()
+    if isinstance(variant, dict):
+        ct.launch(x, splits, groups, block_rows > 1, K.fp8_meta(E4M3), E4M3.max, True, 0.0, rowwise, True, *outs,
+                  **variant)
+        return outs
+    if variant == "triton":
+        os.environ["QMOE_BLOCK_CAST"] = "triton"
+    try:
+        return K.fp8_block_op(x, splits, groups, block_rows, 128, torch.float8_e4m3fn, E4M3.max, True, 0.0,
+                              rowwise, True)
+    finally:
+        os.environ.pop("QMOE_BLOCK_CAST", None)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("block_cast.json"))
+    p.add_argument("--rep", type=int, default=40, help="do_bench budget per variant (ms)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    header = run_header("benchmarks.sweep_block_cast", argv)
+    copy = copy_gbps(args.rep)
+    print(f"device-to-device copy: {copy:.0f} GB/s", flush=True)
+    rows = []
+    for shape, (m, k, groups) in SHAPES.items():
+        x, splits = make_input(m, k, groups, False, "cuda")
+        for block_rows in (1, 128):
+            for rowwise in (True, False):
+                case = dict(block=f"{block_rows}x128", orientation="row+col" if rowwise else "col", shape=shape)
+                want = run(x, splits, block_rows, rowwise, "triton")
+                outs = [torch.empty_like(t) for t in want]
+                for variant in ["triton", None] + VARIANTS:
+                    name = {"triton": "triton", None: "dispatched"}.get(variant) if not isinstance(variant, dict) \
+                        else "gluon s{stages} w{warps} x{per_sm} band{band} regs{maxnreg}".format(**variant)
+                    row = dict(case, variant=name)
+                    try:
+                        got = run(x, splits, block_rows, rowwise, variant, outs)
+                        row["mismatches"] = mismatches(got, want)
+                        ms = median_ms(lambda: run(x, splits, block_rows, rowwise, variant, outs), 10, args.rep)
+                        row.update(ms=round(ms, 4), gbps=round(nbytes(x, got) / ms / 1e6, 1),
+                                   frac_copy=round(nbytes(x, got) / ms / 1e6 / copy, 3))
+                        del got
+                    except Exception as err:  # a variant that fails is a result too
+                        row["error"] = f"{type(err).__name__}: {err}"[:300]
+                    rows.append(row)
+                    print(row, flush=True)
+                del want
+    write_results(args.out, header, {"suite": "block_cast", "copy_gbps": round(copy, 1), "rows": rows})
+    bad = [r for r in rows if r.get("mismatches") or "error" in r]
+    print(f"{len(rows)} rows, {len(bad)} not exact or failed")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,225 @@
+"""The Gluon FP8 block cast (qmoe/kernels/_cast_transpose_gl.py) gives the reference's bits, and
+fp8_block_op dispatches it exactly where it applies.
+
+On the GPU: 1x128 and 128x128 blocks, both orientations and the columnwise copy alone, bf16 /
+fp16 / fp32 inputs with NaN and +-inf, rows and columns that are not tile multiples, groups that
+are empty or start off a 16-row boundary (whose columnwise codes take the masked store), and
+persistent programs that loop over many tiles through every slot of the load ring. Gluon has no
+interpreter: the dispatch decision and the fallback are checked on the CPU.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from qmoe.contracts.formats import E4M3, E5M2
+from tests.kernels.interpret import INTERPRETING
+
+on_gpu = pytest.mark.skipif(INTERPRETING or not torch.cuda.is_available(), reason="needs a CUDA GPU")
+SPLITS = [0, 37, 1, 0, 130, 64, 0, 29, 300]  # empty groups, starts off 16 rows, partial tiles
+
+
+def _gl():
+    from qmoe.kernels import _cast_transpose_gl as ct
+    return ct
+
+
+def _input(m, k, dtype, seed):
+    from tests.kernels.test_quantize_kernels import make_input
+    return make_input(m, k, dtype, seed=seed, kind="mixed")
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Counts the Gluon kernel's launches (a dispatch that silently fell back would launch none)."""
+    ct, calls = _gl(), []
+    real = ct.launch
+    monkeypatch.setattr(ct, "launch", lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
+    return calls
+
+
+def _same(got, want, what):
+    from tests.kernels.test_quantize_kernels import assert_all_same
+    assert_all_same(got, want, [f"{what}: {n}" for n in ("row", "row_s", "col", "col_s")])
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_dispatched_bits_equal_the_reference(dtype, launches):
+    from qmoe.kernels import quantize as K
+    from qmoe.reference import quantize as R
+
+    for i, (m, k, fmt, p2, eps) in enumerate(((300, 384, E4M3, True, 0.0), (129, 136, E5M2, False, 1e-4),
+                                               (1, 16, E4M3, True, 0.0))):
+        x = _input(m, k, dtype, seed=10 + i)
+        got = K.quantize_fp8_block(x, 1, 128, fmt, p2, eps, True, True)
+        _same(got, R.quantize_fp8_block(x, 1, 128, fmt, p2, eps, True, True), f"{m}x{k} {dtype}")
+        assert len(launches) == i + 1, _gl().FAILED
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_rows", [1, 128])
+@pytest.mark.parametrize("rowwise", [True, False], ids=["both", "col"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_every_mode_bits_equal_the_reference(block_rows, rowwise, dtype):
+    """Modes the dispatch leaves to the Triton kernel still give the reference's bits (sweeps time them)."""
+    from qmoe.kernels import quantize as K
+    from qmoe.reference import quantize as R
+
+    for i, (m, k, fmt, p2, eps) in enumerate(((300, 384, E4M3, True, 0.0), (129, 136, E5M2, False, 1e-4),
+                                               (1, 16, E4M3, True, 0.0))):
+        x = _input(m, k, dtype, seed=10 + i)
+        outs = _fresh_outputs(K.fp8_block_op(x, None, 1, block_rows, 128, fmt.dtype, fmt.max, p2, eps, rowwise,
+                                             True))
+        _gl().launch(x, None, 1, block_rows > 1, K.fp8_meta(fmt), fmt.max, p2, eps, rowwise, True, *outs)
+        want = R.quantize_fp8_block(x, block_rows, 128, fmt, p2, eps, rowwise, True)
+        _same(tuple(o if w is not None else None for o, w in zip(outs, want)), want, f"{m}x{k} {dtype}")
+
+
+@on_gpu
+@pytest.mark.gpu
+def test_grouped_bits_equal_the_reference(launches):
+    from qmoe.kernels import grouped_quantize as KG
+    from qmoe.reference import grouped_quantize as RG
+
+    splits = torch.tensor(SPLITS, device="cuda")
+    x = _input(sum(SPLITS), 264, torch.bfloat16, seed=3)
+    got = KG.grouped_quantize_fp8_block(x, splits, 1, 128, E4M3, True, 0.0, True, True)
+    _same(got, RG.grouped_quantize_fp8_block(x, splits, 1, 128, E4M3, True, 0.0, True, True), "grouped")
+    assert len(launches) == 1, _gl().FAILED
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("programs,stages,warps", [(1, 2, 8), (3, 3, 8), (5, 4, 4), (7, 3, 4)])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_persistent_programs_walk_every_tile(programs, stages, warps, grouped):
+    """Few programs, many tiles each: every slot of the ring is reused with its barrier phases."""
+    from qmoe.kernels import quantize as K
+    from qmoe.kernels._layout import device_splits
+    from qmoe.reference import grouped_quantize as RG
+    from qmoe.reference import quantize as R
+
+    m, k = 1100, 1000
+    x = _input(m, k, torch.bfloat16, seed=programs)
+    splits = torch.tensor([200, 0, 517, 383], device="cuda") if grouped else None
+    for block_rows in (1, 128):
+        got = K.fp8_block_op(x, None if splits is None else device_splits(splits, x), 4 if grouped else 1,
+                             block_rows, 128, torch.float8_e4m3fn, E4M3.max, True, 0.0, True, True)
+        outs = _fresh_outputs(got)
+        _gl().launch(x, None if splits is None else device_splits(splits, x), 4 if grouped else 1, block_rows > 1,
+                     K.fp8_meta(E4M3), E4M3.max, True, 0.0, True, True, *outs, stages=stages, warps=warps,
+                     programs=programs)
+        want = (RG.grouped_quantize_fp8_block(x, splits, block_rows, 128, E4M3, True, 0.0, True, True) if grouped
+                else R.quantize_fp8_block(x, block_rows, 128, E4M3, True, 0.0, True, True))
+        _same(tuple(outs), want, f"{programs} programs, {stages} stages, {block_rows}x128")
+
+
+def _fresh_outputs(outs):
+    """New outputs shaped like fp8_block_op's, filled with a pattern a missed store would leave."""
+    fresh = []
+    for t in outs:
+        f = torch.empty_like(t)
+        f.view(torch.uint8).fill_(0x5A)
+        if t.dtype == torch.float32 and t.numel():  # scale entries no group uses are zero there
+            f.copy_(torch.where(t == 0, t, torch.full_like(t, 77.0)))
+        fresh.append(f)
+    return fresh
+
+
+# ---------------------------------------------------------------- the dispatch (CPU)
+
+class _Rows:
+    """Stands in for x in `unsupported`: device, dtype, strides and data pointer only."""
+
+    def __init__(self, device="cuda", dtype=torch.bfloat16, k=7168, ptr=1 << 20, stride=None):
+        self.device, self.dtype = torch.device(device, 0) if device == "cuda" else torch.device(device), dtype
+        self.shape, self._stride, self._ptr = (4096, k), (stride or k, 1), ptr
+
+    def dim(self):
+        return 2
+
+    def stride(self, i=None):
+        return self._stride if i is None else self._stride[i]
+
+    def data_ptr(self):
+        return self._ptr
+
+    def element_size(self):
+        return torch.finfo(self.dtype).bits // 8
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    from qmoe.kernels import _block_gemm_ws as ws
+
+    ct = _gl()
+    if ct.gluon is None:
+        pytest.skip("this triton has no Gluon")
+    monkeypatch.setattr(ws, "_is_sm90", lambda index: True)
+    monkeypatch.setattr(ct, "FAILED", {})
+    monkeypatch.delenv("QMOE_BLOCK_CAST", raising=False)
+    return ct
+
+
+def test_the_gluon_cast_is_dispatched_only_where_it_applies(sm90, monkeypatch):
+    from qmoe.kernels import _block_gemm_ws as ws
+
+    ct = sm90
+    assert ct.unsupported(_Rows(), 128, False) is None
+    assert ct.unsupported(_Rows(dtype=torch.float32), 128, False) is None
+    assert "128 only" in ct.unsupported(_Rows(), 64, False)
+    assert "activation" in ct.unsupported(_Rows(), 128, True)
+    assert "dtype" in ct.unsupported(_Rows(dtype=torch.float8_e4m3fn), 128, False)
+    assert "aligned" in ct.unsupported(_Rows(k=260), 128, False)  # rows of 520 bytes: no TMA
+    assert "aligned" in ct.unsupported(_Rows(ptr=(1 << 20) + 8), 128, False)
+    assert "aligned" in ct.unsupported(_Rows(stride=7172), 128, False)
+    assert "not a CUDA device" in ct.unsupported(_Rows(device="cpu"), 128, False)
+    monkeypatch.setenv("QMOE_BLOCK_CAST", "triton")
+    assert ct.unsupported(_Rows(), 128, False) == "QMOE_BLOCK_CAST=triton"
+    monkeypatch.delenv("QMOE_BLOCK_CAST")
+    monkeypatch.setattr(ws, "_is_sm90", lambda index: False)
+    assert "sm90" in ct.unsupported(_Rows(), 128, False)
+
+
+def test_a_failed_compile_falls_back_with_one_warning(sm90, monkeypatch):
+    ct = sm90
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("no such Gluon op")
+
+    monkeypatch.setattr(ct, "launch", broken)
+    args = (_Rows(), None, 1, False, 128, False, None, 448.0, True, 0.0, True, None, None, None, None)
+    with pytest.warns(RuntimeWarning, match="did not compile"):
+        assert ct.launch_dispatched(*args) is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # recorded: neither a second attempt nor a second warning
+        assert ct.launch_dispatched(*args) is False
+    assert len(calls) == 1 and len(ct.FAILED) == 1
+
+
+def test_fp8_block_op_asks_the_gluon_cast_only_for_1x128_blocks_in_both_orientations(monkeypatch):
+    """The Triton kernel is the faster one for rowwise codes alone, a columnwise copy alone and
+    128x128 blocks; a forced Triton config (tests, sweeps) is never replaced either."""
+    from qmoe.kernels import quantize as K
+    from qmoe.kernels._cast_variants import BLOCK128_CONFIGS, forced_config
+
+    asked = []
+    monkeypatch.setattr(K._block_cast_gl, "launch_dispatched", lambda *args: asked.append(args[0].shape) or True)
+    monkeypatch.setattr(K, "launch_cast", lambda *args, **kwargs: asked.append("triton"))
+    x = torch.zeros(256, 256)
+    op = K.fp8_block_op
+    op(x, None, 1, 1, 128, torch.float8_e4m3fn, E4M3.max, True, 0.0, True, True)
+    assert asked == [(256, 256)]
+    with forced_config(K._fp8_block_kernel, BLOCK128_CONFIGS[0]):
+        op(x, None, 1, 1, 128, torch.float8_e4m3fn, E4M3.max, True, 0.0, True, True)
+    op(x, None, 1, 1, 128, torch.float8_e4m3fn, E4M3.max, True, 0.0, True, False)
+    op(x, None, 1, 1, 128, torch.float8_e4m3fn, E4M3.max, True, 0.0, False, True)
+    op(x, None, 1, 128, 128, torch.float8_e4m3fn, E4M3.max, True, 0.0, True, True)
+    assert asked == [(256, 256)] + ["triton"] * 4
