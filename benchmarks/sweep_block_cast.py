@@ -66,7 +66,7 @@ def main(argv=None) -> int:
             for rowwise in (True, False):
                 case = dict(block=f"{block_rows}x128", orientation="row+col" if rowwise else "col", shape=shape)
                 want = run(x, splits, block_rows, rowwise, "triton")
-                outs = [torch.empty_like(t) for t in want]
+                outs = [torch.zeros_like(t) for t in want]  # grouped scales no group uses stay zero
                 for variant in ["triton", None] + VARIANTS:
                     name = {"triton": "triton", None: "dispatched"}.get(variant) if not isinstance(variant, dict) \
                         else "gluon s{stages} w{warps} x{per_sm} band{band} regs{maxnreg}".format(**variant)

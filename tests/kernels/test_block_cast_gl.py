@@ -95,6 +95,25 @@ def test_grouped_bits_equal_the_reference(launches):
 
 @on_gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("block_rows", [1, 128])
+@pytest.mark.parametrize("rowwise", [True, False], ids=["both", "col"])
+def test_grouped_every_mode_bits_equal_the_reference(block_rows, rowwise):
+    from qmoe.kernels import quantize as K
+    from qmoe.kernels._layout import device_splits
+    from qmoe.reference import grouped_quantize as RG
+
+    splits = torch.tensor(SPLITS, device="cuda")
+    x = _input(sum(SPLITS), 264, torch.bfloat16, seed=4)
+    s = device_splits(splits, x)
+    outs = _fresh_outputs(K.fp8_block_op(x, s, len(SPLITS), block_rows, 128, torch.float8_e4m3fn, E4M3.max, True,
+                                         0.0, rowwise, True))
+    _gl().launch(x, s, len(SPLITS), block_rows > 1, K.fp8_meta(E4M3), E4M3.max, True, 0.0, rowwise, True, *outs)
+    want = RG.grouped_quantize_fp8_block(x, splits, block_rows, 128, E4M3, True, 0.0, rowwise, True)
+    _same(tuple(o if w is not None else None for o, w in zip(outs, want)), want, "grouped")
+
+
+@on_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("programs,stages,warps", [(1, 2, 8), (3, 3, 8), (5, 4, 4), (7, 3, 4)])
 @pytest.mark.parametrize("grouped", [False, True])
 def test_persistent_programs_walk_every_tile(programs, stages, warps, grouped):
