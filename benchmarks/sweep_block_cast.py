@@ -21,9 +21,8 @@ from benchmarks.harness import copy_gbps, median_ms, run_header, write_results
 from benchmarks.sweep_quantize_tiles import make_input, mismatches, nbytes
 
 SHAPES = {"65536x7168": (65536, 7168, 0), "32x2048x7168": (65536, 7168, 32)}
-VARIANTS = [dict(stages=s, warps=w, per_sm=p, band=b, maxnreg=r) for s, w, p, b, r in
-            ((3, 8, 1, 8, None), (3, 8, 1, 1, None), (4, 8, 1, 8, None), (3, 4, 2, 8, None), (3, 16, 1, 8, None),
-             (3, 8, 2, 8, 128))]
+VARIANTS = [dict(stages=s, warps=w, per_sm=p, maxnreg=r) for s, w, p, r in
+            ((3, 8, 1, None), (4, 8, 1, None), (3, 4, 2, None), (3, 16, 1, None), (3, 8, 2, 128))]
 
 
 def run(x, splits, block_rows, rowwise, variant=None, outs=None):
@@ -69,7 +68,7 @@ def main(argv=None) -> int:
                 outs = [torch.zeros_like(t) for t in want]  # grouped scales no group uses stay zero
                 for variant in ["triton", None] + VARIANTS:
                     name = {"triton": "triton", None: "dispatched"}.get(variant) if not isinstance(variant, dict) \
-                        else "gluon s{stages} w{warps} x{per_sm} band{band} regs{maxnreg}".format(**variant)
+                        else "gluon s{stages} w{warps} x{per_sm} regs{maxnreg}".format(**variant)
                     row = dict(case, variant=name)
                     try:
                         got = run(x, splits, block_rows, rowwise, variant, outs)

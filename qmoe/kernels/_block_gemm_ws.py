@@ -401,20 +401,25 @@ def _aligned(t: torch.Tensor) -> bool:
             and (t.stride(0) * t.element_size()) % 16 == 0)
 
 
-def unavailable(device: torch.device) -> str | None:
-    """Why no Gluon FP8 block kernel runs on `device` now, whatever the operands (None: they can):
-    a fake-tensor pass, QMOE_BLOCK_GEMM=triton, a Triton without Gluon, or not an sm90 GPU."""
+def gluon_unavailable(device: torch.device) -> str | None:
+    """Why no sm90 Gluon kernel of qmoe runs on `device` now, whatever its operands (None: they
+    can): a fake-tensor pass, a Triton without Gluon, or not an sm90 GPU (TMA, warpgroup MMA)."""
     if faking():
         return "a fake-tensor pass (shapes only)"
-    if os.environ.get("QMOE_BLOCK_GEMM", "").strip().lower() == "triton":
-        return "QMOE_BLOCK_GEMM=triton"
     if gluon is None:
         return GLUON_ERROR
     if device.type != "cuda":
         return f"{device} is not a CUDA device"
     if not _is_sm90(device.index if device.index is not None else torch.cuda.current_device()):
-        return "the kernel uses sm90's warpgroup MMA"
+        return "the kernel is written for sm90 (TMA, warpgroup MMA)"
     return None
+
+
+def unavailable(device: torch.device) -> str | None:
+    """gluon_unavailable for the Gluon FP8 block GEMMs, which QMOE_BLOCK_GEMM=triton also turns off."""
+    if os.environ.get("QMOE_BLOCK_GEMM", "").strip().lower() == "triton":
+        return "QMOE_BLOCK_GEMM=triton"
+    return gluon_unavailable(device)
 
 
 def unsupported(a, b, n_out: int, k: int, out_dtype, total_rows: int, groups: int) -> str | None:

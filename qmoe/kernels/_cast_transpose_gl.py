@@ -28,7 +28,8 @@ import torch
 
 from qmoe.kernels import _block_gemm_ws as ws
 from qmoe.kernels._arith import abs_bits, bits_to_float, cast_codes, fp8_scale_from_amax, reciprocal
-from qmoe.kernels._launch import faking, num_sms
+from qmoe.kernels._launch import num_sms
+from qmoe.kernels._layout import group_pow2
 
 gluon = ws.gluon
 if gluon is not None:
@@ -41,10 +42,10 @@ if gluon is not None:
         return a + b
 
     @gluon.jit
-    def _group_table(splits_ptr, G, BM: gl.constexpr, B: gl.constexpr, GP: gl.constexpr, GROUPED: gl.constexpr,
+    def _group_table(splits_ptr, G, BM: gl.constexpr, GP: gl.constexpr, GROUPED: gl.constexpr,
                      WARPS: gl.constexpr):
-        """Per group: index, first row, rows, row tiles, cumulative row tiles, first scale block
-        (all zero ungrouped: splits_ptr is then never read)."""
+        """Per group: index, first row, rows, row tiles, cumulative row tiles (all zero ungrouped:
+        splits_ptr is then never read)."""
         SPT: gl.constexpr = GP // 32 if GP >= 32 else 1
         layout: gl.constexpr = gl.BlockedLayout([SPT], [32], [WARPS], [0])  # replicated over warps
         gi = gl.arange(0, GP, layout=layout)
@@ -52,75 +53,59 @@ if gluon is not None:
         starts = gl.associative_scan(sizes, 0, _add) - sizes
         tiles = gl.cdiv(sizes, BM)
         tile_end = gl.associative_scan(tiles, 0, _add)
-        blocks = gl.cdiv(sizes, B)
-        sblk0 = gl.associative_scan(blocks, 0, _add) - blocks
-        return gi, starts, sizes, tiles, tile_end, sblk0
+        return gi, starts, sizes, tiles, tile_end
 
     @gluon.jit
-    def _locate(t, nk, nv, M, gi, starts, sizes, tiles, tile_end, sblk0, BM: gl.constexpr, B: gl.constexpr,
-                BAND: gl.constexpr, GROUPED: gl.constexpr):
-        """Tile t -> (first row, end row of its group, first scale block along M, column tile).
-
-        Tiles go in bands of BAND row tiles (of nv), each band walked column tile by column tile,
-        down the band first: the programs running together then fill both scale arrays' 32-byte
-        sectors together (per-row scales of neighbouring column tiles, per-column scales of
-        neighbouring row tiles), so L2 writes whole sectors back.
-        """
-        band = t // (BAND * nk)
-        rows_in_band = gl.minimum(nv - band * BAND, BAND)
-        local = t - band * BAND * nk
-        vt = band * BAND + local % rows_in_band
-        kt = local // rows_in_band
+    def _locate(t, nk, M, gi, starts, sizes, tiles, tile_end, BM: gl.constexpr, GROUPED: gl.constexpr):
+        """Tile t (row tiles walked along K first) -> (first row, end row of its group, row tile,
+        column tile). Row tiles start afresh at every group, as the scale blocks along M do, so a
+        tile's row tile is also its scale block along M."""
+        vt = t // nk
+        kt = t % nk
         if GROUPED:
             g = gl.sum((tile_end <= vt).to(gl.int32), 0)
             sel = gi == g
-            local = vt - gl.sum(gl.where(sel, tile_end - tiles, 0), 0)
             start = gl.sum(gl.where(sel, starts, 0), 0)
-            row0 = start + local * BM
+            row0 = start + (vt - gl.sum(gl.where(sel, tile_end - tiles, 0), 0)) * BM
             row_end = start + gl.sum(gl.where(sel, sizes, 0), 0)
-            sblk = gl.sum(gl.where(sel, sblk0, 0), 0) + local * (BM // B)
         else:
             row0 = vt * BM
             row_end = M
-            sblk = vt * (BM // B)
-        return row0, row_end, sblk, kt
+        return row0, row_end, vt, kt
 
     @gluon.jit
-    def _issue(desc, bufs, ready, t, slot, nk, nv, M, gi, starts, sizes, tiles, tile_end, sblk0,
-               BM: gl.constexpr, BK: gl.constexpr, B: gl.constexpr, BAND: gl.constexpr, GROUPED: gl.constexpr):
-        row0, _, _, kt = _locate(t, nk, nv, M, gi, starts, sizes, tiles, tile_end, sblk0, BM, B, BAND, GROUPED)
+    def _issue(desc, bufs, ready, t, slot, nk, M, gi, starts, sizes, tiles, tile_end, BM: gl.constexpr,
+               BK: gl.constexpr, GROUPED: gl.constexpr):
+        row0, _, _, kt = _locate(t, nk, M, gi, starts, sizes, tiles, tile_end, BM, GROUPED)
         mbarrier.expect(ready.index(slot), desc.block_type.nbytes)
         ws._tma_load(desc, [row0, kt * BK], ready.index(slot), bufs.index(slot))
 
     @gluon.jit
-    def _store_columns(col_ptr, qc, offs, cols64, col_ok, row0, row_end, stride_c, BM: gl.constexpr):
+    def _store_columns(col_ptr, qc, offs, cols64, col_ok, row0, row_end, M, BM: gl.constexpr):
         """Columnwise codes qc [BM, BK] of rows row0 + offs (a thread holds runs of rows) at
-        col[cols, rows]: 16-byte vectors where the tile is whole and starts on 16 rows, masked
+        col[cols, rows] (col is [K, M]): 16-byte vectors where the tile is whole and starts on 16 rows, masked
         bytes otherwise."""
         if (row0 + BM <= row_end) & (row0 % 16 == 0):
             rows = (row0 // 16) * 16 + offs  # the same rows, visibly 16-aligned
-            gl.store(col_ptr + cols64[None, :] * stride_c + rows[:, None], qc, mask=col_ok[None, :])
+            gl.store(col_ptr + cols64[None, :] * M + rows[:, None], qc, mask=col_ok[None, :])
         else:
             rows = row0 + offs
-            gl.store(col_ptr + cols64[None, :] * stride_c + rows[:, None], qc,
+            gl.store(col_ptr + cols64[None, :] * M + rows[:, None], qc,
                      mask=(rows < row_end)[:, None] & col_ok[None, :])
 
-    _SIZES = ["M", "G", "upper_tiles"]
-
-    @gluon.jit(do_not_specialize=_SIZES)
+    # M stays specialised: as the columnwise copy's row stride, its divisibility by 16 lets the
+    # columnwise codes leave as 16-byte vectors
+    @gluon.jit(do_not_specialize=["G"])
     def fp8_block_cast_kernel(x_desc, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr,
-                              M, K, G, upper_tiles, eps, stride_rs, stride_cs, stride_c,
+                              M, K, G, eps, stride_rs, stride_cs,
                               FMT_MAX: gl.constexpr, OUT_DTYPE: gl.constexpr, POW2: gl.constexpr,
                               BLOCK_2D: gl.constexpr, ROWWISE: gl.constexpr, COLWISE: gl.constexpr,
-                              GROUPED: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr, BAND: gl.constexpr,
+                              GROUPED: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
                               NUM_PROGRAMS: gl.constexpr, VEC: gl.constexpr, num_warps: gl.constexpr):
-        """One 128 x 128 tile per trip of a persistent loop (see the module docstring).
-
-        upper_tiles: the row tiles' static bound (cdiv(M, 128) + G grouped), used when ungrouped.
-        """
+        """One 128 x 128 tile (= one 128-wide scale block each way) per trip of a persistent loop
+        (see the module docstring)."""
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
-        B: gl.constexpr = BK
         # a thread holds VEC consecutive values of a row / BM // num_warps rows of 4 columns
         row_l: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // (BK // VEC), BK // VEC], [num_warps, 1], [1, 0])
         col_l: gl.constexpr = gl.BlockedLayout([BM // num_warps, 4], [1, 32], [num_warps, 1], [0, 1])
@@ -130,30 +115,29 @@ if gluon is not None:
             mbarrier.init(ready.index(i), count=1)
 
         nk = gl.cdiv(K, BK)
-        gi, starts, sizes, tiles, tile_end, sblk0 = _group_table(splits_ptr, G, BM, B, GP, GROUPED, num_warps)
+        gi, starts, sizes, tiles, tile_end = _group_table(splits_ptr, G, BM, GP, GROUPED, num_warps)
         if GROUPED:
-            nv = gl.sum(tiles, 0)
+            total = gl.sum(tiles, 0) * nk
         else:
-            nv = upper_tiles
-        total = nv * nk
+            total = gl.cdiv(M, BM) * nk
         pid = gl.program_id(0)
         mine = gl.cdiv(gl.maximum(total - pid, 0), NUM_PROGRAMS)
         for j in gl.static_range(STAGES - 1):
             if j < mine:
-                _issue(x_desc, bufs, ready, pid + j * NUM_PROGRAMS, j, nk, nv, M, gi, starts, sizes, tiles, tile_end,
-                       sblk0, BM, BK, B, BAND, GROUPED)
+                _issue(x_desc, bufs, ready, pid + j * NUM_PROGRAMS, j, nk, M, gi, starts, sizes, tiles, tile_end,
+                       BM, BK, GROUPED)
 
         for i in range(mine):
             gl.thread_barrier()  # every warp is done with the slot the next load overwrites
             nxt = i + STAGES - 1
             if nxt < mine:
-                _issue(x_desc, bufs, ready, pid + nxt * NUM_PROGRAMS, nxt % STAGES, nk, nv, M, gi, starts, sizes,
-                       tiles, tile_end, sblk0, BM, BK, B, BAND, GROUPED)
+                _issue(x_desc, bufs, ready, pid + nxt * NUM_PROGRAMS, nxt % STAGES, nk, M, gi, starts, sizes,
+                       tiles, tile_end, BM, BK, GROUPED)
             slot = i % STAGES
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             tile = bufs.index(slot)
-            row0, row_end, sblk, kt = _locate(pid + i * NUM_PROGRAMS, nk, nv, M, gi, starts, sizes, tiles, tile_end,
-                                              sblk0, BM, B, BAND, GROUPED)
+            row0, row_end, sblk, kt = _locate(pid + i * NUM_PROGRAMS, nk, M, gi, starts, sizes, tiles, tile_end, BM,
+                                              GROUPED)
             col0 = kt * BK
 
             xr = tile.load(row_l).to(gl.float32)
@@ -189,35 +173,25 @@ if gluon is not None:
                     s_c = fp8_scale_from_amax(bits_to_float(gl.max(bits_c, 0)), FMT_MAX, POW2, eps)
                     gl.store(col_s_ptr + cols64 * stride_cs + sblk, reciprocal(s_c), mask=ok_c)
                 qc = cast_codes(xc * gl.expand_dims(s_c, 0), FMT_MAX, OUT_DTYPE)
-                _store_columns(col_ptr, qc, offs_c, cols64, ok_c, row0, row_end, stride_c, BM)
+                _store_columns(col_ptr, qc, offs_c, cols64, ok_c, row0, row_end, M, BM)
 
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
 
 
 _TILE = 128
-# What fp8_block_op dispatches to: stages of the TMA ring, warps per program, programs per SM, and
-# row tiles per band of the tile order (`_locate`).
-DISPATCH = dict(stages=3, warps=8, per_sm=1, band=8)
-
-
-def _smem_stage(dtype: torch.dtype) -> int:
-    return _TILE * _TILE * torch.finfo(dtype).bits // 8
+# What fp8_block_op dispatches to: stages of the TMA ring, warps per program, programs per SM.
+DISPATCH = dict(stages=3, warps=8, per_sm=1)
 
 
 def unsupported(x: torch.Tensor, block_cols: int, fused_activation: bool) -> str | None:
     """Why this kernel cannot quantize x (None: it can): it needs Gluon on an sm90 GPU, 128-wide
     blocks, no fused activation, and x's rows TMA-aligned. QMOE_BLOCK_CAST=triton turns it off."""
-    if faking():
-        return "a fake-tensor pass (shapes only)"
     if os.environ.get("QMOE_BLOCK_CAST", "").strip().lower() == "triton":
         return "QMOE_BLOCK_CAST=triton"
-    if gluon is None:
-        return ws.GLUON_ERROR
-    if x.device.type != "cuda":
-        return f"{x.device} is not a CUDA device"
-    if not ws._is_sm90(x.device.index if x.device.index is not None else torch.cuda.current_device()):
-        return "the kernel is written for sm90 (TMA)"
+    why = ws.gluon_unavailable(x.device)
+    if why is not None:
+        return why
     if block_cols != _TILE:
         return f"{block_cols}-wide blocks (128 only)"
     if fused_activation:
@@ -233,19 +207,19 @@ def unsupported(x: torch.Tensor, block_cols: int, fused_activation: bool) -> str
 FAILED: dict[tuple, str] = {}
 
 
-def launch_dispatched(x: torch.Tensor, splits, num_groups: int, two_d: bool, block_cols: int, fused_activation: bool,
-                      out_code, fmt_max: float, power_2_scale: bool, amax_epsilon: float, rowwise: bool, row, row_s,
-                      col, col_s) -> bool:
-    """Run the dispatched configuration into fp8_block_op's outputs; False, launching nothing,
+def launch_dispatched(x: torch.Tensor, splits, num_groups: int, block_cols: int, fused_activation: bool, out_code,
+                      fmt_max: float, power_2_scale: bool, amax_epsilon: float, row, row_s, col, col_s) -> bool:
+    """Quantize x in 1 x 128 blocks, both orientations, with the dispatched configuration into
+    fp8_block_op's outputs; False, launching nothing,
     where `unsupported` says so or its compile failed (recorded in FAILED, with a warning once):
     the caller then runs the Triton kernel."""
     if unsupported(x, block_cols, fused_activation) is not None:
         return False
-    key = (x.dtype, two_d, rowwise, splits is not None)
+    key = (x.dtype, splits is not None)
     if key in FAILED:
         return False
     try:
-        launch(x, splits, num_groups, two_d, out_code, fmt_max, power_2_scale, amax_epsilon, rowwise, True,
+        launch(x, splits, num_groups, False, out_code, fmt_max, power_2_scale, amax_epsilon, True, True,
                row, row_s, col, col_s, **DISPATCH)
     except Exception as err:  # a compile failure (another Triton's Gluon); nothing was launched
         FAILED[key] = f"{type(err).__name__}: {err}"
@@ -257,7 +231,7 @@ def launch_dispatched(x: torch.Tensor, splits, num_groups: int, two_d: bool, blo
 
 def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_max: float,
            power_2_scale: bool, amax_epsilon: float, rowwise: bool, columnwise: bool, row, row_s, col, col_s, *,
-           stages: int = 3, warps: int = 8, per_sm: int = 1, band: int = 8, maxnreg: int | None = None,
+           stages: int = 3, warps: int = 8, per_sm: int = 1, maxnreg: int | None = None,
            programs: int | None = None) -> None:
     """Fill fp8_block_op's outputs (allocated by it, same layouts) for an [M, K] x; out_code is
     the codes' Triton FP8 dtype; maxnreg caps registers (two programs per SM need <= 128 at 8 warps)."""
@@ -268,11 +242,10 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
         programs = min(upper * -(-k // _TILE), num_sms(x.device) * per_sm)
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=torch.finfo(x.dtype).bits, rank=2)
     desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [_TILE, _TILE], layout)
-    gp = max(32, 1 << max(num_groups - 1, 0).bit_length())
     fp8_block_cast_kernel[(programs,)](
         desc, row.view(torch.uint8), row_s, col.view(torch.uint8), col_s, splits if grouped else row_s,
-        m, k, num_groups, upper, amax_epsilon, row_s.stride(0) if row_s.dim() == 2 else 0,
-        col_s.stride(0) if col_s.dim() == 2 else 0, m,
+        m, k, num_groups, amax_epsilon, row_s.stride(0) if row_s.dim() == 2 else 0,
+        col_s.stride(0) if col_s.dim() == 2 else 0,
         FMT_MAX=fmt_max, OUT_DTYPE=out_code, POW2=power_2_scale, BLOCK_2D=two_d, ROWWISE=rowwise,
-        COLWISE=columnwise, GROUPED=grouped, GP=gp, STAGES=stages, BAND=band, NUM_PROGRAMS=programs,
+        COLWISE=columnwise, GROUPED=grouped, GP=max(32, group_pow2(num_groups)), STAGES=stages, NUM_PROGRAMS=programs,
         VEC=16 // x.element_size(), num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}))

@@ -344,9 +344,9 @@ def fp8_block_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: in
         row_s = torch.empty((m, nkb) if rowwise else (0,), dtype=f32, device=dev)
         col_s = alloc((k, width) if columnwise else (0,), dtype=f32, device=dev)
     gluon_cast = m * k and rowwise and columnwise and not two_d and not is_forced(_fp8_block_kernel)
-    if gluon_cast and _block_cast_gl.launch_dispatched(x, splits, num_groups, two_d, b, act != NO_ACTIVATION,
+    if gluon_cast and _block_cast_gl.launch_dispatched(x, splits, num_groups, b, act != NO_ACTIVATION,
                                                        _TL_FP8[out_dtype], fmt_max, power_2_scale, amax_epsilon,
-                                                       rowwise, row, row_s, col, col_s):
+                                                       row, row_s, col, col_s):
         return row, row_s, col, col_s
     if m * k:
         small = triton.Config({"BM": b if (columnwise or two_d) else 32, "BK": b, "QUAD": 0, "K_MAJOR": 0, "BKC": b},

@@ -214,7 +214,7 @@ def test_a_failed_compile_falls_back_with_one_warning(sm90, monkeypatch):
         raise RuntimeError("no such Gluon op")
 
     monkeypatch.setattr(ct, "launch", broken)
-    args = (_Rows(), None, 1, False, 128, False, None, 448.0, True, 0.0, True, None, None, None, None)
+    args = (_Rows(), None, 1, 128, False, None, 448.0, True, 0.0, None, None, None, None)
     with pytest.warns(RuntimeWarning, match="did not compile"):
         assert ct.launch_dispatched(*args) is False
     with warnings.catch_warnings():
