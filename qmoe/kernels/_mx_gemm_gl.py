@@ -29,7 +29,7 @@ import torch
 import triton
 
 from qmoe.kernels import _block_gemm_ws as ws
-from qmoe.kernels._block_gemm_tl import b_group_offsets, kernel_info
+from qmoe.kernels._block_gemm_tl import _store, b_group_offsets, kernel_info
 from qmoe.kernels._grouped_gemm_jit import _e8m0_to_float
 from qmoe.kernels._launch import faking, num_sms
 
@@ -177,9 +177,7 @@ if ws.gluon is not None:
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
             cols = pn * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
-            out = gl.where(g < num_groups, acc, 0.0).to(out_ptr.dtype.element_ty)
-            ptrs = out_ptr + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
-            gl.store(ptrs, out, mask=gl.expand_dims(rows < m_end, 1) & gl.expand_dims(cols < N, 0))
+            _store(out_ptr, gl.where(g < num_groups, acc, 0.0), rows, rows < m_end, cols, N, stride_om)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
 

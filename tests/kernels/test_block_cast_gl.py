@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from qmoe.contracts.formats import E4M3, E5M2
+from tests.kernels.gluon import pretend_sm90
 from tests.kernels.interpret import INTERPRETING
 
 on_gpu = pytest.mark.skipif(INTERPRETING or not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -174,15 +175,10 @@ class _Rows:
 
 @pytest.fixture
 def sm90(monkeypatch):
-    from qmoe.kernels import _block_gemm_ws as ws
-
     ct = _gl()
     if ct.gluon is None:
         pytest.skip("this triton has no Gluon")
-    monkeypatch.setattr(ws, "_is_sm90", lambda index: True)
-    monkeypatch.setattr(ct, "FAILED", {})
-    monkeypatch.delenv("QMOE_BLOCK_CAST", raising=False)
-    return ct
+    return pretend_sm90(monkeypatch, ct, "QMOE_BLOCK_CAST")
 
 
 def test_the_gluon_cast_is_dispatched_only_where_it_applies(sm90, monkeypatch):

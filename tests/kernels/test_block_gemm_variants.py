@@ -15,6 +15,7 @@ import warnings
 import pytest
 import torch
 
+from tests.kernels.gluon import grouped_operands, pretend_sm90
 from tests.kernels.interpret import INTERPRETING, inside, launcher, run_under_interpreter
 
 SPLITS = [40, 0, 150, 7]  # an empty expert; no group boundary on a 128-row tile edge
@@ -30,21 +31,9 @@ on_gpu = pytest.mark.skipif(INTERPRETING, reason="the GPU tests do not run under
 
 
 def _operands(layout, device, splits=SPLITS, k=K, n=N):
-    from qmoe.ops.grouped_gemm import quantize_weights
-    from qmoe.quant import GroupedTensor
     from qmoe.recipes import Float8BlockScaling
 
-    recipe = Float8BlockScaling()
-    g = torch.Generator().manual_seed(7)
-    rows = sum(splits) + PAD
-    x = torch.randn(rows, k if layout == "fprop" else n, generator=g)
-    x[sum(splits):] = 0
-    w = torch.randn(len(splits), n, k, generator=g) / k ** 0.5
-    role = "input" if layout == "fprop" else "grad_output"
-    a = GroupedTensor.quantize(x.to(device), torch.tensor(splits), recipe.quantizer(role), columnwise=False,
-                               validate=False)
-    b = quantize_weights(w.to(device), recipe.quantizer("weight"), rowwise=True, columnwise=True)
-    return a, b
+    return grouped_operands(Float8BlockScaling(), layout, k, n, device, splits, PAD, seed=7)
 
 
 def _current(a, b, layout, out_dtype):
@@ -256,10 +245,7 @@ def _ops(k=512, n=384, groups=4, a_block=(1, 128), b_block=(128, 128), a_ptr=1 <
 def sm90(monkeypatch):
     from qmoe.kernels import _block_gemm_ws as ws
 
-    monkeypatch.setattr(ws, "_is_sm90", lambda index: True)
-    monkeypatch.setattr(ws, "FAILED", {})
-    monkeypatch.delenv("QMOE_BLOCK_GEMM", raising=False)
-    return ws
+    return pretend_sm90(monkeypatch, ws, "QMOE_BLOCK_GEMM")
 
 
 @launcher

@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 
+from tests.kernels.gluon import pretend_sm90
 from tests.kernels.interpret import INTERPRETING
 
 on_gpu = pytest.mark.skipif(INTERPRETING, reason="the GPU tests do not run under the interpreter")
@@ -141,15 +142,11 @@ def _op(rows=256, tokens=1024, block=(1, 128), soffs=True, stride_k=1, ptr=1 << 
 
 @pytest.fixture
 def sm90(monkeypatch):
-    from qmoe.kernels import _block_gemm_ws as ws
     from qmoe.kernels import _block_wgrad_ws as wg
 
     if wg.gluon is None:
         pytest.skip("this triton has no Gluon")
-    monkeypatch.setattr(ws, "_is_sm90", lambda index: True)
-    monkeypatch.setattr(wg, "FAILED", {})
-    monkeypatch.delenv("QMOE_BLOCK_GEMM", raising=False)
-    return wg
+    return pretend_sm90(monkeypatch, wg, "QMOE_BLOCK_GEMM")
 
 
 def test_wgrad_dispatch_takes_the_gluon_kernel_only_where_it_applies(sm90, monkeypatch):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kernels.gluon import grouped_operands
 from tests.kernels.interpret import INTERPRETING
 from tests.tolerances import GEMM_RTOL
 
@@ -24,24 +25,16 @@ VARIANTS = [dict(bn=256, bk=64, stages=4), dict(bn=256, bk=64, stages=3), dict(b
             dict(bn=64, bk=64, stages=4), dict(bn=256, bk=64, stages=4, group_m=1)]
 
 
+def _special(x):
+    """A NaN, an infinity and a tiny block: their rows only."""
+    x[3, 5], x[301, 70], x[760:770] = float("nan"), float("inf"), 1e-30
+
+
 def _operands(layout, k, n, device, splits=SPLITS, special=False):
-    from qmoe.ops.grouped_gemm import quantize_weights
-    from qmoe.quant import GroupedTensor
     from qmoe.recipes import MXFP8BlockScaling
 
-    recipe = MXFP8BlockScaling()
-    g = torch.Generator().manual_seed(11)
-    rows = sum(splits) + PAD
-    x = torch.randn(rows, k if layout == "fprop" else n, generator=g) * 3
-    x[sum(splits):] = 0
-    if special:  # a NaN, an infinity and a tiny block: their rows only
-        x[3, 5], x[301, 70], x[760:770] = float("nan"), float("inf"), 1e-30
-    w = torch.randn(len(splits), n, k, generator=g) / k ** 0.5
-    role = "input" if layout == "fprop" else "grad_output"
-    a = GroupedTensor.quantize(x.to(device), torch.tensor(splits), recipe.quantizer(role), columnwise=False,
-                               validate=False)
-    b = quantize_weights(w.to(device), recipe.quantizer("weight"), rowwise=True, columnwise=True)
-    return a, b
+    return grouped_operands(MXFP8BlockScaling(), layout, k, n, device, splits, PAD, seed=11, scale=3.0,
+                            edit=_special if special else None)
 
 
 def _launch(a, b, layout, out_dtype, **kw):

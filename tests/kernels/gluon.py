@@ -1,0 +1,36 @@
+"""What the tests of qmoe's Gluon kernels share: a pretend sm90 device for their dispatch, seeded
+grouped GEMM operands."""
+
+import torch
+
+
+def pretend_sm90(monkeypatch, module, env: str):
+    """`module` (a Gluon kernel module with a FAILED record) dispatches as on an sm90 GPU: the
+    capability check answers sm90, no compile has failed yet, and its switch `env` is unset."""
+    from qmoe.kernels import _block_gemm_ws as ws
+
+    monkeypatch.setattr(ws, "_is_sm90", lambda index: True)
+    monkeypatch.setattr(module, "FAILED", {})
+    monkeypatch.delenv(env, raising=False)
+    return module
+
+
+def grouped_operands(recipe, layout: str, k: int, n: int, device, splits, pad: int, seed: int, scale: float = 1.0,
+                     edit=None):
+    """A grouped GEMM's quantized operands: activations (fprop: x [rows, k]; dgrad: dy [rows, n]) with
+    `pad` zero rows past the last group, times `scale` and then changed in place by `edit(x)`, and
+    the weights [E, n, k] in both orientations. Seeded: the same arguments give the same values."""
+    from qmoe.ops.grouped_gemm import quantize_weights
+    from qmoe.quant import GroupedTensor
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(splits) + pad, k if layout == "fprop" else n, generator=g) * scale
+    x[sum(splits):] = 0
+    if edit is not None:
+        edit(x)
+    w = torch.randn(len(splits), n, k, generator=g) / k ** 0.5
+    role = "input" if layout == "fprop" else "grad_output"
+    a = GroupedTensor.quantize(x.to(device), torch.tensor(splits), recipe.quantizer(role), columnwise=False,
+                               validate=False)
+    b = quantize_weights(w.to(device), recipe.quantizer("weight"), rowwise=True, columnwise=True)
+    return a, b
