@@ -4,7 +4,8 @@ bf16, same run.
 Per shape (bench_gemm's) and layout (fprop y = x W^T, dgrad dx = dy W): torch._grouped_mm on the
 bf16 operands (the target's base), the MXFP8 "dequant" route (a bf16 dequantize pass per operand,
 weights included, then the bf16 GEMM), the Triton "fused" route, and the Gluon kernel in its
-dispatched configuration and variants (tile N, K-step, ring stages). Each Gluon variant's output
+dispatched configuration and variants (tile N, ring stages, the bf16 route forced, the warp-specialised
+schedule). Each Gluon variant's output
 is compared with the Triton fused route's (`bits_equal`, `max_abs_diff`) and, once per case,
 against the fp32 product of the dequantized operands (`rel_err`, NUMERICS.md: <= 1e-2 in bf16).
 
@@ -22,8 +23,8 @@ import torch
 from benchmarks.bench_gemm import SHAPES
 from benchmarks.harness import error_line, median_ms, run_header, write_results
 
-VARIANTS = [dict(bn=256, bk=64, stages=4), dict(bn=256, bk=64, stages=3), dict(bn=128, bk=64, stages=6),
-            dict(bn=256, bk=64, stages=4, group_m=1)]
+VARIANTS = [dict(bn=256, bk=64, stages=4), dict(bn=256, bk=64, stages=4, f16=False), dict(bn=256, bk=64, stages=3),
+            dict(bn=256, bk=64, stages=4, ws_regs=(232, 40)), dict(bn=128, bk=64, stages=6, ws_regs=(232, 40))]
 
 
 def _operands(shape, layout):

@@ -22,7 +22,8 @@ on_gpu = pytest.mark.skipif(INTERPRETING or not torch.cuda.is_available(), reaso
 SPLITS = [300, 0, 450, 77, 5]  # an empty expert; group ends inside 128-row tiles
 PAD = 9  # rows past the last group
 VARIANTS = [dict(bn=256, bk=64, stages=4), dict(bn=256, bk=64, stages=3), dict(bn=128, bk=64, stages=6),
-            dict(bn=64, bk=64, stages=4), dict(bn=256, bk=64, stages=4, group_m=1)]
+            dict(bn=64, bk=64, stages=4), dict(bn=256, bk=64, stages=4, group_m=1), dict(f16=False),
+            dict(ws_regs=(232, 40)), dict(bn=128, stages=6, ws_regs=(232, 40))]
 
 
 def _special(x):
@@ -58,7 +59,7 @@ def _triton_fused(a, b, layout, out_dtype):
 
 
 def _rel(out, ref):
-    return float((out.float() - ref).norm() / ref.norm())
+    return float((out.to(ref.dtype) - ref).norm() / ref.norm())
 
 
 @on_gpu
@@ -105,6 +106,46 @@ def test_every_variant_and_few_programs_give_the_same_values(kw):
         got = _launch(a, b, "fprop", torch.float32, programs=programs, **kw)
         assert _rel(got, want) <= GEMM_RTOL[torch.float32], (kw, programs)
         assert (got[sum(SPLITS):] == 0).all()
+
+
+def _small_block(codes, scales, row, s_hi, span):
+    """Row `row` of an operand (codes [R, K] uint8, E8M0 bytes [R, K/32]): every block at byte s_hi
+    with zero codes except block 1, `span` binades lower, holding every non-zero E4M3 magnitude
+    (subnormals included) with alternating signs: the row's products come from that block only."""
+    codes[row] = 0
+    scales[row] = s_hi
+    mags = torch.arange(1, 127, 4, dtype=torch.uint8)[:32]
+    codes[row, 32:32 + len(mags)] = mags | (torch.arange(len(mags), dtype=torch.uint8) % 2 << 7)
+    codes[row, 32] = 1  # the smallest subnormal
+    scales[row, 1] = s_hi - span
+
+
+@on_gpu
+@pytest.mark.gpu
+def test_the_f16_route_is_exact_at_its_bounds_and_other_tiles_take_the_bf16_route():
+    """Rows whose only products come from a block 22 binades below the row's largest (the f16
+    route's bound, subnormal codes included), at both ends of the exponent range it takes, and a
+    weight column the same way; a tile with a 23-binade row, one with a block byte 0 amid others,
+    and an all-zero row: every output row matches the fp32 reference of its own (its products
+    are exact, only the summation order may differ)."""
+    from qmoe.reference import grouped_gemm as reference
+
+    a, b = _operands("fprop", 256, 256, "cuda")
+    codes, scales = a.rowwise_data.view(torch.uint8), a.rowwise_scale_inv.view(torch.uint8)
+    for row, s_hi, span in [(10, 197, 22), (11, 71, 22), (12, 140, 22), (140, 150, 23), (330, 120, 0)]:
+        _small_block(codes, scales, row, s_hi, span)
+    codes[12, 0], codes[13] = 0x7E, 0  # the largest code at the top factor 2^7; an all-zero row
+    scales[13] = 0
+    scales[330, 3] = 0  # a zero block (byte 0) in a row with others: its tile takes the bf16 route
+    _small_block(b.rowwise_data.view(torch.uint8), b.rowwise_scale_inv.view(torch.uint8), 7, 180, 22)
+    oracle = reference.m_grouped_gemm(a, b, out_dtype=torch.float32)
+    for kw in (dict(), dict(ws_regs=(232, 40))):
+        out = _launch(a, b, "fprop", torch.float32, programs=2, **kw).double()  # float64: the norms of 2^100
+        assert (out[13] == 0).all() and (oracle[13] == 0).all()
+        for row in [10, 11, 12, 140, 330, 5, 200]:
+            assert _rel(out[row], oracle[row].double()) <= GEMM_RTOL[torch.float32], (row, kw)
+        assert _rel(out[:300, 7], oracle[:300, 7].double()) <= GEMM_RTOL[torch.float32]
+        assert _rel(out, oracle.double()) <= GEMM_RTOL[torch.float32]
 
 
 @pytest.mark.parametrize("kw, k, what", [(dict(bk=128), 256, "64-deep K-step"), (dict(bn=96), 256, "N in"),
