@@ -15,19 +15,16 @@ def pretend_sm90(monkeypatch, module, env: str):
     return module
 
 
-def grouped_operands(recipe, layout: str, k: int, n: int, device, splits, pad: int, seed: int, scale: float = 1.0,
-                     edit=None):
+def grouped_operands(recipe, layout: str, k: int, n: int, device, splits, pad: int, seed: int):
     """A grouped GEMM's quantized operands: activations (fprop: x [rows, k]; dgrad: dy [rows, n]) with
-    `pad` zero rows past the last group, times `scale` and then changed in place by `edit(x)`, and
-    the weights [E, n, k] in both orientations. Seeded: the same arguments give the same values."""
+    `pad` zero rows past the last group, and the weights [E, n, k] in both orientations. Seeded: the
+    same arguments give the same values."""
     from qmoe.ops.grouped_gemm import quantize_weights
     from qmoe.quant import GroupedTensor
 
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(sum(splits) + pad, k if layout == "fprop" else n, generator=g) * scale
+    x = torch.randn(sum(splits) + pad, k if layout == "fprop" else n, generator=g)
     x[sum(splits):] = 0
-    if edit is not None:
-        edit(x)
     w = torch.randn(len(splits), n, k, generator=g) / k ** 0.5
     role = "input" if layout == "fprop" else "grad_output"
     a = GroupedTensor.quantize(x.to(device), torch.tensor(splits), recipe.quantizer(role), columnwise=False,
