@@ -37,6 +37,19 @@ def _bench(fn, reps):
     return triton.testing.do_bench(fn, warmup=reps, rep=reps * 10, return_mode="median")
 
 
+def inputs(name: str):
+    """Seeded CUDA inputs of shape `name`: x [E*M, K] and w [E, N, K] (bf16, requiring grad), dy
+    [E*M, N], the groups' int32 end rows (torch._grouped_mm's offs) and int64 sizes."""
+    e, m, k, n = SHAPES[name]
+    torch.manual_seed(0)
+    x = torch.randn(e * m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5).requires_grad_(True)
+    dy = torch.randn(e * m, n, device="cuda", dtype=torch.bfloat16)
+    ends = torch.arange(1, e + 1, device="cuda", dtype=torch.int32) * m
+    splits = torch.full((e,), m, device="cuda", dtype=torch.int64)
+    return x, w, dy, ends, splits
+
+
 def run(shapes, recipes, reps=10, on_shape=None):
     """Rows for every shape; on_shape(rows) is called after each shape (partial results survive)."""
     import qmoe
@@ -45,12 +58,7 @@ def run(shapes, recipes, reps=10, on_shape=None):
     for name in shapes:
         e, m, k, n = SHAPES[name]
         flops = 3 * 2 * e * m * n * k
-        torch.manual_seed(0)
-        x = torch.randn(e * m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        w = (torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5).requires_grad_(True)
-        dy = torch.randn(e * m, n, device="cuda", dtype=torch.bfloat16)
-        ends = torch.arange(1, e + 1, device="cuda", dtype=torch.int32) * m
-        splits = torch.full((e,), m, device="cuda", dtype=torch.int64)
+        x, w, dy, ends, splits = inputs(name)
 
         def step(f):
             def go():

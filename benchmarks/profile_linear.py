@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from benchmarks.bench_linear import SHAPES, _recipes
+from benchmarks.bench_linear import SHAPES, _recipes, inputs
 from benchmarks.harness import run_header, write_results
 
 
@@ -55,12 +55,7 @@ def run(shapes, recipes, steps: int, top: int, weight_cache: bool) -> list[dict]
     rows = []
     for shape in shapes:
         e, m, k, n = SHAPES[shape]
-        torch.manual_seed(0)
-        x = torch.randn(e * m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        w = (torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5).requires_grad_(True)
-        dy = torch.randn(e * m, n, device="cuda", dtype=torch.bfloat16)
-        ends = torch.arange(1, e + 1, device="cuda", dtype=torch.int32) * m
-        splits = torch.full((e,), m, device="cuda", dtype=torch.int64)
+        x, w, dy, ends, splits = inputs(shape)
 
         def bf16_step():
             x.grad = w.grad = None
