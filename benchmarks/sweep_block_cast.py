@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import copy_gbps, median_ms, run_header, write_results
+from benchmarks.harness import copy_gbps, error_line, median_ms, run_header, write_results
 from benchmarks.sweep_quantize_tiles import make_input, mismatches, nbytes
 
 SHAPES = {"65536x7168": (65536, 7168, 0), "32x2048x7168": (65536, 7168, 32)}
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
                                    frac_copy=round(nbytes(x, got) / ms / 1e6 / copy, 3))
                         del got
                     except Exception as err:  # a variant that fails is a result too
-                        row["error"] = f"{type(err).__name__}: {err}"[:300]
+                        row["error"] = error_line(err, 300)
                     rows.append(row)
                     print(row, flush=True)
                 del want

@@ -422,6 +422,21 @@ def unavailable(device: torch.device) -> str | None:
     return gluon_unavailable(device)
 
 
+def launch_once(failed: dict, key, what: str, launch):
+    """launch()'s result, or None where a launch with this key failed to compile before or fails now
+    (another Triton's Gluon; nothing was launched): the failure is recorded in `failed` and warned
+    about once, and the caller runs its Triton kernel."""
+    if key in failed:
+        return None
+    try:
+        return launch()
+    except Exception as err:  # noqa: BLE001 - a compile failure: the Triton kernel stands in
+        failed[key] = f"{type(err).__name__}: {err}"
+        warnings.warn(f"qmoe: the Gluon {what} did not compile ({failed[key][:300]}); using the Triton kernel",
+                      RuntimeWarning, stacklevel=3)
+        return None
+
+
 def unsupported(a, b, n_out: int, k: int, out_dtype, total_rows: int, groups: int) -> str | None:
     """Why the dispatched Gluon kernel cannot run this m-grouped BLOCK call (None: it can).
 
@@ -469,16 +484,8 @@ def launch_dispatched(a, b, offsets, total_rows: int, n_out: int, k: int, groups
     cfg = dispatch_config(n_out)
     cfg["stages"] = fit_stages(cfg["stages"], 128, cfg["bn"], out_dtype, cfg.get("c_bufs", 1))
     key = (out_dtype, b_columnwise, *sorted(cfg.items()))
-    if key in FAILED:
-        return None
-    try:
-        return launch_block_gemm_ws(a, b, offsets, total_rows, n_out, k, groups, out_dtype, out=out,
-                                    b_columnwise=b_columnwise, **cfg)
-    except Exception as err:  # a compile failure (another Triton's Gluon); nothing was launched
-        FAILED[key] = f"{type(err).__name__}: {err}"
-        warnings.warn(f"qmoe: the Gluon FP8 block GEMM did not compile ({FAILED[key][:300]}); "
-                      f"using the Triton kernel", RuntimeWarning, stacklevel=2)
-        return None
+    return launch_once(FAILED, key, "FP8 block GEMM", lambda: launch_block_gemm_ws(
+        a, b, offsets, total_rows, n_out, k, groups, out_dtype, out=out, b_columnwise=b_columnwise, **cfg))
 
 
 def launch_block_gemm_ws(a, b, offsets: torch.Tensor, total_rows: int, n_out: int, k: int, groups: int,

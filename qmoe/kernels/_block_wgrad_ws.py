@@ -27,8 +27,6 @@ a multiple of 16) takes every step that way: correct, slower.
 """
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from qmoe.kernels import _block_gemm_ws as ws
@@ -349,15 +347,8 @@ def launch_dispatched(a, b, offsets, n: int, k: int, groups: int, out: torch.Ten
     cfg = dict(DISPATCH)
     cfg["stages"] = fit_stages(cfg["stages"], out.dtype, _tma_out(out, n, k, accumulate))
     key = (out.dtype, accumulate, *sorted(cfg.items()))
-    if key in FAILED:
-        return None
-    try:
-        return launch_block_wgrad_ws(a, b, offsets, n, k, groups, out, accumulate, **cfg)
-    except Exception as err:  # a compile failure (another Triton's Gluon); nothing was launched
-        FAILED[key] = f"{type(err).__name__}: {err}"
-        warnings.warn(f"qmoe: the Gluon FP8 block wgrad GEMM did not compile ({FAILED[key][:300]}); "
-                      f"using the Triton kernel", RuntimeWarning, stacklevel=2)
-        return None
+    return ws.launch_once(FAILED, key, "FP8 block wgrad GEMM",
+                          lambda: launch_block_wgrad_ws(a, b, offsets, n, k, groups, out, accumulate, **cfg))
 
 
 def launch_block_wgrad_ws(a, b, offsets: torch.Tensor, n: int, k: int, groups: int, out: torch.Tensor,

@@ -22,7 +22,6 @@ store writes.
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
 
@@ -35,12 +34,6 @@ gluon = ws.gluon
 if gluon is not None:
     from qmoe.kernels._block_gemm_ws import TensorDescriptor, gl, mbarrier
 
-if gluon is not None:
-
-    @gluon.jit
-    def _add(a, b):
-        return a + b
-
     @gluon.jit
     def _group_table(splits_ptr, G, BM: gl.constexpr, GP: gl.constexpr, GROUPED: gl.constexpr,
                      WARPS: gl.constexpr):
@@ -50,9 +43,9 @@ if gluon is not None:
         layout: gl.constexpr = gl.BlockedLayout([SPT], [32], [WARPS], [0])  # replicated over warps
         gi = gl.arange(0, GP, layout=layout)
         sizes = gl.load(splits_ptr + gi, mask=(gi < G) & GROUPED, other=0).to(gl.int32)
-        starts = gl.associative_scan(sizes, 0, _add) - sizes
+        starts = gl.associative_scan(sizes, 0, ws._add) - sizes
         tiles = gl.cdiv(sizes, BM)
-        tile_end = gl.associative_scan(tiles, 0, _add)
+        tile_end = gl.associative_scan(tiles, 0, ws._add)
         return gi, starts, sizes, tiles, tile_end
 
     @gluon.jit
@@ -215,18 +208,13 @@ def launch_dispatched(x: torch.Tensor, splits, num_groups: int, block_cols: int,
     the caller then runs the Triton kernel."""
     if unsupported(x, block_cols, fused_activation) is not None:
         return False
-    key = (x.dtype, splits is not None)
-    if key in FAILED:
-        return False
-    try:
+
+    def go():
         launch(x, splits, num_groups, False, out_code, fmt_max, power_2_scale, amax_epsilon, True, True,
                row, row_s, col, col_s, **DISPATCH)
-    except Exception as err:  # a compile failure (another Triton's Gluon); nothing was launched
-        FAILED[key] = f"{type(err).__name__}: {err}"
-        warnings.warn(f"qmoe: the Gluon FP8 block cast did not compile ({FAILED[key][:300]}); "
-                      f"using the Triton kernel", RuntimeWarning, stacklevel=2)
-        return False
-    return True
+        return True
+
+    return ws.launch_once(FAILED, (x.dtype, splits is not None), "FP8 block cast", go) is True
 
 
 def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_max: float,

@@ -1,6 +1,9 @@
-"""What the tests of qmoe's Gluon kernels share: a pretend sm90 device for their dispatch, seeded
-grouped GEMM operands."""
+"""What the tests of qmoe's Gluon kernels share: a pretend sm90 device for their dispatch, the
+check of its compile-failure fallback, seeded grouped GEMM operands."""
 
+import warnings
+
+import pytest
 import torch
 
 
@@ -13,6 +16,25 @@ def pretend_sm90(monkeypatch, module, env: str):
     monkeypatch.setattr(module, "FAILED", {})
     monkeypatch.delenv(env, raising=False)
     return module
+
+
+def assert_a_compile_failure_falls_back_once(monkeypatch, module, launcher: str, dispatch, fallback):
+    """With `module.<launcher>` failing as a Gluon compile would, dispatch() returns `fallback`
+    (the caller's cue to run the Triton kernel) and warns; a second call neither retries nor warns:
+    the launcher ran once and module.FAILED holds one failure."""
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("no such Gluon op")
+
+    monkeypatch.setattr(module, launcher, broken)
+    with pytest.warns(RuntimeWarning, match="did not compile"):
+        assert dispatch() is fallback
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # recorded: neither a second attempt nor a second warning
+        assert dispatch() is fallback
+    assert len(calls) == 1 and len(module.FAILED) == 1
 
 
 def grouped_operands(recipe, layout: str, k: int, n: int, device, splits, pad: int, seed: int):

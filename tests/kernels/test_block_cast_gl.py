@@ -9,13 +9,12 @@ interpreter: the dispatch decision and the fallback are checked on the CPU.
 """
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
 
 from qmoe.contracts.formats import E4M3, E5M2
-from tests.kernels.gluon import pretend_sm90
+from tests.kernels.gluon import assert_a_compile_failure_falls_back_once, pretend_sm90
 from tests.kernels.interpret import INTERPRETING
 
 on_gpu = pytest.mark.skipif(INTERPRETING or not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -202,21 +201,9 @@ def test_the_gluon_cast_is_dispatched_only_where_it_applies(sm90, monkeypatch):
 
 
 def test_a_failed_compile_falls_back_with_one_warning(sm90, monkeypatch):
-    ct = sm90
-    calls = []
-
-    def broken(*args, **kwargs):
-        calls.append(1)
-        raise RuntimeError("no such Gluon op")
-
-    monkeypatch.setattr(ct, "launch", broken)
     args = (_Rows(), None, 1, 128, False, None, 448.0, True, 0.0, None, None, None, None)
-    with pytest.warns(RuntimeWarning, match="did not compile"):
-        assert ct.launch_dispatched(*args) is False
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # recorded: neither a second attempt nor a second warning
-        assert ct.launch_dispatched(*args) is False
-    assert len(calls) == 1 and len(ct.FAILED) == 1
+    assert_a_compile_failure_falls_back_once(monkeypatch, sm90, "launch", lambda: sm90.launch_dispatched(*args),
+                                             False)
 
 
 def test_fp8_block_op_asks_the_gluon_cast_only_for_1x128_blocks_in_both_orientations(monkeypatch):

@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-from tests.kernels.gluon import grouped_operands, pretend_sm90
+from tests.kernels.gluon import assert_a_compile_failure_falls_back_once, grouped_operands, pretend_sm90
 from tests.kernels.interpret import INTERPRETING, inside, launcher, run_under_interpreter
 
 SPLITS = [40, 0, 150, 7]  # an empty expert; no group boundary on a 128-row tile edge
@@ -355,21 +355,10 @@ def test_unsupported_calls_launch_nothing(sm90, monkeypatch):
 
 @launcher
 def test_a_gluon_compile_failure_warns_once_and_falls_back(sm90, monkeypatch):
-    ws = sm90
-    calls = []
-
-    def broken(*args, **kwargs):
-        calls.append(kwargs)
-        raise RuntimeError("PassManager::run failed")
-
-    monkeypatch.setattr(ws, "launch_block_gemm_ws", broken)
     a, b = _ops()
-    with pytest.warns(RuntimeWarning, match="did not compile"):
-        assert ws.launch_dispatched(a, b, None, 4096, 384, 512, 4, torch.bfloat16, None) is None
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert ws.launch_dispatched(a, b, None, 4096, 384, 512, 4, torch.bfloat16, None) is None
-    assert len(calls) == 1 and len(ws.FAILED) == 1
+    assert_a_compile_failure_falls_back_once(
+        monkeypatch, sm90, "launch_block_gemm_ws",
+        lambda: sm90.launch_dispatched(a, b, None, 4096, 384, 512, 4, torch.bfloat16, None), None)
 
 
 @launcher

@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from tests.kernels.gluon import pretend_sm90
+from tests.kernels.gluon import assert_a_compile_failure_falls_back_once, pretend_sm90
 from tests.kernels.interpret import INTERPRETING
 
 on_gpu = pytest.mark.skipif(INTERPRETING, reason="the GPU tests do not run under the interpreter")
@@ -172,21 +172,10 @@ def test_wgrad_dispatch_takes_the_gluon_kernel_only_where_it_applies(sm90, monke
 
 
 def test_a_failed_compile_falls_back_to_the_triton_kernel_with_one_warning(sm90, monkeypatch):
-    wg = sm90
-    calls = []
-
-    def broken(*args, **kwargs):
-        calls.append(1)
-        raise RuntimeError("no such Gluon op")
-
-    monkeypatch.setattr(wg, "launch_block_wgrad_ws", broken)
     out = torch.empty(4, 256, 384, dtype=torch.bfloat16)
-    with pytest.warns(RuntimeWarning, match="did not compile"):
-        assert wg.launch_dispatched(_op(), _op(), None, 256, 384, 4, out, False) is None
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # recorded: neither a second attempt nor a second warning
-        assert wg.launch_dispatched(_op(), _op(), None, 256, 384, 4, out, False) is None
-    assert len(calls) == 1 and len(wg.FAILED) == 1
+    assert_a_compile_failure_falls_back_once(
+        monkeypatch, sm90, "launch_block_wgrad_ws",
+        lambda: sm90.launch_dispatched(_op(), _op(), None, 256, 384, 4, out, False), None)
 
 
 def test_the_triton_wgrad_runs_where_the_gluon_one_declines(monkeypatch):
