@@ -6,14 +6,15 @@ strides, scale layouts; nothing read from the device) and launches one static gr
 whole call is host-sync-free and CUDA-graph capturable. Routes:
 
   bf16 m-grouped               torch._grouped_mm, rows past the last group zeroed on device
-  fp16/fp32, and every k-grouped plain GEMM     Triton, SCALING NONE
+  bf16 k-grouped, bf16 out     torch._grouped_mm (tokens as its grouped contraction)
+  fp16/fp32, and other k-grouped plain GEMMs    Triton, SCALING NONE
   FP8 tensor / block           Triton, FP8 codes into the tensor cores (block m-grouped, sm90: _block_gemm_ws)
   MXFP8 / NVFP4 (sm90: exact emulation) two exact routes:
       "fused"    dequantize in registers inside the GEMM (weights stay 8/4-bit in memory:
                  the memory-bound, few-rows-per-expert route)
       "dequant"  one exact bf16 dequantize pass per operand, then a bf16 grouped GEMM
-                 (torch._grouped_mm for MXFP8 with bf16 out, else Triton with the NVFP4
-                 tensor factors in its epilogue): the compute-bound route. Weights kept
+                 (torch._grouped_mm for MXFP8 with bf16 out, m- and k-grouped, else Triton
+                 with the NVFP4 tensor factors in its epilogue): the compute-bound route. Weights kept
                  across calls (`bf16_copies`) are dequantized once, on their first call
   "auto" picks "dequant" from DEQUANT_MIN_ROWS rows per group on: with many rows per expert
   the GEMM is compute-bound and the bf16 tensor-core GEMM after one dequantize pass outruns
@@ -283,6 +284,25 @@ def _torch_grouped_mm_op(a16: torch.Tensor, mat_b: torch.Tensor, offsets: torch.
     return out
 
 
+def _tokens_grouped_mm_ok(mat_a: torch.Tensor, mat_b: torch.Tensor, offsets, out, out_dtype) -> bool:
+    """torch._grouped_mm takes wgrad's [n, tokens] @ [tokens, k]: bf16 in and out, a new output,
+    at least one group and one token, each operand's non-unit stride and base 16-byte aligned
+    (its CUTLASS kernel's TMA)."""
+    def aligned(m):
+        return 1 in m.stride() and all(s % 8 == 0 for s in m.stride() if s != 1) and m.data_ptr() % 16 == 0
+    return (hasattr(torch, "_grouped_mm") and out is None and out_dtype == torch.bfloat16 and mat_a.is_cuda
+            and mat_a.dtype == mat_b.dtype == torch.bfloat16 and mat_a.shape[1] > 0
+            and offsets.numel() > 1 and torch.cuda.get_device_capability(mat_a.device) >= (9, 0)
+            and aligned(mat_a) and aligned(mat_b))
+
+
+@kernel_op("qmoe::k_grouped_mm_bf16")
+def _tokens_grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """dW [G, n, k] = mat_a[:, tokens of g] @ mat_b[tokens of g, :] by torch._grouped_mm (bf16,
+    CUTLASS): an expert without tokens gets zeros, tokens past offsets[-1] are not read."""
+    return torch._grouped_mm(mat_a, mat_b, offs=offsets[1:].to(torch.int32))
+
+
 def _dequantized(op: _Operand, scaling: Scaling, rows: int, cols: int, row_group: int, col_group: int,
                  out_shape: tuple, out_strides: tuple[int, int],
                  tile: tuple[int, int, int] | None = None) -> torch.Tensor:
@@ -487,6 +507,8 @@ def k_grouped_gemm_with(a, b, split_sizes=None, *, out_dtype=torch.bfloat16, out
     if not is_grouped(a):
         offsets = _device_offsets(split_sizes, a.device)
         groups, n, k = offsets.numel() - 1, a.shape[1], b.shape[1]
+        if config is None and _tokens_grouped_mm_ok(a.t(), b, offsets, out, out_dtype):
+            return _tokens_grouped_mm(a.t(), b, offsets)
         a_op, b_op = _Operand(a, a.stride(1), a.stride(0)), _Operand(b, b.stride(1), b.stride(0))
         return _launch_k(a_op, b_op, offsets, n, k, groups, Scaling.NONE, out, accumulate, config, out_dtype)
     scaling = scaling_of(a)
@@ -501,6 +523,9 @@ def k_grouped_gemm_with(a, b, split_sizes=None, *, out_dtype=torch.bfloat16, out
         for x, op in ((a, a_op), (b, b_op)):
             x16 = _dequantized_tokens(x, op, scaling, tile=config.dq if config is not None else None)
             ops16.append(_Operand(x16, total, 1, factor=op.factor))
+        a16, b16 = ops16[0].data, ops16[1].data
+        if scaling is Scaling.MX and config is None and _tokens_grouped_mm_ok(a16, b16.t(), a.offsets, out, out_dtype):
+            return _tokens_grouped_mm(a16, b16.t(), a.offsets)
         gemm_cfg = config if config is not None and config.bm >= 128 else None
         return _launch_k(ops16[0], ops16[1], a.offsets, n, k, groups, Scaling.NONE, out, accumulate, gemm_cfg,
                          out_dtype)

@@ -375,6 +375,42 @@ def test_plain_kernels_match(layout):
         assert _rel(out, ref) <= (1e-2 if dtype == torch.bfloat16 else 1e-4), dtype
 
 
+ALIGNED_SPLITS = [0, 131, 1, 257, 66, 0, 105]  # 560 tokens: torch._grouped_mm's 16-byte strides
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", [None, MXFP8BlockScaling()], ids=["bf16", "mxfp8"])
+def test_wgrad_runs_on_torch_grouped_mm_where_aligned(recipe, monkeypatch):
+    """bf16-out wgrad (plain bf16, MXFP8's dequantize route) runs torch._grouped_mm with tokens as
+    its grouped contraction when the token count keeps its strides 16-byte aligned, else the
+    Triton kernel: both within the GEMM contract, experts without tokens exactly zero."""
+    from qmoe.kernels import grouped_gemm as kernels
+    from qmoe.reference import grouped_gemm as reference
+
+    calls = []
+    real = torch._grouped_mm
+
+    def spy(a, b, *args, **kw):
+        calls.append((a.dim(), b.dim()))
+        return real(a, b, *args, **kw)
+
+    monkeypatch.setattr(torch, "_grouped_mm", spy)
+    for splits, on_torch in ((ALIGNED_SPLITS, True), (GPU_SPLITS, False)):
+        calls.clear()
+        x, w, dy = _data(splits, 328, 448, "cuda")
+        if recipe is None:
+            out = kernels.k_grouped_gemm_with(dy.bfloat16(), x.bfloat16(), torch.tensor(splits, device="cuda"))
+            ref = _hp("wgrad", x.bfloat16(), w, dy.bfloat16(), splits)
+        else:
+            a, b = _quantize(recipe, "wgrad", splits, x, w, dy)
+            out = kernels.k_grouped_gemm_with(a, b, route="dequant")
+            ref = reference.k_grouped_gemm(a, b, out_dtype=torch.float32)
+        assert calls == ([(2, 2)] if on_torch else []), (splits, calls)
+        assert out.dtype == torch.bfloat16 and out.shape == (len(splits), 328, 448)
+        assert_gemm_within_contract(out, ref, f"{splits}")
+        assert (out[[0, 5]] == 0).all(), "experts without tokens get exact zeros"
+
+
 @pytest.mark.gpu
 def test_gpu_wgrad_accumulate():
     r = MXFP8BlockScaling()
@@ -422,9 +458,9 @@ def test_no_host_sync_and_graph_replay_with_new_splits(recipe):
         splits = torch.tensor(old, device=dev)
         xb, dyb, wb = x.bfloat16(), dy.bfloat16(), w.bfloat16()
 
-        def step():
+        def step():  # wgrad both ways: bf16 out on torch._grouped_mm, fp32 out on the Triton kernel
             return (m_grouped_gemm(xb, wb, splits), m_grouped_gemm(dyb, wb, splits, b_columnwise=True),
-                    k_grouped_gemm(dyb, xb, splits, out_dtype=torch.float32))
+                    k_grouped_gemm(dyb, xb, splits, out_dtype=torch.float32), k_grouped_gemm(dyb, xb, splits))
 
         def refill():
             splits.copy_(torch.tensor(new, device=dev))
