@@ -286,14 +286,14 @@ def _torch_grouped_mm_op(a16: torch.Tensor, mat_b: torch.Tensor, offsets: torch.
 
 def _tokens_grouped_mm_ok(mat_a: torch.Tensor, mat_b: torch.Tensor, offsets, out, out_dtype) -> bool:
     """torch._grouped_mm takes wgrad's [n, tokens] @ [tokens, k]: bf16 in and out, a new output,
-    at least one group and one token, each operand's non-unit stride and base 16-byte aligned
-    (its CUTLASS kernel's TMA)."""
-    def aligned(m):
-        return 1 in m.stride() and all(s % 8 == 0 for s in m.stride() if s != 1) and m.data_ptr() % 16 == 0
+    at least one group and one token, features contiguous in both operands with 16-byte aligned
+    strides and bases (its CUTLASS kernel's TMA). With tokens contiguous it would instead assert,
+    on the device, that every group's token count is a multiple of 8."""
     return (hasattr(torch, "_grouped_mm") and out is None and out_dtype == torch.bfloat16 and mat_a.is_cuda
-            and mat_a.dtype == mat_b.dtype == torch.bfloat16 and mat_a.shape[1] > 0
-            and offsets.numel() > 1 and torch.cuda.get_device_capability(mat_a.device) >= (9, 0)
-            and aligned(mat_a) and aligned(mat_b))
+            and mat_a.dtype == mat_b.dtype == torch.bfloat16 and mat_a.shape[1] > 0 and offsets.numel() > 1
+            and mat_a.stride(0) == 1 and mat_b.stride(1) == 1 and mat_a.stride(1) % 8 == 0
+            and mat_b.stride(0) % 8 == 0 and mat_a.data_ptr() % 16 == 0 and mat_b.data_ptr() % 16 == 0
+            and torch.cuda.get_device_capability(mat_a.device) >= (9, 0))
 
 
 @kernel_op("qmoe::k_grouped_mm_bf16")
@@ -469,25 +469,32 @@ def _launch_k_into(a: _Operand, b: _Operand, offsets, n, k, groups, scaling, out
     return out
 
 
-def _dequantized_tokens(x, op: _Operand, scaling: Scaling, tile: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """Exact bf16 values of x's token-grouped columnwise copy (wgrad's operands): [features, tokens]."""
-    return _dequantize_tokens_op(*_flat(op), x.offsets, scaling.value, [x.shape[1], x.shape[0], x.num_groups],
-                                 list(tile or DEQUANT_TILES[scaling]))
+def _dequantized_tokens(x, op: _Operand, scaling: Scaling, tile: tuple[int, int, int] | None = None,
+                        token_major: bool = False) -> torch.Tensor:
+    """Exact bf16 values of x's token-grouped columnwise copy (wgrad's operands): [features, tokens],
+    tokens contiguous, or with `token_major` features contiguous (the transpose of a contiguous
+    [tokens, features]: the layout torch._grouped_mm takes at any group sizes)."""
+    out = _dequantize_tokens_op(*_flat(op), x.offsets, scaling.value, [x.shape[1], x.shape[0], x.num_groups],
+                                list(tile or DEQUANT_TILES[scaling]), token_major)
+    return out.t() if token_major else out
 
 
 @kernel_op("qmoe::grouped_gemm_dequantize_tokens")
 def _dequantize_tokens_op(data: torch.Tensor, scale: Optional[torch.Tensor], factor: Optional[torch.Tensor],
                           soffs: Optional[torch.Tensor], meta: list[int], offsets: torch.Tensor, scaling: str,
-                          sizes: list[int], tile: list[int]) -> torch.Tensor:
+                          sizes: list[int], tile: list[int], token_major: bool) -> torch.Tensor:
+    """[features, tokens], or [tokens, features] with token_major (the caller transposes it)."""
     op = _unflat(data, scale, factor, soffs, meta)
     features, total, groups = sizes
-    out = torch.empty((features, total), dtype=torch.bfloat16, device=data.device)
+    shape = (total, features) if token_major else (features, total)
+    out = torch.empty(shape, dtype=torch.bfloat16, device=data.device)
+    stride_r, stride_t = (out.stride(1), out.stride(0)) if token_major else out.stride()
     block_r, block_t, warps = tile
     if features == 0 or total == 0 or groups == 0:
         return out
     wrapped(jit.dequantize_tokens_kernel)[(ceil_div(features, block_r), ceil_div(total, block_t) + groups)](
         op.data, op.scale, op.soffs, offsets, out, features, groups,
-        op.stride_r, op.stride_k, op.s_stride_r, op.s_stride_k, out.stride(0), out.stride(1),
+        op.stride_r, op.stride_k, op.s_stride_r, op.s_stride_k, stride_r, stride_t,
         SCALING=_CODE[Scaling(scaling)], BC=op.block[1], GP=group_pow2(groups),  # reads offs[g], offs[g + 1] for g < G
         BLOCK_R=block_r, BLOCK_T=block_t, num_warps=warps)
     return out
@@ -519,16 +526,16 @@ def k_grouped_gemm_with(a, b, split_sizes=None, *, out_dtype=torch.bfloat16, out
         emulated = scaling in (Scaling.MX, Scaling.NVFP4)
         route = GemmRoute.DEQUANT if emulated and total >= DEQUANT_MIN_ROWS * groups else GemmRoute.FUSED
     if route is GemmRoute.DEQUANT and scaling in (Scaling.MX, Scaling.NVFP4) and total > 0:
-        ops16 = []
-        for x, op in ((a, a_op), (b, b_op)):
-            x16 = _dequantized_tokens(x, op, scaling, tile=config.dq if config is not None else None)
-            ops16.append(_Operand(x16, total, 1, factor=op.factor))
-        a16, b16 = ops16[0].data, ops16[1].data
-        if scaling is Scaling.MX and config is None and _tokens_grouped_mm_ok(a16, b16.t(), a.offsets, out, out_dtype):
+        on_torch = scaling is Scaling.MX and config is None and out is None and out_dtype == torch.bfloat16
+        tile = config.dq if config is not None else None
+        a16, b16 = (_dequantized_tokens(x, op, scaling, tile=tile, token_major=on_torch)
+                    for x, op in ((a, a_op), (b, b_op)))
+        if on_torch and _tokens_grouped_mm_ok(a16, b16.t(), a.offsets, out, out_dtype):
             return _tokens_grouped_mm(a16, b16.t(), a.offsets)
+        a16, b16 = (_Operand(x16, x16.stride(0), x16.stride(1), factor=op.factor)
+                    for x16, op in ((a16, a_op), (b16, b_op)))
         gemm_cfg = config if config is not None and config.bm >= 128 else None
-        return _launch_k(ops16[0], ops16[1], a.offsets, n, k, groups, Scaling.NONE, out, accumulate, gemm_cfg,
-                         out_dtype)
+        return _launch_k(a16, b16, a.offsets, n, k, groups, Scaling.NONE, out, accumulate, gemm_cfg, out_dtype)
     return _launch_k(a_op, b_op, a.offsets, n, k, groups, scaling, out, accumulate, config, out_dtype)
 
 

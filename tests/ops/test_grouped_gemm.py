@@ -317,7 +317,7 @@ def check_token_grouped_dequantize(a):
     """wgrad's exact dequantize pass over a token-grouped columnwise copy (MXFP8 / NVFP4): its
     group-aligned tiles (code pairs where a group starts on an even token, single codes
     elsewhere) give each group's columnwise values bit for bit, at the default tile and at one
-    narrower than most groups."""
+    narrower than most groups, in either layout."""
     from qmoe.kernels import grouped_gemm as kernels
     from qmoe.contracts.enums import scaling_of
     from qmoe.reference.grouped_gemm import _columnwise_parts
@@ -325,12 +325,13 @@ def check_token_grouped_dequantize(a):
     scaling = scaling_of(a)
     op = kernels.tokens_operand(a, scaling)
     want = torch.cat(_columnwise_parts(a), 1)
-    for tile in (None, (16, 32, 4)):
-        out = kernels._dequantized_tokens(a, op, scaling, tile=tile).float()
+    for tile, token_major in ((None, False), ((16, 32, 4), False), (None, True), ((16, 32, 4), True)):
+        out = kernels._dequantized_tokens(a, op, scaling, tile=tile, token_major=token_major).float()
+        assert (out.stride(0) == 1) == token_major, "token_major: features contiguous"
         if op.factor is not None:  # NVFP4: the GEMM applies each group's tensor factor in its epilogue
             bounds = a.offsets.tolist()
             out = torch.cat([out[:, s:e] * f for s, e, f in zip(bounds[:-1], bounds[1:], op.factor)], 1)
-        assert torch.equal(out[:, :want.shape[1]], want), tile
+        assert torch.equal(out[:, :want.shape[1]], want), (tile, token_major)
 
 
 @pytest.mark.gpu
@@ -375,15 +376,14 @@ def test_plain_kernels_match(layout):
         assert _rel(out, ref) <= (1e-2 if dtype == torch.bfloat16 else 1e-4), dtype
 
 
-ALIGNED_SPLITS = [0, 131, 1, 257, 66, 0, 105]  # 560 tokens: torch._grouped_mm's 16-byte strides
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", [None, MXFP8BlockScaling()], ids=["bf16", "mxfp8"])
-def test_wgrad_runs_on_torch_grouped_mm_where_aligned(recipe, monkeypatch):
-    """bf16-out wgrad (plain bf16, MXFP8's dequantize route) runs torch._grouped_mm with tokens as
-    its grouped contraction when the token count keeps its strides 16-byte aligned, else the
-    Triton kernel: both within the GEMM contract, experts without tokens exactly zero."""
+def test_wgrad_runs_on_torch_grouped_mm_where_it_can(recipe, monkeypatch):
+    """bf16-out wgrad (plain bf16, MXFP8's dequantize route) runs torch._grouped_mm, tokens as its
+    grouped contraction, at any group sizes (jagged, odd: features contiguous, so CUTLASS asserts
+    nothing per group); otherwise the Triton kernel: plain operands with tokens contiguous or
+    unaligned feature strides, fp32 output. Every case within the GEMM contract, experts
+    without tokens exactly zero."""
     from qmoe.kernels import grouped_gemm as kernels
     from qmoe.reference import grouped_gemm as reference
 
@@ -395,20 +395,30 @@ def test_wgrad_runs_on_torch_grouped_mm_where_aligned(recipe, monkeypatch):
         return real(a, b, *args, **kw)
 
     monkeypatch.setattr(torch, "_grouped_mm", spy)
-    for splits, on_torch in ((ALIGNED_SPLITS, True), (GPU_SPLITS, False)):
+    splits = torch.tensor(GPU_SPLITS, device="cuda")
+    if recipe is None:
+        def run(k, tokens_contiguous=False, out_dtype=torch.bfloat16):
+            x, w, dy = (t.bfloat16() for t in _data(GPU_SPLITS, 328, k, "cuda"))
+            if tokens_contiguous:
+                dy, x = dy.t().contiguous().t(), x.t().contiguous().t()
+            return kernels.k_grouped_gemm_with(dy, x, splits, out_dtype=out_dtype), _hp("wgrad", x, w, dy, GPU_SPLITS)
+        cases = {"aligned": (lambda: run(448), True), "k=450": (lambda: run(450), False),
+                 "tokens contiguous": (lambda: run(448, tokens_contiguous=True), False),
+                 "fp32 out": (lambda: run(448, out_dtype=torch.float32), False)}
+    else:
+        a, b = _quantize(recipe, "wgrad", GPU_SPLITS, *_data(GPU_SPLITS, 328, 448, "cuda"))
+        ref = reference.k_grouped_gemm(a, b, out_dtype=torch.float32)
+
+        def run(out_dtype):
+            return kernels.k_grouped_gemm_with(a, b, route="dequant", out_dtype=out_dtype), ref
+        cases = {"bf16 out": (lambda: run(torch.bfloat16), True), "fp32 out": (lambda: run(torch.float32), False)}
+    for name, (go, on_torch) in cases.items():
         calls.clear()
-        x, w, dy = _data(splits, 328, 448, "cuda")
-        if recipe is None:
-            out = kernels.k_grouped_gemm_with(dy.bfloat16(), x.bfloat16(), torch.tensor(splits, device="cuda"))
-            ref = _hp("wgrad", x.bfloat16(), w, dy.bfloat16(), splits)
-        else:
-            a, b = _quantize(recipe, "wgrad", splits, x, w, dy)
-            out = kernels.k_grouped_gemm_with(a, b, route="dequant")
-            ref = reference.k_grouped_gemm(a, b, out_dtype=torch.float32)
-        assert calls == ([(2, 2)] if on_torch else []), (splits, calls)
-        assert out.dtype == torch.bfloat16 and out.shape == (len(splits), 328, 448)
-        assert_gemm_within_contract(out, ref, f"{splits}")
-        assert (out[[0, 5]] == 0).all(), "experts without tokens get exact zeros"
+        out, ref = go()
+        assert calls == ([(2, 2)] if on_torch else []), (name, calls)
+        assert out.shape == ref.shape, name
+        assert_gemm_within_contract(out, ref, name)
+        assert (out[[0, 5]] == 0).all(), f"{name}: experts without tokens get exact zeros"
 
 
 @pytest.mark.gpu
