@@ -38,9 +38,6 @@ if gluon is not None:
     from qmoe.kernels._block_gemm_ws import (fence_async_shared, gl, mbarrier, tma, warpgroup_mma,
                                              warpgroup_mma_wait)
 
-
-if gluon is not None:
-
     @gluon.jit
     def _tile_of(t, offs_ptr, per_group, num_m, num_n, GROUP_M: gl.constexpr):
         """Tile t -> (group, row tile, column tile, the group's first token, its token count)."""
