@@ -287,14 +287,13 @@ def _torch_grouped_mm_op(a16: torch.Tensor, mat_b: torch.Tensor, offsets: torch.
 def _tokens_grouped_mm_ok(mat_a: torch.Tensor, mat_b: torch.Tensor, offsets, out, out_dtype) -> bool:
     """torch._grouped_mm takes wgrad's [n, tokens] @ [tokens, k]: bf16 in and out, a new output,
     at least one group and one token, features contiguous in both operands with 16-byte aligned
-    strides and storage offsets (its CUTLASS kernel's TMA; offsets, not pointers, so that traced
-    fake tensors answer too). With tokens contiguous it would instead assert, on the device,
-    that every group's token count is a multiple of 8."""
+    strides (its CUTLASS kernel's TMA). With tokens contiguous it would instead assert, on the
+    device, that every group's token count is a multiple of 8. Like the m-grouped route it reads
+    only metadata that torch.compile traces; a base off 16 bytes gets torch's own error."""
     return (hasattr(torch, "_grouped_mm") and out is None and out_dtype == torch.bfloat16 and mat_a.is_cuda
             and mat_a.dtype == mat_b.dtype == torch.bfloat16 and mat_a.shape[1] > 0 and offsets.numel() > 1
             and mat_a.stride(0) == 1 and mat_b.stride(1) == 1 and mat_a.stride(1) % 8 == 0
-            and mat_b.stride(0) % 8 == 0 and mat_a.storage_offset() % 8 == 0 and mat_b.storage_offset() % 8 == 0
-            and torch.cuda.get_device_capability(mat_a.device) >= (9, 0))
+            and mat_b.stride(0) % 8 == 0 and torch.cuda.get_device_capability(mat_a.device) >= (9, 0))
 
 
 @kernel_op("qmoe::k_grouped_mm_bf16")
