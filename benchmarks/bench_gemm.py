@@ -158,7 +158,7 @@ def _qmoe_fn(layout, ops, splits, route="auto", config=None):
 def _route_used(name, layout, ops):
     from qmoe.kernels.grouped_gemm import DEQUANT_MIN_ROWS
 
-    if name == "bf16":  # wgrad too: the shapes' token counts keep its strides 16-byte aligned
+    if name == "bf16":  # wgrad too: bf16 out, features contiguous with 16-byte aligned strides
         return "torch._grouped_mm"
     if name not in ("mxfp8", "nvfp4"):
         return "triton"

@@ -6,7 +6,7 @@ strides, scale layouts; nothing read from the device) and launches one static gr
 whole call is host-sync-free and CUDA-graph capturable. Routes:
 
   bf16 m-grouped               torch._grouped_mm, rows past the last group zeroed on device
-  bf16 k-grouped, bf16 out     torch._grouped_mm (tokens as its grouped contraction)
+  bf16 k-grouped, bf16 out     torch._grouped_mm, tokens as its grouped contraction (features contiguous)
   fp16/fp32, and other k-grouped plain GEMMs    Triton, SCALING NONE
   FP8 tensor / block           Triton, FP8 codes into the tensor cores (block m-grouped, sm90: _block_gemm_ws)
   MXFP8 / NVFP4 (sm90: exact emulation) two exact routes:
@@ -14,8 +14,8 @@ whole call is host-sync-free and CUDA-graph capturable. Routes:
                  the memory-bound, few-rows-per-expert route)
       "dequant"  one exact bf16 dequantize pass per operand, then a bf16 grouped GEMM
                  (torch._grouped_mm for MXFP8 with bf16 out, m- and k-grouped, else Triton
-                 with the NVFP4 tensor factors in its epilogue): the compute-bound route. Weights kept
-                 across calls (`bf16_copies`) are dequantized once, on their first call
+                 with the NVFP4 tensor factors in its epilogue): the compute-bound route.
+                 Weights kept across calls (`bf16_copies`) are dequantized once, on their first call
   "auto" picks "dequant" from DEQUANT_MIN_ROWS rows per group on: with many rows per expert
   the GEMM is compute-bound and the bf16 tensor-core GEMM after one dequantize pass outruns
   in-register dequantization; with few rows it is memory-bound and the fused kernel, which
@@ -532,10 +532,11 @@ def k_grouped_gemm_with(a, b, split_sizes=None, *, out_dtype=torch.bfloat16, out
                     for x, op in ((a, a_op), (b, b_op)))
         if on_torch and _tokens_grouped_mm_ok(a16, b16.t(), a.offsets, out, out_dtype):
             return _tokens_grouped_mm(a16, b16.t(), a.offsets)
-        a16, b16 = (_Operand(x16, x16.stride(0), x16.stride(1), factor=op.factor)
-                    for x16, op in ((a16, a_op), (b16, b_op)))
+        a_plain, b_plain = (_Operand(x16, x16.stride(0), x16.stride(1), factor=op.factor)
+                            for x16, op in ((a16, a_op), (b16, b_op)))
         gemm_cfg = config if config is not None and config.bm >= 128 else None
-        return _launch_k(a16, b16, a.offsets, n, k, groups, Scaling.NONE, out, accumulate, gemm_cfg, out_dtype)
+        return _launch_k(a_plain, b_plain, a.offsets, n, k, groups, Scaling.NONE, out, accumulate, gemm_cfg,
+                         out_dtype)
     return _launch_k(a_op, b_op, a.offsets, n, k, groups, scaling, out, accumulate, config, out_dtype)
 
 
