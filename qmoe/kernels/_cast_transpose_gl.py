@@ -203,9 +203,8 @@ FAILED: dict[tuple, str] = {}
 def launch_dispatched(x: torch.Tensor, splits, num_groups: int, block_cols: int, fused_activation: bool, out_code,
                       fmt_max: float, power_2_scale: bool, amax_epsilon: float, row, row_s, col, col_s) -> bool:
     """Quantize x in 1 x 128 blocks, both orientations, with the dispatched configuration into
-    fp8_block_op's outputs; False, launching nothing,
-    where `unsupported` says so or its compile failed (recorded in FAILED, with a warning once):
-    the caller then runs the Triton kernel."""
+    fp8_block_op's outputs; False, launching nothing, where `unsupported` says so or its compile
+    failed (recorded in FAILED, with a warning once): the caller then runs the Triton kernel."""
     if unsupported(x, block_cols, fused_activation) is not None:
         return False
 

@@ -148,6 +148,16 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability (cached: launchers ask it on every call)."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of `device` (cached: the query is a driver call); 4 off CUDA, so
     Triton's interpreter still runs several programs through the multi-program paths."""

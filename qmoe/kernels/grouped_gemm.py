@@ -37,7 +37,7 @@ from qmoe.contracts.errors import UnsupportedError
 from qmoe.contracts.formats import ceil_div, nvfp4_tensor_scale
 from qmoe.kernels import _block_gemm_ws, _block_wgrad_ws
 from qmoe.kernels import _grouped_gemm_jit as jit
-from qmoe.kernels._launch import kernel_op, num_sms, wrapped
+from qmoe.kernels._launch import capability, kernel_op, num_sms, wrapped
 from qmoe.kernels._layout import group_pow2
 from qmoe.contracts.enums import GemmRoute, Scaling, is_grouped, parse_gemm_route, scaling_of
 
@@ -262,11 +262,15 @@ def _launch_m_tiles(a: _Operand, b: _Operand, offsets, total_rows, n_out, k, gro
     return out
 
 
+def _grouped_mm_runs(mat_a: torch.Tensor, mat_b: torch.Tensor, out_dtype) -> bool:
+    """torch._grouped_mm (its bf16 CUTLASS kernel) can multiply these: bf16 in and out on sm90+."""
+    return (hasattr(torch, "_grouped_mm") and mat_a.is_cuda and out_dtype == torch.bfloat16
+            and mat_a.dtype == mat_b.dtype == torch.bfloat16 and capability(mat_a.device) >= (9, 0))
+
+
 def _torch_grouped_mm_ok(a16: torch.Tensor, mat_b: torch.Tensor, out_dtype) -> bool:
-    return (hasattr(torch, "_grouped_mm") and a16.is_cuda and out_dtype == torch.bfloat16
-            and a16.dtype == torch.bfloat16 and mat_b.dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(a16.device) >= (9, 0)
-            and a16.shape[1] % 8 == 0 and mat_b.shape[2] % 8 == 0 and a16.shape[0] > 0)
+    return (_grouped_mm_runs(a16, mat_b, out_dtype) and a16.shape[1] % 8 == 0 and mat_b.shape[2] % 8 == 0
+            and a16.shape[0] > 0)
 
 
 def _torch_grouped_mm(a16, mat_b, offsets, total_rows):
@@ -285,15 +289,14 @@ def _torch_grouped_mm_op(a16: torch.Tensor, mat_b: torch.Tensor, offsets: torch.
 
 
 def _tokens_grouped_mm_ok(mat_a: torch.Tensor, mat_b: torch.Tensor, offsets, out, out_dtype) -> bool:
-    """torch._grouped_mm takes wgrad's [n, tokens] @ [tokens, k]: bf16 in and out, a new output,
+    """torch._grouped_mm takes wgrad's [n, tokens] @ [tokens, k]: it runs them, a new output,
     at least one group and one token, features contiguous in both operands with 16-byte aligned
     strides (its CUTLASS kernel's TMA). With tokens contiguous it would instead assert, on the
     device, that every group's token count is a multiple of 8. Like the m-grouped route it reads
     only metadata that torch.compile traces; a base off 16 bytes gets torch's own error."""
-    return (hasattr(torch, "_grouped_mm") and out is None and out_dtype == torch.bfloat16 and mat_a.is_cuda
-            and mat_a.dtype == mat_b.dtype == torch.bfloat16 and mat_a.shape[1] > 0 and offsets.numel() > 1
-            and mat_a.stride(0) == 1 and mat_b.stride(1) == 1 and mat_a.stride(1) % 8 == 0
-            and mat_b.stride(0) % 8 == 0 and torch.cuda.get_device_capability(mat_a.device) >= (9, 0))
+    return (out is None and _grouped_mm_runs(mat_a, mat_b, out_dtype) and mat_a.shape[1] > 0
+            and offsets.numel() > 1 and mat_a.stride(0) == 1 and mat_b.stride(1) == 1
+            and mat_a.stride(1) % 8 == 0 and mat_b.stride(0) % 8 == 0)
 
 
 @kernel_op("qmoe::k_grouped_mm_bf16")

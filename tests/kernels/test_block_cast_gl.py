@@ -9,7 +9,6 @@ interpreter: the dispatch decision and the fallback are checked on the CPU.
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 
