@@ -20,7 +20,9 @@ The weight options add rows after each quantized recipe's row as `--recompute-ac
 `--weight-cache` (`cache_quantized_weights=True`, rows marked +wc), timed over optimizer steps of
 `--micro-batches` forward + backward steps each (the weights' versions bumped after every step,
 as an optimizer step bumps them: the first micro-batch quantizes, the others reuse), reported
-per micro-batch; `--recompute-weight-columnwise` (+rw: dgrad's weight copy quantized again in
+per micro-batch; graphed, the step is captured twice (`qmoe.quant.capture_weights`: one graph
+keeps the weights, one reuses them) and each optimizer step replays the first once;
+`--recompute-weight-columnwise` (+rw: dgrad's weight copy quantized again in
 the backward instead of kept); with both flags also +wc+rw.
 Writes benchmarks/results/moe.json.
 """
@@ -81,10 +83,15 @@ def _step_fn(module, x, dy, recipe):
     return step
 
 
-def _graphed_ms(step, warmup: int, iters: int):
+def _graphed_ms(step, warmup: int, iters: int, micro_batches: int = 1):
     """Capture the whole step (forward + backward) in one CUDA graph and time its replay.
 
-    Returns (ms, None) or (None, "why capture failed")."""
+    micro_batches > 1 (the weight cache): capture it twice, under `capture_weights("keep")` and
+    `("reuse")`, and time optimizer steps (warmup and iters count them) of one replay of the first
+    and micro_batches - 1 of the second, per micro-batch. Returns (ms, None) or (None, "why
+    capture failed")."""
+    from qmoe.quant.weight_cache import capture_weights
+
     inner = []  # the step's own error: a failed capture's exit raises a vaguer one on top
 
     def guarded():
@@ -100,12 +107,24 @@ def _graphed_ms(step, warmup: int, iters: int):
             for _ in range(3):
                 step()
         torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        if micro_batches == 1:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                guarded()
+            ms = _time_ms(graph.replay, warmup, iters)
+            del graph
+            return ms, None
+        first, later = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with capture_weights("keep"), torch.cuda.graph(first):
             guarded()
-        ms = _time_ms(graph.replay, warmup, iters)
-        del graph
-        return ms, None
+        with capture_weights("reuse"), torch.cuda.graph(later, pool=first.pool()):
+            guarded()
+
+        def cycle():
+            first.replay()
+            for _ in range(micro_batches - 1):
+                later.replay()
+        return _time_ms(cycle, warmup, iters) / micro_batches, None
     except Exception as e:  # noqa: BLE001 - a layer that cannot be captured is a result, not a crash
         try:
             torch.cuda.synchronize()
@@ -127,6 +146,15 @@ def _optimizer_steps(step, module, micro_batches: int):
     return cycle
 
 
+def _fresh_caches(module) -> None:
+    """New, empty weight caches: one that has seen a capture stays off outside captures, and later
+    rows measure the same layer."""
+    from qmoe.quant import WeightCache
+    for m in module.modules():
+        if isinstance(getattr(m, "weight_cache", None), WeightCache):
+            m.weight_cache = WeightCache()
+
+
 def _cache_gib(module) -> float:
     from qmoe.quant import WeightCache
     caches = [m.weight_cache for m in module.modules() if isinstance(getattr(m, "weight_cache", None), WeightCache)]
@@ -138,7 +166,7 @@ def _measure(module, x, dy, recipe, warmup: int, iters: int, graphed: bool, micr
 
     micro_batches > 1: time optimizer steps of that many forward + backward steps (`_optimizer_steps`)
     and report the time per micro-batch."""
-    step = _step_fn(module, x, dy, recipe)
+    one = step = _step_fn(module, x, dy, recipe)
     if micro_batches > 1:
         step = _optimizer_steps(step, module, micro_batches)
         warmup, iters = max(1, -(-warmup // micro_batches)), max(2, -(-iters // micro_batches))
@@ -154,8 +182,9 @@ def _measure(module, x, dy, recipe, warmup: int, iters: int, graphed: bool, micr
     out = dict(eager_ms=eager, peak_gib=peak, work_gib=peak - resident - grads - x.numel() * x.element_size() / 2 ** 30,
                held_gib=_held_gib(module, x, dy, recipe), graphed_ms=None, graph_error=None,
                cache_gib=_cache_gib(module), micro_batches=micro_batches)
-    if graphed and getattr(module, "cache_quantized_weights", False):
-        out["graph_error"] = "not captured: a CUDA-graph capture turns the weight cache off for good"
+    if graphed and micro_batches > 1:  # the weight cache: a graph that keeps the weights, one that reuses them
+        out["graphed_ms"], out["graph_error"] = _graphed_ms(one, warmup, iters, micro_batches)
+        _fresh_caches(module)
     elif graphed:
         out["graphed_ms"], out["graph_error"] = _graphed_ms(step, warmup, iters)
     _drop_grads(module, x)
@@ -419,7 +448,9 @@ def _write(args, header, rows, warmup, iters) -> None:
         method=(f"forward + backward of one MoE layer (bf16 weights and activations, fp32 router; grads of input, "
                 f"router and experts); medians of {iters} CUDA-event-timed steps after {warmup} warm-up steps. "
                 f"eager_ms: eager steps; graphed_ms: replays of the whole step captured in one torch.cuda.CUDAGraph "
-                f"(graph_error when capture fails); tokens_per_s from eager_ms; peak_gib: torch.cuda."
+                f"(graph_error when capture fails; +wc rows: captured twice, under qmoe.quant.capture_weights('keep') "
+                f"and ('reuse'), one replay of the first and micro_batches - 1 of the second per optimizer step, per "
+                f"micro-batch); tokens_per_s from eager_ms; peak_gib: torch.cuda."
                 f"max_memory_allocated over the eager steps (weights, grads and inputs included; peer_peak_gib "
                 f"excludes the qmoe layer's weights, resident meanwhile); work_gib: peak_gib less what was resident "
                 f"before the steps (weights, inputs), the parameters' gradients and dx: the step's own working memory "

@@ -19,6 +19,11 @@ layer can be captured once and replayed with new inputs (and so new routing). Wh
         (y.float().square().mean() + layer.aux_loss).backward()
 
 Capture and call inside the same recipe; inputs keep the sample's shapes and dtypes.
+
+Gradient accumulation: with `keep_weights=True` (modules built with `cache_quantized_weights`)
+the step is captured twice (`qmoe.quant.capture_weights`): a graph that quantizes the weights
+and keeps them, replayed for the first call after the weights change (an optimizer step, a
+load, `qmoe.quant.clear_weight_caches`), and one that reuses them, replayed for the calls after.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import torch
 from torch import nn
 
 from qmoe.quant import delayed
+from qmoe.quant.weight_cache import WeightCache, capture_weights
 
 
 class _Observer:
@@ -57,26 +63,42 @@ class _Observer:
             state.nonfinite_steps.copy_(nonfinite)
 
 
-class _WithAuxLoss(nn.Module):
-    """Returns (y, aux_loss) so the auxiliary loss is a graph output with a gradient path."""
+class _Target(nn.Module):
+    """What is captured: the module's call, plus its auxiliary loss as a graph output with a
+    gradient path. A wrapper of its own, so the module itself is never modified (torch's capture
+    replaces the forward of the module it is given)."""
 
-    def __init__(self, layer: nn.Module):
+    def __init__(self, layer: nn.Module, has_aux: bool):
         super().__init__()
-        self.layer = layer
+        self.layer, self.has_aux = layer, has_aux
 
     def forward(self, *args):
         y = self.layer(*args)
-        return y, self.layer.aux_loss
+        return (y, self.layer.aux_loss) if self.has_aux else y
 
 
 class GraphedModule:
     """Callable replaying the captured graphs; see `capture`."""
 
-    def __init__(self, graphed, module: nn.Module, forward_states, has_aux: bool):
+    def __init__(self, graphed, module: nn.Module, forward_states, has_aux: bool, reuse=None):
         self._graphed, self.module, self._forward_states, self._has_aux = graphed, module, forward_states, has_aux
+        self._reuse = reuse  # keep_weights: the graph reading the weights `_graphed` keeps
+        self._kept_at = None  # what the weights were known by when `_graphed` last ran
+
+    def _weights_now(self) -> tuple:
+        """What the weights are known by on the host: versions, addresses, and the caches' clears."""
+        params = tuple((p._version, p.data_ptr()) for p in self.module.parameters())
+        return params + tuple(m.weight_cache.clears for m in self.module.modules()
+                              if isinstance(getattr(m, "weight_cache", None), WeightCache))
 
     def __call__(self, *args):
-        out = self._graphed(*args)
+        graphed = self._graphed
+        if self._reuse is not None:
+            now = self._weights_now()
+            if now == self._kept_at:
+                graphed = self._reuse
+            self._kept_at = now
+        out = graphed(*args)
         for state in self._forward_states:  # the replay recorded their amaxes: update at region exit
             delayed.register_forward(state)
         if self._has_aux:
@@ -86,15 +108,22 @@ class GraphedModule:
         return out
 
 
-def capture(module: nn.Module, sample_args: tuple, num_warmup_iters: int = 3) -> GraphedModule:
+def capture(module: nn.Module, sample_args: tuple, num_warmup_iters: int = 3,
+            keep_weights: bool = False) -> GraphedModule:
     """Capture `module`'s forward and backward as CUDA graphs; returns a callable replaying them.
 
     module: a qmoe module on a CUDA device (MoELayer, GroupedMLP, Linear, ...), in train mode.
     sample_args: tuple of CUDA tensors with the shapes, dtypes and requires_grad of later calls.
+    keep_weights: capture twice, so calls between two changes of the weights quantize them once
+    (see the module docstring); needs modules built with `cache_quantized_weights=True`.
     Call inside the `qmoe.autocast` region (recipe) the replays will use.
     """
     if not isinstance(sample_args, tuple) or not sample_args:
         raise TypeError("sample_args must be a non-empty tuple of tensors, e.g. (x,)")
+    if keep_weights and not any(getattr(m, "cache_quantized_weights", False) for m in module.modules()):
+        raise ValueError("capture(keep_weights=True) keeps the weights of modules built with "
+                         "cache_quantized_weights=True, and this module has none: build it with that option "
+                         "or capture with keep_weights=False")
     devices = {a.device.type for a in sample_args if isinstance(a, torch.Tensor)}
     if devices != {"cuda"}:
         raise ValueError(f"CUDA graphs need CUDA tensors; sample_args are on {sorted(devices)}")
@@ -102,12 +131,22 @@ def capture(module: nn.Module, sample_args: tuple, num_warmup_iters: int = 3) ->
     if any(p.device.type != "cuda" for p in params):
         raise ValueError("move the module to the GPU (module.cuda()) before capturing it")
     has_aux = hasattr(module, "aux_loss")
-    target = _WithAuxLoss(module) if has_aux else module
     buffers = {name: b.clone() for name, b in module.named_buffers()}  # e.g. the router's expert bias
     with _Observer() as observer:
-        graphed = torch.cuda.make_graphed_callables(target, sample_args, num_warmup_iters=num_warmup_iters)
+        if keep_weights:  # one pool: a call runs one graph's forward and backward, never two interleaved
+            pool = torch.cuda.graph_pool_handle()
+            with capture_weights("keep"):
+                graphed = torch.cuda.make_graphed_callables(_Target(module, has_aux), sample_args,
+                                                            num_warmup_iters=num_warmup_iters, pool=pool)
+            with capture_weights("reuse"):
+                reuse = torch.cuda.make_graphed_callables(_Target(module, has_aux), sample_args,
+                                                          num_warmup_iters=num_warmup_iters, pool=pool)
+        else:
+            graphed = torch.cuda.make_graphed_callables(_Target(module, has_aux), sample_args,
+                                                        num_warmup_iters=num_warmup_iters)
+            reuse = None
     observer.restore()
     with torch.no_grad():
         for name, b in module.named_buffers():
             b.copy_(buffers[name])
-    return GraphedModule(graphed, module, list(observer.forward_states.values()), has_aux)
+    return GraphedModule(graphed, module, list(observer.forward_states.values()), has_aux, reuse)

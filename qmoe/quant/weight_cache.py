@@ -22,12 +22,23 @@ accumulated inside one `qmoe.autocast`) and never across a scale update. A reuse
 quantize call's side effect, recording the weight's amax (`Quantizer.reuse_replay`), so the
 amax histories are those of a run without the cache.
 
+CUDA graphs: a capture that read kept weights would bake them into every replay, whatever the
+weights are then, so inside a plain capture the cache is not consulted (the captured quantize
+runs at each replay). A cache that has seen a capture drops its eager entry and stays off
+outside captures: replays (of an optimizer step, of a region exit) change weights and scales
+without bumping the version counters. Gradient accumulation under graphs keeps the weights
+with two captures of the same step (`capture_weights`, which `qmoe.graph.capture(...,
+keep_weights=True)` drives):
+- one under `capture_weights("keep")`: its quantize is captured and its result kept, so every
+  replay of that graph quantizes the weights of its time into the kept buffers;
+- others under `capture_weights("reuse")`: they read those buffers instead of quantizing.
+Replay the "keep" graph for the first micro-batch after every change of the weights (an
+optimizer step, a load), the "reuse" graphs after it. Delayed scaling quantizes in every graph:
+its scale moves at region exits that no replay sees.
+
 Not consulted at all (every call quantizes, nothing is stored) where a kept result could
 differ from a fresh quantize or could not be kept:
-- inside a CUDA-graph capture: a capture that read kept weights would bake them into every
-  replay, whatever the weights are then; the captured quantize runs at each replay instead. A
-  cache that has seen a capture drops its entry and stays off: replays (of an optimizer step,
-  of a region exit) change weights and scales without bumping the version counters;
+- inside a CUDA-graph capture outside `capture_weights` (above);
 - in compiled code (torch.compile), which cannot hold this state;
 - in delayed scaling's recompute (`qmoe.checkpoint`), which quantizes with the first run's
   scale from the `ForwardLog`;
@@ -46,6 +57,7 @@ of a copy of its own. The rowwise copy, freed after fprop without the cache, sta
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import weakref
 from dataclasses import dataclass
@@ -57,9 +69,14 @@ from qmoe.quant.grouped import GroupedTensor
 from qmoe.quant.quantizer import Quantizer
 
 
+def _layout(t: torch.Tensor) -> tuple:
+    """Where and how a tensor's values lie (storage address, dtype, shape, strides, device)."""
+    return (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.device)
+
+
 def _fingerprint(t: torch.Tensor) -> tuple:
     """What a tensor's contents are known by without reading them (version counter and layout)."""
-    return (t._version, t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.device)
+    return (t._version,) + _layout(t)
 
 
 def _same_key(a: tuple, b: tuple) -> bool:
@@ -79,6 +96,43 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+class _Role:
+    """One `capture_weights` region: kept results remember the "keep" region they were made in."""
+
+    def __init__(self, keep: bool):
+        self.keep = keep
+
+
+_ROLES: list[_Role] = []
+CAPTURE_ROLES = ("keep", "reuse")
+
+
+@contextlib.contextmanager
+def capture_weights(role: str):
+    """CUDA-graph captures inside this region keep ("keep") or reuse ("reuse") quantized weights.
+
+    Under "keep", each weight cache consulted quantizes inside the capture and keeps that result:
+    its buffers belong to the graph, and every replay rewrites them with the weights of its time.
+    Under "reuse", each cache hands back what a "keep" capture kept (the graph reads those
+    buffers), or quantizes inside the capture where it has none for these weights. Replay the
+    "keep" graph first after every change of the weights, the "reuse" graphs after it.
+
+    >>> with capture_weights("keep"), torch.cuda.graph(first):
+    ...     step()
+    >>> with capture_weights("reuse"), torch.cuda.graph(later):
+    ...     step()
+    >>> first.replay(); later.replay(); later.replay(); optimizer.step()
+    """
+    if role not in CAPTURE_ROLES:
+        raise ValueError(f"capture_weights(role={role!r}): role must be one of {CAPTURE_ROLES}")
+    entry = _Role(keep=role == "keep")
+    _ROLES.append(entry)
+    try:
+        yield
+    finally:
+        _ROLES.remove(entry)
+
+
 @dataclass
 class _Entry:
     sources: tuple  # weak references to the weights the result was quantized from
@@ -89,6 +143,7 @@ class _Entry:
     inference: bool  # made under torch.inference_mode: usable there only
     result: GroupedTensor
     replay: Callable[[], None] | None
+    role: _Role | None = None  # the `capture_weights("keep")` region a captured result was kept in
 
 
 class WeightCache:
@@ -101,34 +156,52 @@ class WeightCache:
 
     def __init__(self):
         self._entry: _Entry | None = None
-        self.captured = False  # saw a CUDA-graph capture: off for good (see the module docstring)
+        self._graph_entry: _Entry | None = None  # kept by a capture_weights("keep") capture
+        self.captured = False  # saw a CUDA-graph capture: off for good outside captures
+        self.clears = 0  # calls of clear(): the weights changed where no version counter shows it
 
     def bind(self, sources) -> "BoundWeightCache":
         """This cache for one call whose weight is made from `sources` (the module's Parameters)."""
         return BoundWeightCache(self, tuple(sources))
 
     def clear(self) -> None:
-        """Drop the kept weights (after writes the version counters do not see, or to free the memory)."""
+        """Drop the kept weights (after writes the version counters do not see, or to free the memory).
+
+        A graph's kept buffers stay (the graph writes them at each replay); `clears` counts the
+        calls, so a replayer knows to replay its "keep" graph next (`qmoe.graph.capture`)."""
         self._entry = None
+        self.clears += 1
 
     @property
     def kept(self) -> GroupedTensor | None:
         """The kept quantized weights, or None."""
         return self._entry.result if self._entry is not None else None
 
+    @property
+    def kept_for_graphs(self) -> GroupedTensor | None:
+        """The quantized weights a `capture_weights("keep")` capture kept, or None."""
+        return self._graph_entry.result if self._graph_entry is not None else None
+
     def nbytes(self) -> int:
-        """Bytes of the kept quantized weights (data, scales, amaxes and bf16 copies)."""
-        gt = self.kept
-        if gt is None:
-            return 0
-        tensors = [getattr(gt, name) for name in ("rowwise_data", "rowwise_scale_inv", "columnwise_data",
-                                                   "columnwise_scale_inv", "amax", "columnwise_amax")]
-        tensors += list((gt.bf16_copies or {}).values())
-        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        """Bytes of the kept quantized weights (data, scales, amaxes and bf16 copies), graphs' included."""
+        total = 0
+        for gt in (self.kept, self.kept_for_graphs):
+            if gt is None:
+                continue
+            tensors = [getattr(gt, name) for name in ("rowwise_data", "rowwise_scale_inv", "columnwise_data",
+                                                       "columnwise_scale_inv", "amax", "columnwise_amax")]
+            tensors += list((gt.bf16_copies or {}).values())
+            total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        return total
 
     def quantize(self, sources: tuple, weight: torch.Tensor, quantizer: Quantizer, rowwise: bool, columnwise: bool,
                  fresh: Callable[[bool, bool], GroupedTensor]) -> GroupedTensor:
         """The weights quantized as `fresh(rowwise, columnwise)` would quantize them: kept, or made (and kept)."""
+        if torch.compiler.is_compiling():
+            return fresh(rowwise, columnwise)
+        if _capturing():
+            self.captured, self._entry = True, None
+            return self._in_capture(sources, weight, quantizer, rowwise, columnwise, fresh)
         if not self._usable(sources, weight):
             return fresh(rowwise, columnwise)
         key = quantizer.reuse_key(weight.device, weight.shape[0])
@@ -151,12 +224,40 @@ class WeightCache:
                              result, quantizer.reuse_replay())
         return result
 
+    def _in_capture(self, sources, weight, quantizer, rowwise, columnwise, fresh) -> GroupedTensor:
+        """Inside a CUDA-graph capture: keep or reuse under `capture_weights`, else quantize."""
+        role = _ROLES[-1] if _ROLES else None
+        if role is None or not self._storable(sources, weight):
+            return fresh(rowwise, columnwise)
+        key = quantizer.reuse_key(weight.device, weight.shape[0])
+        if key is None or quantizer.reuse_replay() is not None:  # delayed scaling: see the module docstring
+            return fresh(rowwise, columnwise)
+        layouts = tuple(_layout(s) for s in sources)  # versions move between replays unseen: not compared
+        shape = (weight.dtype, tuple(weight.shape), weight.device)
+        e = self._graph_entry
+        hit = (e is not None and self._matches(e, sources, layouts, shape, quantizer, key, False)
+               and (e.result.rowwise_data is not None or not rowwise)
+               and (e.result.columnwise_data is not None or not columnwise))
+        if not role.keep:
+            if not hit:
+                return fresh(rowwise, columnwise)
+            view = copy.copy(e.result)  # a reuse graph's own bf16 copies stay its own: never kept
+            view.bf16_copies = dict(e.result.bf16_copies)
+            return view
+        if hit and e.role is role:  # this region kept it already (a checkpoint's recompute, the backward graph)
+            return e.result
+        self._graph_entry = None
+        result = fresh(rowwise, columnwise)
+        result.bf16_copies = {}
+        self._graph_entry = _Entry(tuple(weakref.ref(s) for s in sources), layouts, shape, quantizer, key, False,
+                                   result, None, role)
+        return result
+
     def _usable(self, sources, weight) -> bool:
-        if self.captured or torch.compiler.is_compiling():
-            return False
-        if _capturing():
-            self.captured, self._entry = True, None
-            return False
+        return not self.captured and self._storable(sources, weight)
+
+    @staticmethod
+    def _storable(sources, weight) -> bool:
         return bool(sources) and not weight.is_inference() and not any(s.is_inference() for s in sources)
 
     @staticmethod
@@ -167,15 +268,20 @@ class WeightCache:
 
     # a copied or pickled module starts with an empty cache: the kept tensors belong to the original's weights
     def __getstate__(self):
-        return {"_entry": None, "captured": self.captured}
+        return {"_entry": None, "_graph_entry": None, "captured": self.captured, "clears": self.clears}
+
+    def __setstate__(self, state):
+        self.__init__()
+        self.__dict__.update(state)
 
     def __deepcopy__(self, memo):
         new = copy.copy(self)
-        new._entry = None
+        new._entry = new._graph_entry = None
         return new
 
     def __repr__(self) -> str:
-        return f"WeightCache(kept={self.kept is not None}, captured={self.captured})"
+        return (f"WeightCache(kept={self.kept is not None}, kept_for_graphs={self.kept_for_graphs is not None}, "
+                f"captured={self.captured})")
 
 
 def clear_weight_caches(module: torch.nn.Module) -> None:

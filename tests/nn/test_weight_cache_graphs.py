@@ -1,0 +1,279 @@
+"""The weight cache under CUDA graphs (`qmoe.quant.capture_weights`, `qmoe.graph.capture(...,
+keep_weights=True)`): a "keep" capture quantizes and keeps, "reuse" captures read what it kept,
+plain captures keep nothing, and the graphed training loop gives the eager loop's bits.
+
+The CPU tests simulate a capture in progress (the capture check reports one); the GPU tests
+capture and replay for real.
+"""
+import copy
+import pickle
+
+import pytest
+import torch
+
+import qmoe
+import qmoe.ops.grouped_linear_paths as paths
+import qmoe.quant.weight_cache as weight_cache
+from qmoe.graph import GraphedModule
+from qmoe.quant import capture_weights, clear_weight_caches
+from qmoe.recipes import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling,
+                          NVFP4BlockScaling)
+from tests.nn.loop_cases import E, F, H, SPLITS
+
+
+@pytest.fixture
+def quantized(monkeypatch):
+    """The weight stacks the grouped path quantized, in call order."""
+    calls = []
+    real = paths.quantize_weights
+
+    def counted(weight, *args, **kwargs):
+        calls.append(weight)
+        return real(weight, *args, **kwargs)
+    monkeypatch.setattr(paths, "quantize_weights", counted)
+    return calls
+
+
+@pytest.fixture
+def capturing(monkeypatch):
+    monkeypatch.setattr(weight_cache, "_capturing", lambda: True)
+
+
+def _layer():
+    torch.manual_seed(0)
+    return qmoe.nn.GroupedLinear(E, H, F, bias=False, cache_quantized_weights=True)
+
+
+def _forward(layer, x, recipe=Float8CurrentScaling()):
+    with qmoe.autocast(recipe=recipe):
+        return layer(x, torch.tensor(SPLITS))
+
+
+def test_keep_then_reuse(capturing, quantized):
+    layer = _layer()
+    x = torch.randn(sum(SPLITS), H)
+    with capture_weights("keep"):
+        kept_y = _forward(layer, x)
+        assert torch.equal(_forward(layer, x), kept_y)  # a recompute in the same capture reads what it kept
+    cache = layer.weight_cache
+    assert len(quantized) == 1 and cache.kept_for_graphs is not None and cache.kept is None and cache.captured
+    with capture_weights("reuse"):
+        with torch.no_grad():
+            layer.weight.mul_(2)  # a graph cannot see versions: the reuse graph reads the kept buffers
+        assert torch.equal(_forward(layer, x), kept_y)
+    assert len(quantized) == 1
+    with capture_weights("keep"):  # a new keep capture quantizes again, replacing the kept result
+        y = _forward(layer, x)
+    assert len(quantized) == 2 and not torch.equal(y, kept_y)
+
+
+def test_what_reuse_does_not_find_it_quantizes(capturing, quantized):
+    layer = _layer()
+    x = torch.randn(sum(SPLITS), H)
+    with capture_weights("reuse"):  # nothing kept yet
+        _forward(layer, x)
+    assert len(quantized) == 1 and layer.weight_cache.kept_for_graphs is None
+    with capture_weights("keep"):
+        _forward(layer, x)
+    with capture_weights("reuse"):
+        _forward(layer, x, Float8BlockScaling())  # another recipe: another quantizer
+        layer.weight = torch.nn.Parameter(layer.weight.detach().clone())  # another weight
+        _forward(layer, x)
+    assert len(quantized) == 4
+
+
+def test_plain_captures_and_delayed_scaling_keep_nothing(capturing, quantized):
+    layer = _layer()
+    x = torch.randn(sum(SPLITS), H)
+    for _ in range(2):
+        _forward(layer, x)  # a capture outside capture_weights
+    with capture_weights("keep"):
+        for _ in range(2):
+            _forward(layer, x, DelayedScaling())  # its scale moves at region exits no replay sees
+    assert len(quantized) == 4 and layer.weight_cache.kept_for_graphs is None
+
+
+def test_eager_calls_after_a_capture_do_not_read_the_graphs_weights(monkeypatch, quantized):
+    layer = _layer()
+    x = torch.randn(sum(SPLITS), H)
+    monkeypatch.setattr(weight_cache, "_capturing", lambda: True)
+    with capture_weights("keep"):
+        _forward(layer, x)
+    monkeypatch.setattr(weight_cache, "_capturing", lambda: False)
+    with torch.no_grad():
+        layer.weight.add_(1)
+    with capture_weights("reuse"):  # no capture in progress: the role does not apply
+        for _ in range(2):
+            y = _forward(layer, x)
+    plain = qmoe.nn.GroupedLinear(E, H, F, bias=False)
+    with torch.no_grad():
+        plain.weight.copy_(layer.weight)
+    assert torch.equal(y, _forward(plain, x)) and sum(w is layer.weight for w in quantized) == 3
+    assert layer.weight_cache.kept is None
+
+
+def test_a_reuse_graphs_bf16_copies_stay_its_own(capturing):
+    cache = weight_cache.WeightCache()
+    w = torch.nn.Parameter(torch.randn(E, F, H))
+    q = qmoe.quant.make_quantizer(MXFP8BlockScaling(), "weight")
+
+    def fresh(rowwise, columnwise):
+        return paths.quantize_weights(w, q, rowwise=rowwise, columnwise=columnwise)
+    with capture_weights("keep"):
+        kept = cache.bind([w]).quantize(w, q, True, True, fresh)
+    kept.bf16_copies["rowwise"] = torch.zeros(1)
+    with capture_weights("reuse"):
+        view = cache.bind([w]).quantize(w, q, True, True, fresh)
+    assert view is not kept and view.rowwise_data is kept.rowwise_data
+    assert view.columnwise_scale_inv is kept.columnwise_scale_inv
+    view.bf16_copies["columnwise"] = torch.zeros(1)
+    assert view.bf16_copies["rowwise"] is kept.bf16_copies["rowwise"] and set(kept.bf16_copies) == {"rowwise"}
+
+
+def test_clear_counts_and_copies_start_empty(capturing):
+    layer = _layer()
+    with capture_weights("keep"):
+        _forward(layer, torch.randn(sum(SPLITS), H))
+    cache = layer.weight_cache
+    clear_weight_caches(layer)
+    assert cache.clears == 1 and cache.kept_for_graphs is not None  # the graph still writes those buffers
+    for clone in (copy.deepcopy(cache), pickle.loads(pickle.dumps(cache))):
+        assert clone.kept_for_graphs is None and clone.kept is None and clone.clears == 1
+    assert "kept_for_graphs=True" in repr(cache)
+
+
+def test_bad_role_and_keep_weights_without_a_cache():
+    with pytest.raises(ValueError, match=r"capture_weights\(role='first'\).*'keep', 'reuse'"):
+        with capture_weights("first"):
+            pass
+    with pytest.raises(ValueError, match="cache_quantized_weights=True"):
+        qmoe.graph.capture(qmoe.nn.GroupedLinear(E, H, F), (torch.randn(4, H),), keep_weights=True)
+
+
+def test_the_replayer_replays_the_keep_graph_after_every_change():
+    """Which graph a call replays: "keep" first, after an optimizer step and after a clear."""
+    layer = _layer()
+    ran = []
+    graphed = GraphedModule(lambda x: ran.append("keep") or x, layer, [], False,
+                            reuse=lambda x: ran.append("reuse") or x)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    for _ in range(2):
+        for _ in range(3):
+            graphed(torch.zeros(1))
+        layer.weight.grad = torch.ones_like(layer.weight)
+        opt.step()
+    graphed(torch.zeros(1))
+    clear_weight_caches(layer)
+    graphed(torch.zeros(1))
+    graphed(torch.zeros(1))
+    assert ran == ["keep", "reuse", "reuse"] * 2 + ["keep", "keep", "reuse"]
+
+
+# ---- on the GPU: real captures and replays
+
+T, GH, GF, GE, K = 512, 256, 512, 4, 2  # 1024 routed rows over 4 experts: the emulated GEMMs' dequantize route
+GPU_RECIPES = [
+    pytest.param(Float8CurrentScaling(), id="current"),
+    pytest.param(Float8BlockScaling(), id="block"),
+    pytest.param(MXFP8BlockScaling(), id="mxfp8"),
+    pytest.param(NVFP4BlockScaling(disable_stochastic_rounding=True), id="nvfp4"),
+]
+
+
+def _moe(cache: bool):
+    torch.manual_seed(0)
+    return qmoe.nn.MoELayer(GH, GF, GE, K, aux_loss_coeff=1e-2, params_dtype=torch.bfloat16, device="cuda",
+                            cache_quantized_weights=cache)
+
+
+def _loop(layer, recipe, fn, steps=2, micro=3):
+    """`steps` SGD steps of `micro` micro-batches through `fn`; every output and gradient, then the weights."""
+    opt = torch.optim.SGD(layer.parameters(), lr=0.5)
+    seen = []
+    for step in range(steps):
+        for m in range(micro):
+            g = torch.Generator(device="cuda").manual_seed(step * micro + m)
+            x = torch.randn(T, GH, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+            with qmoe.autocast(recipe=recipe):
+                y = fn(x)
+            torch.autograd.backward([y, layer.aux_loss], [torch.ones_like(y) / y.numel() * (m + 1), None])
+            seen += [y.detach().clone(), x.grad]
+        seen += [p.grad.clone() for p in layer.parameters()]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return seen + [p.detach().clone() for p in layer.parameters()]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", GPU_RECIPES)
+def test_graphed_loop_with_kept_weights_gives_the_eager_bits(recipe):
+    """qmoe.graph.capture(keep_weights=True) through two optimizer steps of three micro-batches:
+    the same outputs, gradients and weights as eager steps without the cache, with the reuse graph
+    replayed for the second and third micro-batches; then a write the versions do not see gives
+    stale weights until clear_weight_caches, as documented."""
+
+    eager = _moe(False)
+    want = _loop(eager, recipe, eager)
+    layer = _moe(True)
+    sample = torch.randn(T, GH, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with qmoe.autocast(recipe=recipe):
+        graphed = qmoe.graph.capture(layer, (sample,), keep_weights=True)
+    reuse, reused = graphed._reuse, []
+    graphed._reuse = lambda *a: reused.append(1) or reuse(*a)
+    got = _loop(layer, recipe, graphed)
+    assert len(reused) == 4
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"tensor {i}: max |diff| {(a.float() - b.float()).abs().max().item():.3g}"
+    kept = [m.weight_cache.kept_for_graphs for m in layer.modules() if hasattr(m, "weight_cache")]
+    assert len(kept) == 2 and all(k is not None for k in kept)
+    if isinstance(recipe, (MXFP8BlockScaling, NVFP4BlockScaling)):
+        assert all(set(k.bf16_copies) == {"rowwise", "columnwise"} for k in kept)
+
+    x = torch.randn(T, GH, device="cuda", dtype=torch.bfloat16)
+    with qmoe.autocast(recipe=recipe):
+        before = graphed(x).detach().clone()
+        layer.experts.fc1.weight.data.mul_(0.5)  # no version bump: the replayer cannot tell
+        assert torch.equal(graphed(x), before)
+        clear_weight_caches(layer)
+        after = graphed(x)
+    eager.load_state_dict(layer.state_dict())
+    with qmoe.autocast(recipe=recipe):
+        assert torch.equal(after, eager(x)) and not torch.equal(after, before)
+
+
+@pytest.mark.gpu
+def test_hand_made_captures_of_the_whole_step():
+    """The bench's habit: forward + backward captured once under capture_weights("keep") and once
+    under ("reuse"), replayed as first / later micro-batches: the eager steps' gradients."""
+    recipe = MXFP8BlockScaling()
+    layer, eager = _moe(True), _moe(False)
+    x = torch.randn(T, GH, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(T, GH, device="cuda", dtype=torch.bfloat16)
+
+    def step(module):
+        x.grad = None
+        for p in module.parameters():
+            p.grad = None
+        with qmoe.autocast(recipe=recipe):
+            y = module(x)
+        torch.autograd.backward([y, module.aux_loss], [dy, None])
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step(layer)
+    torch.cuda.current_stream().wait_stream(side)
+    first, later = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with capture_weights("keep"), torch.cuda.graph(first):
+        step(layer)
+    with capture_weights("reuse"), torch.cuda.graph(later, pool=first.pool()):
+        step(layer)
+    for graph in (first, later, later):
+        with torch.no_grad():
+            x.copy_(torch.randn_like(x))
+        graph.replay()
+        got = [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+        step(eager)
+        want = [x.grad] + [p.grad for p in eager.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
