@@ -197,7 +197,7 @@ def _loop(layer, recipe, fn, steps=2, micro=3):
             with qmoe.autocast(recipe=recipe):
                 y = fn(x)
             torch.autograd.backward([y, layer.aux_loss], [torch.ones_like(y) / y.numel() * (m + 1), None])
-            seen += [y.detach().clone(), x.grad]
+            seen += [y.detach().clone(), x.grad.clone()]  # a replay's grad may live in the graph's memory
         seen += [p.grad.clone() for p in layer.parameters()]
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -265,15 +265,16 @@ def test_hand_made_captures_of_the_whole_step():
             step(layer)
     torch.cuda.current_stream().wait_stream(side)
     first, later = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    with capture_weights("keep"), torch.cuda.graph(first):
-        step(layer)
-    with capture_weights("reuse"), torch.cuda.graph(later, pool=first.pool()):
-        step(layer)
+    grads = {}  # each capture's gradients: allocated inside it, written by its replays
+    for graph, role in ((first, "keep"), (later, "reuse")):
+        with capture_weights(role), torch.cuda.graph(graph):
+            step(layer)
+        grads[graph] = [x.grad] + [p.grad for p in layer.parameters()]
     for graph in (first, later, later):
         with torch.no_grad():
             x.copy_(torch.randn_like(x))
         graph.replay()
-        got = [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+        got = [g.clone() for g in grads[graph]]
         step(eager)
         want = [x.grad] + [p.grad for p in eager.parameters()]
         assert all(torch.equal(a, b) for a, b in zip(got, want))
