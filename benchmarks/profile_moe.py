@@ -1,0 +1,80 @@
+"""Where one MoE layer step's GPU time goes: per-kernel time of forward + backward under
+torch.profiler, per recipe at bench_moe's shapes.
+
+    PYTHONPATH=. python3 -m benchmarks.profile_moe --shapes qwen3-30b-a3b --recipes bf16 current --out $OUT/p.json
+
+Per shape: `qmoe.nn.MoELayer` (bench_moe's weights, input and upstream gradient) in bf16 and under
+each recipe. After warm-up steps, `--steps` steps run under the profiler; each kernel name's
+device time and launches are divided by the step count (rows as in benchmarks.profile_linear:
+`kernel_ms`, the step's summed kernel time, and the `--top` kernels with their share).
+`--weight-cache` repeats the quantized rows with `cache_quantized_weights=True`: the weights never
+change here, so every profiled step is a micro-batch that reuses them.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from benchmarks.bench_moe import RECIPES, SHAPES
+from benchmarks.harness import run_header, write_results
+from benchmarks.profile_linear import kernel_times, row
+
+
+def run(shapes, recipes, steps: int, top: int, weight_cache: bool) -> list[dict]:
+    import qmoe
+    from qmoe.recipes import recipe_from_config
+
+    rows = []
+    for name in shapes:
+        shape = SHAPES[name]
+        torch.manual_seed(0)
+        layer = qmoe.nn.MoELayer(shape["hidden"], shape["ffn"], shape["experts"], shape["top_k"],
+                                 params_dtype=torch.bfloat16, device="cuda")
+        x = torch.randn(shape["tokens"], shape["hidden"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn_like(x)
+        for rname in recipes:
+            recipe = None if rname == "bf16" else recipe_from_config({"name": rname})
+            for cache in ([False, True] if weight_cache and recipe is not None else [False]):
+                layer.cache_quantized_weights = cache
+
+                def step(layer=layer, x=x, dy=dy, recipe=recipe):
+                    x.grad = None
+                    for p in layer.parameters():
+                        p.grad = None
+                    with qmoe.autocast(recipe=recipe, enabled=recipe is not None):
+                        y = layer(x)
+                    y.backward(dy)
+                for _ in range(3):  # warm-up; with the cache, the weights stay put: every profiled step reuses
+                    step()
+                impl = "qmoe" + (" +wc" if cache else "")
+                rows.append(row(name, impl, rname, kernel_times(step, steps), top))
+                print(f"{name:<16} {impl:<9} {rname:<8} {rows[-1]['kernel_ms']:8.3f} ms of kernels; top: "
+                      + ", ".join(f"{k['name'][:40]} {k['share']:.0%}" for k in rows[-1]["kernels"][:3]), flush=True)
+            layer.cache_quantized_weights = False
+        layer = x = dy = None
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--shapes", nargs="+", default=["qwen3-30b-a3b"], choices=list(SHAPES))
+    p.add_argument("--recipes", nargs="+", default=["bf16", "current"], choices=list(RECIPES))
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--top", type=int, default=15)
+    p.add_argument("--weight-cache", action="store_true", help="also the quantized rows with cache_quantized_weights")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks.profile_moe needs a CUDA GPU", file=sys.stderr)
+        return 2
+    header = run_header("benchmarks.profile_moe", argv)
+    rows = run(args.shapes, args.recipes, args.steps, args.top, args.weight_cache)
+    write_results(args.out, header, dict(suite="profile_moe", method=__doc__, steps=args.steps, rows=rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
