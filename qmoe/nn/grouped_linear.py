@@ -47,7 +47,9 @@ class GroupedLinear(nn.Module):
     outputs and gradients bit for bit; the quantized copies stay held between steps. Changes the
     version counter does not see (writes through `.data`, a flat buffer the weights view, a
     replayed optimizer step, FSDP2 / ZeRO-3 refilling sharded weights) need `weight_cache.clear()`
-    (`qmoe.quant.clear_weight_caches(model)`) after them. Grouped path only.
+    (`qmoe.quant.clear_weight_caches(model)`) after them. Under CUDA graphs the weights are kept
+    only with `qmoe.graph.capture(..., keep_weights=True)` (or `qmoe.quant.capture_weights`).
+    Grouped path only.
     recompute_weight_columnwise: keep no quantized columnwise weight copy between forward and
     backward: the backward quantizes it again from the weight (kept for free: it is the
     parameter; per-expert weights are stacked into a copy) with the forward's scales. Same
