@@ -85,23 +85,32 @@ def run(shapes, recipes, steps: int, top: int, weight_cache: bool) -> list[dict]
     return rows
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def profile_main(module: str, doc: str, shapes, default_shape: str, recipes, default_recipes, run, argv=None) -> int:
+    """The command line both profiles share: choose shapes and recipes, profile, write --out."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--shapes", nargs="+", default=["qwen3-fc1"], choices=list(SHAPES))
-    p.add_argument("--recipes", nargs="+", default=["mxfp8"], choices=list(_recipes()))
+    p.add_argument("--shapes", nargs="+", default=[default_shape], choices=list(shapes))
+    p.add_argument("--recipes", nargs="+", default=list(default_recipes), choices=list(recipes))
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--top", type=int, default=12)
+    p.add_argument("--top", type=int, default=15)
     p.add_argument("--weight-cache", action="store_true", help="also the qmoe rows with cache_quantized_weights=True")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        print("benchmarks.profile_linear needs a CUDA GPU", file=sys.stderr)
+        print(f"{module} needs a CUDA GPU", file=sys.stderr)
         return 2
-    header = run_header("benchmarks.profile_linear", argv)
-    recipes = {k: v for k, v in _recipes().items() if k in args.recipes}
-    rows = run(args.shapes, recipes, args.steps, args.top, args.weight_cache)
-    write_results(args.out, header, dict(suite="profile_linear", method=__doc__, steps=args.steps, rows=rows))
+    header = run_header(module, argv)
+    rows = run(args.shapes, args.recipes, args.steps, args.top, args.weight_cache)
+    write_results(args.out, header, dict(suite=module.rsplit(".", 1)[-1], method=doc, steps=args.steps, rows=rows))
     return 0
+
+
+def main(argv=None) -> int:
+    recipes = _recipes()
+
+    def run_named(shapes, names, steps, top, weight_cache):
+        return run(shapes, {k: v for k, v in recipes.items() if k in names}, steps, top, weight_cache)
+    return profile_main("benchmarks.profile_linear", __doc__, SHAPES, "qwen3-fc1", recipes, ["mxfp8"], run_named,
+                        argv)
 
 
 if __name__ == "__main__":

@@ -12,14 +12,12 @@ change here, so every profiled step is a micro-batch that reuses them.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 
 from benchmarks.bench_moe import RECIPES, SHAPES
-from benchmarks.harness import run_header, write_results
-from benchmarks.profile_linear import kernel_times, row
+from benchmarks.profile_linear import kernel_times, profile_main, row
 
 
 def run(shapes, recipes, steps: int, top: int, weight_cache: bool) -> list[dict]:
@@ -59,21 +57,8 @@ def run(shapes, recipes, steps: int, top: int, weight_cache: bool) -> list[dict]
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--shapes", nargs="+", default=["qwen3-30b-a3b"], choices=list(SHAPES))
-    p.add_argument("--recipes", nargs="+", default=["bf16", "current"], choices=list(RECIPES))
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--top", type=int, default=15)
-    p.add_argument("--weight-cache", action="store_true", help="also the quantized rows with cache_quantized_weights")
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("benchmarks.profile_moe needs a CUDA GPU", file=sys.stderr)
-        return 2
-    header = run_header("benchmarks.profile_moe", argv)
-    rows = run(args.shapes, args.recipes, args.steps, args.top, args.weight_cache)
-    write_results(args.out, header, dict(suite="profile_moe", method=__doc__, steps=args.steps, rows=rows))
-    return 0
+    return profile_main("benchmarks.profile_moe", __doc__, SHAPES, "qwen3-30b-a3b", RECIPES, ["bf16", "current"],
+                        run, argv)
 
 
 if __name__ == "__main__":

@@ -33,19 +33,6 @@ RECIPES = [pytest.param(None, id="plain")] + QUANTIZED
 STEPS, MICRO = 2, 3
 
 
-@pytest.fixture
-def weight_quantizations(monkeypatch):
-    """The weight stacks the grouped path quantized (the weight caches' misses), in call order."""
-    calls = []
-    real = paths.quantize_weights
-
-    def counted(weight, *args, **kwargs):
-        calls.append(weight)
-        return real(weight, *args, **kwargs)
-    monkeypatch.setattr(paths, "quantize_weights", counted)
-    return calls
-
-
 def _states(module):
     return {f"{name}.{role}.{k}": t for name, m in module.named_modules() if hasattr(m, "recipe_state")
             for role, q in m.recipe_state.quantizers.items() for k, t in q.state_dict().items()}

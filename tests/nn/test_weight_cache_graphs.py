@@ -22,19 +22,6 @@ from tests.nn.loop_cases import E, F, H, SPLITS
 
 
 @pytest.fixture
-def quantized(monkeypatch):
-    """The weight stacks the grouped path quantized, in call order."""
-    calls = []
-    real = paths.quantize_weights
-
-    def counted(weight, *args, **kwargs):
-        calls.append(weight)
-        return real(weight, *args, **kwargs)
-    monkeypatch.setattr(paths, "quantize_weights", counted)
-    return calls
-
-
-@pytest.fixture
 def capturing(monkeypatch):
     monkeypatch.setattr(weight_cache, "_capturing", lambda: True)
 
@@ -49,40 +36,41 @@ def _forward(layer, x, recipe=Float8CurrentScaling()):
         return layer(x, torch.tensor(SPLITS))
 
 
-def test_keep_then_reuse(capturing, quantized):
+def test_keep_then_reuse(capturing, weight_quantizations):
     layer = _layer()
     x = torch.randn(sum(SPLITS), H)
     with capture_weights("keep"):
         kept_y = _forward(layer, x)
         assert torch.equal(_forward(layer, x), kept_y)  # a recompute in the same capture reads what it kept
     cache = layer.weight_cache
-    assert len(quantized) == 1 and cache.kept_for_graphs is not None and cache.kept is None and cache.captured
+    assert len(weight_quantizations) == 1 and cache.kept_for_graphs is not None
+    assert cache.kept is None and cache.captured
     with capture_weights("reuse"):
         with torch.no_grad():
             layer.weight.mul_(2)  # a graph cannot see versions: the reuse graph reads the kept buffers
         assert torch.equal(_forward(layer, x), kept_y)
-    assert len(quantized) == 1
+    assert len(weight_quantizations) == 1
     with capture_weights("keep"):  # a new keep capture quantizes again, replacing the kept result
         y = _forward(layer, x)
-    assert len(quantized) == 2 and not torch.equal(y, kept_y)
+    assert len(weight_quantizations) == 2 and not torch.equal(y, kept_y)
 
 
-def test_what_reuse_does_not_find_it_quantizes(capturing, quantized):
+def test_what_reuse_does_not_find_it_quantizes(capturing, weight_quantizations):
     layer = _layer()
     x = torch.randn(sum(SPLITS), H)
     with capture_weights("reuse"):  # nothing kept yet
         _forward(layer, x)
-    assert len(quantized) == 1 and layer.weight_cache.kept_for_graphs is None
+    assert len(weight_quantizations) == 1 and layer.weight_cache.kept_for_graphs is None
     with capture_weights("keep"):
         _forward(layer, x)
     with capture_weights("reuse"):
         _forward(layer, x, Float8BlockScaling())  # another recipe: another quantizer
         layer.weight = torch.nn.Parameter(layer.weight.detach().clone())  # another weight
         _forward(layer, x)
-    assert len(quantized) == 4
+    assert len(weight_quantizations) == 4
 
 
-def test_plain_captures_and_delayed_scaling_keep_nothing(capturing, quantized):
+def test_plain_captures_and_delayed_scaling_keep_nothing(capturing, weight_quantizations):
     layer = _layer()
     x = torch.randn(sum(SPLITS), H)
     for _ in range(2):
@@ -90,10 +78,10 @@ def test_plain_captures_and_delayed_scaling_keep_nothing(capturing, quantized):
     with capture_weights("keep"):
         for _ in range(2):
             _forward(layer, x, DelayedScaling())  # its scale moves at region exits no replay sees
-    assert len(quantized) == 4 and layer.weight_cache.kept_for_graphs is None
+    assert len(weight_quantizations) == 4 and layer.weight_cache.kept_for_graphs is None
 
 
-def test_eager_calls_after_a_capture_do_not_read_the_graphs_weights(monkeypatch, quantized):
+def test_eager_calls_after_a_capture_do_not_read_the_graphs_weights(monkeypatch, weight_quantizations):
     layer = _layer()
     x = torch.randn(sum(SPLITS), H)
     monkeypatch.setattr(weight_cache, "_capturing", lambda: True)
@@ -108,7 +96,7 @@ def test_eager_calls_after_a_capture_do_not_read_the_graphs_weights(monkeypatch,
     plain = qmoe.nn.GroupedLinear(E, H, F, bias=False)
     with torch.no_grad():
         plain.weight.copy_(layer.weight)
-    assert torch.equal(y, _forward(plain, x)) and sum(w is layer.weight for w in quantized) == 3
+    assert torch.equal(y, _forward(plain, x)) and sum(w is layer.weight for w in weight_quantizations) == 3
     assert layer.weight_cache.kept is None
 
 
