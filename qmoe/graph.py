@@ -133,13 +133,14 @@ def capture(module: nn.Module, sample_args: tuple, num_warmup_iters: int = 3,
     has_aux = hasattr(module, "aux_loss")
     buffers = {name: b.clone() for name, b in module.named_buffers()}  # e.g. the router's expert bias
     with _Observer() as observer:
-        if keep_weights:  # a pool each: calls may interleave (two forwards before their backwards)
+        if keep_weights:  # one pool: a call runs one graph's forward and backward, never two interleaved
+            pool = torch.cuda.graph_pool_handle()
             with capture_weights("keep"):
                 graphed = torch.cuda.make_graphed_callables(_Target(module, has_aux), sample_args,
-                                                            num_warmup_iters=num_warmup_iters)
+                                                            num_warmup_iters=num_warmup_iters, pool=pool)
             with capture_weights("reuse"):
                 reuse = torch.cuda.make_graphed_callables(_Target(module, has_aux), sample_args,
-                                                          num_warmup_iters=num_warmup_iters)
+                                                          num_warmup_iters=num_warmup_iters, pool=pool)
         else:
             graphed = torch.cuda.make_graphed_callables(_Target(module, has_aux), sample_args,
                                                         num_warmup_iters=num_warmup_iters)

@@ -231,27 +231,6 @@ def test_graphed_loop_with_kept_weights_gives_the_eager_bits(recipe):
 
 
 @pytest.mark.gpu
-def test_graphed_calls_may_interleave():
-    """Two micro-batches' forwards before either backward (as pipeline schedules run them): the keep
-    and the reuse graph hold their saved tensors apart, so the gradients are the eager ones."""
-    recipe = Float8CurrentScaling()
-    layer, eager = _moe(True), _moe(False)
-    sample = torch.randn(T, GH, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    with qmoe.autocast(recipe=recipe):
-        graphed = qmoe.graph.capture(layer, (sample,), keep_weights=True)
-    xs = [torch.randn(T, GH, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2)]
-    got, want = [], []
-    for fn, module, out in ((graphed, layer, got), (eager, eager, want)):
-        with qmoe.autocast(recipe=recipe):
-            ys = [fn(x) for x in xs]  # graphed: the keep graph, then the reuse graph
-        torch.autograd.backward(ys[::-1], [torch.ones_like(y) for y in ys])
-        out += [x.grad.clone() for x in xs] + [p.grad.clone() for p in module.parameters()]
-        for x in xs:
-            x.grad = None
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-
-
-@pytest.mark.gpu
 def test_hand_made_captures_of_the_whole_step():
     """The bench's habit: forward + backward captured once under capture_weights("keep") and once
     under ("reuse"), replayed as first / later micro-batches: the eager steps' gradients."""
