@@ -115,7 +115,9 @@ def capture(module: nn.Module, sample_args: tuple, num_warmup_iters: int = 3,
     module: a qmoe module on a CUDA device (MoELayer, GroupedMLP, Linear, ...), in train mode.
     sample_args: tuple of CUDA tensors with the shapes, dtypes and requires_grad of later calls.
     keep_weights: capture twice, so calls between two changes of the weights quantize them once
-    (see the module docstring); needs modules built with `cache_quantized_weights=True`.
+    (see the module docstring); needs modules built with `cache_quantized_weights=True`. Run
+    each call's backward before the next call, as one graph needs anyway (its outputs and saved
+    tensors are the graph's own buffers, rewritten by the next replay).
     Call inside the `qmoe.autocast` region (recipe) the replays will use.
     """
     if not isinstance(sample_args, tuple) or not sample_args:
@@ -133,7 +135,7 @@ def capture(module: nn.Module, sample_args: tuple, num_warmup_iters: int = 3,
     has_aux = hasattr(module, "aux_loss")
     buffers = {name: b.clone() for name, b in module.named_buffers()}  # e.g. the router's expert bias
     with _Observer() as observer:
-        if keep_weights:  # one pool: a call runs one graph's forward and backward, never two interleaved
+        if keep_weights:  # one pool: a call's backward runs before the next call (see the docstring)
             pool = torch.cuda.graph_pool_handle()
             with capture_weights("keep"):
                 graphed = torch.cuda.make_graphed_callables(_Target(module, has_aux), sample_args,
