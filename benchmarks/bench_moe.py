@@ -29,6 +29,7 @@ Writes benchmarks/results/moe.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import statistics
@@ -107,18 +108,13 @@ def _graphed_ms(step, warmup: int, iters: int, micro_batches: int = 1):
             for _ in range(3):
                 step()
         torch.cuda.current_stream().wait_stream(side)
-        if micro_batches == 1:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+        graphs = []
+        for role in ("keep", "reuse") if micro_batches > 1 else (None,):
+            graphs.append(torch.cuda.CUDAGraph())
+            with capture_weights(role) if role else contextlib.nullcontext(), \
+                    torch.cuda.graph(graphs[-1], pool=graphs[0].pool() if len(graphs) > 1 else None):
                 guarded()
-            ms = _time_ms(graph.replay, warmup, iters)
-            del graph
-            return ms, None
-        first, later = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with capture_weights("keep"), torch.cuda.graph(first):
-            guarded()
-        with capture_weights("reuse"), torch.cuda.graph(later, pool=first.pool()):
-            guarded()
+        first, later = graphs[0], graphs[-1]
 
         def cycle():
             first.replay()
@@ -156,9 +152,8 @@ def _fresh_caches(module) -> None:
 
 
 def _cache_gib(module) -> float:
-    from qmoe.quant import WeightCache
-    caches = [m.weight_cache for m in module.modules() if isinstance(getattr(m, "weight_cache", None), WeightCache)]
-    return sum(c.nbytes() for c in caches) / 2 ** 30
+    from qmoe.quant.weight_cache import weight_caches
+    return sum(c.nbytes() for c in weight_caches(module)) / 2 ** 30
 
 
 def _measure(module, x, dy, recipe, warmup: int, iters: int, graphed: bool, micro_batches: int = 1) -> dict:
@@ -254,19 +249,26 @@ def _variants(recompute: bool, weight_cache: bool, recompute_weight: bool, quant
     return out
 
 
-def bench_shape(rows, name, shape, recipes, warmup, iters, graphed, device="cuda", recompute=False,
-                weight_cache=False, recompute_weight=False, micro_batches=4):
+def inputs(shape: dict, device="cuda", **options):
+    """The seeded layer (bf16 weights, `options`), its input x (requiring grad) and upstream gradient."""
     import qmoe
-    from benchmarks.plain_moe import PlainMoE
-    from qmoe.compare import resolve_path
-    from qmoe.recipes import recipe_from_config
 
     t, h = shape["tokens"], shape["hidden"]
     torch.manual_seed(0)
     layer = qmoe.nn.MoELayer(h, shape["ffn"], shape["experts"], shape["top_k"], params_dtype=torch.bfloat16,
-                             device=device)
+                             device=device, **options)
     x = torch.randn(t, h, device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(t, h, device=device, dtype=torch.bfloat16)
+    return layer, x, dy
+
+
+def bench_shape(rows, name, shape, recipes, warmup, iters, graphed, device="cuda", recompute=False,
+                weight_cache=False, recompute_weight=False, micro_batches=4):
+    from benchmarks.plain_moe import PlainMoE
+    from qmoe.compare import resolve_path
+    from qmoe.recipes import recipe_from_config
+
+    layer, x, dy = inputs(shape, device)
     # the peer: same weights, so the same routing and expert loads
     peer = dict(peer_ms=None, peer_graphed_ms=None, peer_peak_gib=None, peer_error=None, peer_graph_error=None,
                 peer_impl=None)
@@ -321,16 +323,10 @@ SHARED_EXPERT_RECIPES = ("bf16", "block")
 def bench_shared_expert(rows, name, shape, recipes, warmup, iters, graphed, device="cuda"):
     """Rows of the layer with a shared expert (Fs = ffn), overlap off then on, per recipe; the on
     row carries time_ratio_overlap_vs_inline = its eager_ms / the off row's."""
-    import qmoe
     from qmoe.compare import resolve_path
     from qmoe.recipes import recipe_from_config
 
-    t, h = shape["tokens"], shape["hidden"]
-    torch.manual_seed(0)
-    layer = qmoe.nn.MoELayer(h, shape["ffn"], shape["experts"], shape["top_k"], params_dtype=torch.bfloat16,
-                             device=device, shared_expert_ffn_hidden_size=shape["ffn"])
-    x = torch.randn(t, h, device=device, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(t, h, device=device, dtype=torch.bfloat16)
+    layer, x, dy = inputs(shape, device, shared_expert_ffn_hidden_size=shape["ffn"])
     bf16_ms = None
     for rname in recipes:
         recipe = None if rname == "bf16" else recipe_from_config({"name": rname})

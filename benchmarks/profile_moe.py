@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from benchmarks.bench_moe import RECIPES, SHAPES
+from benchmarks.bench_moe import RECIPES, SHAPES, inputs
 from benchmarks.profile_linear import kernel_times, profile_main, row
 
 
@@ -26,12 +26,7 @@ def run(shapes, recipes, steps: int, top: int, weight_cache: bool) -> list[dict]
 
     rows = []
     for name in shapes:
-        shape = SHAPES[name]
-        torch.manual_seed(0)
-        layer = qmoe.nn.MoELayer(shape["hidden"], shape["ffn"], shape["experts"], shape["top_k"],
-                                 params_dtype=torch.bfloat16, device="cuda")
-        x = torch.randn(shape["tokens"], shape["hidden"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        dy = torch.randn_like(x)
+        layer, x, dy = inputs(SHAPES[name])
         for rname in recipes:
             recipe = None if rname == "bf16" else recipe_from_config({"name": rname})
             for cache in ([False, True] if weight_cache and recipe is not None else [False]):

@@ -27,11 +27,13 @@ load, `qmoe.quant.clear_weight_caches`), and one that reuses them, replayed for 
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
 from qmoe.quant import delayed
-from qmoe.quant.weight_cache import WeightCache, capture_weights
+from qmoe.quant.weight_cache import capture_weights, weight_caches
 
 
 class _Observer:
@@ -84,12 +86,13 @@ class GraphedModule:
         self._graphed, self.module, self._forward_states, self._has_aux = graphed, module, forward_states, has_aux
         self._reuse = reuse  # keep_weights: the graph reading the weights `_graphed` keeps
         self._kept_at = None  # what the weights were known by when `_graphed` last ran
+        # the graphs hold these parameters' storage: the same tensors at every call
+        self._params, self._caches = list(module.parameters()), weight_caches(module)
 
     def _weights_now(self) -> tuple:
         """What the weights are known by on the host: versions, addresses, and the caches' clears."""
-        params = tuple((p._version, p.data_ptr()) for p in self.module.parameters())
-        return params + tuple(m.weight_cache.clears for m in self.module.modules()
-                              if isinstance(getattr(m, "weight_cache", None), WeightCache))
+        return (tuple((p._version, p.data_ptr()) for p in self._params)
+                + tuple(cache.clears for cache in self._caches))
 
     def __call__(self, *args):
         graphed = self._graphed
@@ -134,21 +137,17 @@ def capture(module: nn.Module, sample_args: tuple, num_warmup_iters: int = 3,
         raise ValueError("move the module to the GPU (module.cuda()) before capturing it")
     has_aux = hasattr(module, "aux_loss")
     buffers = {name: b.clone() for name, b in module.named_buffers()}  # e.g. the router's expert bias
+    # keep_weights: one pool for both graphs, as a call's backward runs before the next call
+    pool = torch.cuda.graph_pool_handle() if keep_weights else None
+    graphs = []
     with _Observer() as observer:
-        if keep_weights:  # one pool: a call's backward runs before the next call (see the docstring)
-            pool = torch.cuda.graph_pool_handle()
-            with capture_weights("keep"):
-                graphed = torch.cuda.make_graphed_callables(_Target(module, has_aux), sample_args,
-                                                            num_warmup_iters=num_warmup_iters, pool=pool)
-            with capture_weights("reuse"):
-                reuse = torch.cuda.make_graphed_callables(_Target(module, has_aux), sample_args,
-                                                          num_warmup_iters=num_warmup_iters, pool=pool)
-        else:
-            graphed = torch.cuda.make_graphed_callables(_Target(module, has_aux), sample_args,
-                                                        num_warmup_iters=num_warmup_iters)
-            reuse = None
+        for role in ("keep", "reuse") if keep_weights else (None,):
+            with capture_weights(role) if role else contextlib.nullcontext():
+                graphs.append(torch.cuda.make_graphed_callables(_Target(module, has_aux), sample_args,
+                                                                num_warmup_iters=num_warmup_iters, pool=pool))
     observer.restore()
     with torch.no_grad():
         for name, b in module.named_buffers():
             b.copy_(buffers[name])
-    return GraphedModule(graphed, module, list(observer.forward_states.values()), has_aux, reuse)
+    return GraphedModule(graphs[0], module, list(observer.forward_states.values()), has_aux,
+                         graphs[1] if keep_weights else None)

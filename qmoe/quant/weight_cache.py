@@ -284,12 +284,15 @@ class WeightCache:
                 f"captured={self.captured})")
 
 
+def weight_caches(module: torch.nn.Module) -> list[WeightCache]:
+    """The `weight_cache` of `module` and of every module inside it."""
+    return [m.weight_cache for m in module.modules() if isinstance(getattr(m, "weight_cache", None), WeightCache)]
+
+
 def clear_weight_caches(module: torch.nn.Module) -> None:
     """Drop the kept weights of `module` and of every module inside it (their `weight_cache`)."""
-    for m in module.modules():
-        cache = getattr(m, "weight_cache", None)
-        if isinstance(cache, WeightCache):
-            cache.clear()
+    for cache in weight_caches(module):
+        cache.clear()
 
 
 @dataclass(frozen=True)
