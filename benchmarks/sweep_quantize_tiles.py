@@ -33,19 +33,34 @@ import torch
 from benchmarks.harness import copy_gbps, median_ms, run_header, write_results
 
 FAMILIES = ("tensorwise", "block1x128", "block128x128", "mxfp8")
-SHAPES = {"65536x7168": (65536, 7168, 0), "32x2048x7168": (65536, 7168, 32)}
-TINY_SHAPES = {"136x264": (136, 264, 0), "4x(0,37,33,66)x200": (136, 200, 4)}
+# name: (rows, columns, groups, uneven). Uneven groups ("~"): sizes around rows / groups in
+# multiples of 16, as the MoE layer pads its experts' groups (the layer's casts at DeepSeek-V3
+# and Qwen3-30B-A3B; the first two are the issue's shapes, the default).
+SHAPES = {"65536x7168": (65536, 7168, 0, False), "32x2048x7168": (65536, 7168, 32, False),
+          "32x~2048x2048": (65536, 2048, 32, True), "128x~1024x2048": (131072, 2048, 128, True),
+          "128x~1024x1536": (131072, 1536, 128, True)}
+DEFAULT_SHAPES = ("65536x7168", "32x2048x7168")
+TINY_SHAPES = {"136x264": (136, 264, 0, False), "4x(0,37,33,66)x200": (136, 200, 4, False)}
 TINY_SPLITS = [0, 37, 33, 66]
 
 
 def cases(args):
-    shapes = TINY_SHAPES if args.tiny else SHAPES
+    shapes = list(TINY_SHAPES) if args.tiny else args.shapes
     return [(fam, both, shape) for shape in shapes for fam in args.families for both in (True, False)]
 
 
-def make_input(m, k, groups, exact, device):
+def uneven_sizes(m, groups, g):
+    """Group sizes in multiples of 16 around m / groups (+-10 %), summing to m."""
+    w = (1 + 0.1 * torch.randn(groups, generator=g, device=g.device)).clamp(min=0.5)
+    sizes = (w / w.sum() * m / 16).floor().long() * 16
+    sizes[-1] += m - int(sizes.sum())
+    return sizes.tolist()
+
+
+def make_input(m, k, groups, uneven, exact, device):
     """bf16 randn (a few NaN / +-inf), or with `exact` +-(1 + j/8) 2^e with e in a narrow window,
-    whose power-of-two scalings are exact E4M3 values. Splits: equal groups, or TINY_SPLITS."""
+    whose power-of-two scalings are exact E4M3 values. Splits: equal groups, uneven ones
+    (`uneven_sizes`), or TINY_SPLITS."""
     g = torch.Generator(device=device).manual_seed(0)
     if exact:
         mant = 1 + torch.randint(0, 8, (m, k), generator=g, device=device).float() / 8
@@ -61,7 +76,7 @@ def make_input(m, k, groups, exact, device):
     x = x.to(torch.bfloat16)
     if not groups:
         return x, None
-    sizes = TINY_SPLITS if exact else [m // groups] * groups
+    sizes = TINY_SPLITS if exact else uneven_sizes(m, groups, g) if uneven else [m // groups] * groups
     return x, torch.tensor(sizes, device=device)
 
 
@@ -154,7 +169,7 @@ def warm(args, part: str) -> int:
     shapes = TINY_SHAPES if args.tiny else SHAPES
     pairs = []
     for fam, both, shape in cases(args):
-        m, k, groups = shapes[shape]
+        m, k = shapes[shape][:2]
         _, _, kernel, meta = calls(fam, both, torch.empty(0), None)
         pairs += [(fam, both, shape, cfg) for cfg in configs_for(kernel, m, k, **meta)]
     inputs = {}
@@ -175,7 +190,8 @@ def warm(args, part: str) -> int:
 def spawn_warm_jobs(args):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]),
                                                         os.environ.get("PYTHONPATH", "")]))
-    base = [sys.executable, "-m", "benchmarks.sweep_quantize_tiles", "--families", *args.families]
+    base = [sys.executable, "-m", "benchmarks.sweep_quantize_tiles", "--families", *args.families,
+            "--shapes", *args.shapes]
     base += ["--tiny"] if args.tiny else []
     procs = [subprocess.Popen(base + ["--warm-part", f"{i}/{args.jobs}"], env=env) for i in range(args.jobs)]
     deadline = time.monotonic() + args.budget / 2
@@ -205,7 +221,7 @@ def measure(args, t0: float) -> list[dict]:
         kern, ref, kernel, meta = calls(fam, both, x, splits)
         want = ref()
         case = {"family": fam, "orientation": "row+col" if both else "row", "shape": shape}
-        m, k, _ = shapes[shape]
+        m, k = shapes[shape][:2]
         for cfg in configs_for(kernel, m, k, **meta):
             row = dict(case, config=label(cfg), **{f"meta_{k_}": v for k_, v in cfg.kwargs.items()},
                        num_warps=cfg.num_warps, maxnreg=cfg.maxnreg)
@@ -274,6 +290,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("quantize_tiles.json"))
     p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    p.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), choices=list(SHAPES))
     p.add_argument("--tiny", action="store_true", help="tiny shapes, exact inputs (CPU interpreter check)")
     p.add_argument("--rep", type=int, default=25, help="do_bench budget per config (ms)")
     p.add_argument("--jobs", type=int, default=12, help="compile processes (0: compile in this one)")

@@ -30,8 +30,8 @@ from qmoe.contracts.errors import UnsupportedError
 from qmoe.contracts.formats import ElementFormat, ScaleMode, ceil_div
 from qmoe.kernels import _cast_transpose_gl as _block_cast_gl
 from qmoe.kernels.activation import NO_ACTIVATION, input_width, load_rows
-from qmoe.kernels._arith import (atomic_max_bits, cast_codes, exp2_int, fp8_scale_from_amax, max_abs_bits, reciprocal,
-                                saturate)
+from qmoe.kernels._arith import (abs_bits, atomic_max_bits, cast_codes, exp2_int, fp8_scale_from_amax, max_abs_bits,
+                                reciprocal, saturate)
 from qmoe.kernels._cast_variants import prune_blocks  # noqa: F401 (the NVFP4 kernels prune with it too)
 from qmoe.kernels._cast_variants import (BLOCK128_CONFIGS, CAST_CONFIGS, block_quads, is_forced, launch_cast,
                                          load_quads, mx_multiplier, mx_quads, mx_rows, prune_variants, store_quads)
@@ -163,12 +163,71 @@ def compute_fp8_scale(amax: torch.Tensor, fmt_max: float, power_2_scale: bool = 
 
 # ---------------------------------------------------------------- FP8 per tensor
 
+@triton.jit
+def groups_of_rows(ends_ptr, G, first, last, G_P2: tl.constexpr):
+    """(group of row `first`, group of row `last`): how many group ends (ends_ptr: the cumulative
+    split sizes, [G]) lie at or before each row, so G for a row past the last group."""
+    idx = tl.arange(0, G_P2)
+    ends = tl.load(ends_ptr + idx, mask=idx < G, other=2147483647)
+    both = tl.sum((ends <= first).to(tl.int32) + ((ends <= last).to(tl.int32) << 16), 0)  # G < 2^15
+    return both & 0xFFFF, both >> 16
+
+
+@triton.jit
+def _tensorwise_tile(x_ptr, probs_ptr, row_ptr, col_ptr, scale, row0, col0, M, K, stride_xm, ACT: tl.constexpr,
+                     GLU_BLOCK: tl.constexpr, FMT_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr, ROWWISE: tl.constexpr,
+                     COLWISE: tl.constexpr, QUAD: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """Cast the [BM, BK] tile at (row0, col0), rows before M, with one scale; its max|x| bits."""
+    cols = col0 + tl.arange(0, BK)
+    if QUAD:
+        x0, x1, x2, x3 = load_quads(x_ptr, probs_ptr, row0, M, cols, cols < K, stride_xm, K, ACT, GLU_BLOCK, BM // 4)
+        store_quads(row_ptr, col_ptr, x0 * scale, x1 * scale, x2 * scale, x3 * scale, row0, col0, M, K, M,
+                    FMT_MAX, OUT_DTYPE, ROWWISE, COLWISE, BM // 4, BK)
+        return tl.max(tl.max(quad_abs_bits(x0, x1, x2, x3), 1), 0)
+    rows = row0 + tl.arange(0, BM)
+    x = load_rows(x_ptr, probs_ptr, rows, cols, rows < M, cols < K, stride_xm, K, ACT, GLU_BLOCK).to(tl.float32)
+    q = cast_codes(x * scale, FMT_MAX, OUT_DTYPE)
+    if ROWWISE:
+        store8(row_ptr, q, row0, col0, K, M, K, BM, BK)
+    if COLWISE:  # the quantized transpose [K, M]
+        store8(col_ptr, tl.trans(q), col0, row0, M, K, M, BK, BM)
+    return max_abs_bits(x, False)
+
+
+@triton.jit
+def _tensorwise_mixed(x_ptr, probs_ptr, scale_ptr, row_ptr, col_ptr, amax_ptr, ends_ptr, row0, col0, g, g_last,
+                      M, K, G, stride_xm, ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, FMT_MAX: tl.constexpr,
+                      OUT_DTYPE: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr, BM: tl.constexpr,
+                      BK: tl.constexpr):
+    """A tile whose rows run from group g into group g_last (G: past the last group): each row is
+    cast with its group's scale, each group's maximum recorded; rows past the last group stay
+    unwritten."""
+    rows = row0 + tl.arange(0, BM)
+    cols = col0 + tl.arange(0, BK)
+    row_end = tl.minimum(tl.load(ends_ptr + G - 1), M)
+    grp = tl.zeros([BM], dtype=tl.int32) + g
+    for h in range(g, g_last):  # the group ends inside the tile
+        grp += (rows >= tl.load(ends_ptr + h)).to(tl.int32)
+    ok = rows < row_end
+    x = load_rows(x_ptr, probs_ptr, rows, cols, ok, cols < K, stride_xm, K, ACT, GLU_BLOCK).to(tl.float32)
+    q = cast_codes(x * tl.load(scale_ptr + grp, mask=ok, other=0.0)[:, None], FMT_MAX, OUT_DTYPE)
+    if ROWWISE:
+        store8(row_ptr, q, row0, col0, K, row_end, K, BM, BK)
+    if COLWISE:
+        store8(col_ptr, tl.trans(q), col0, row0, M, K, row_end, BK, BM)
+    bits = tl.max(abs_bits(x), 1)
+    for h in range(g, tl.minimum(g_last, G - 1) + 1):
+        amax = tl.max(tl.where(ok & (grp == h), bits, 0), 0)
+        if amax > tl.load(amax_ptr + h):
+            tl.atomic_max(amax_ptr + h, amax)
+
+
 @triton.autotune(configs=CAST_CONFIGS, key=ORIENTED_KEY, reset_to_zero=["amax_ptr"],
                  prune_configs_by={"early_config_prune": prune_variants})
 @triton.jit
 def _fp8_tensorwise_kernel(
         # pointers
-        x_ptr, probs_ptr, scale_ptr, row_ptr, col_ptr, amax_ptr, splits_ptr,
+        x_ptr, probs_ptr, scale_ptr, row_ptr, col_ptr, amax_ptr, ends_ptr,
         # sizes
         M, K, G,
         # strides
@@ -184,33 +243,35 @@ def _fp8_tensorwise_kernel(
     the tile as a row quad (its transposed words are built in registers, `interleave4`), else
     as one tile (`store8`). The scale and the recorded maximum are read before the first store,
     and the atomic comes last, so no global round trip waits between the tile's load and stores.
+
+    Grouped: the tiles cover the rows as if ungrouped, and a tile finds its group from the
+    cumulative split sizes (ends_ptr) with one reduction (`groups_of_rows`): the few tiles that
+    hold a group boundary scale row by row (`_tensorwise_mixed`). (The other cast kernels start
+    their tiles afresh at every group, `tiles.tile_rows`, as their scale blocks must, at the cost
+    of scans over the split sizes in every program.)
     """
     pid_m, pid_k = tile_pids(K, BK, K_MAJOR)
-    g, row0, row_end, _, _ = tile_rows(splits_ptr, M, G, pid_m, BM, BM, G_P2, GROUPED)
+    row0 = pid_m * BM
+    if GROUPED:
+        g, g_last = groups_of_rows(ends_ptr, G, row0, row0 + BM - 1, G_P2)
+    else:
+        g, g_last = 0, 0
     if g >= G:
         return
-    scale = tl.load(scale_ptr + g)
-    seen = tl.load(amax_ptr + g)
-    col0 = pid_k * BK
-    cols = col0 + tl.arange(0, BK)
-    if QUAD:
-        x0, x1, x2, x3 = load_quads(x_ptr, probs_ptr, row0, row_end, cols, cols < K, stride_xm, K, ACT, GLU_BLOCK,
-                                    BM // 4)
-        amax = tl.max(tl.max(quad_abs_bits(x0, x1, x2, x3), 1), 0)
-        store_quads(row_ptr, col_ptr, x0 * scale, x1 * scale, x2 * scale, x3 * scale, row0, col0, M, K, row_end,
-                    FMT_MAX, OUT_DTYPE, ROWWISE, COLWISE, BM // 4, BK)
+    if g == g_last:
+        scale = tl.load(scale_ptr + g)
+        seen = tl.load(amax_ptr + g)
+        amax = _tensorwise_tile(x_ptr, probs_ptr, row_ptr, col_ptr, scale, row0, pid_k * BK, M, K, stride_xm, ACT,
+                                GLU_BLOCK, FMT_MAX, OUT_DTYPE, ROWWISE, COLWISE, QUAD, BM, BK)
+        if amax > seen:  # see atomic_max_bits; a stale `seen` only costs an atomic
+            tl.atomic_max(amax_ptr + g, amax)
     else:
-        rows = row0 + tl.arange(0, BM)
-        x = load_rows(x_ptr, probs_ptr, rows, cols, rows < row_end, cols < K, stride_xm, K, ACT,
-                      GLU_BLOCK).to(tl.float32)
-        amax = max_abs_bits(x, False)
-        q = cast_codes(x * scale, FMT_MAX, OUT_DTYPE)
-        if ROWWISE:
-            store8(row_ptr, q, row0, col0, K, row_end, K, BM, BK)
-        if COLWISE:  # the quantized transpose [K, M]
-            store8(col_ptr, tl.trans(q), col0, row0, M, K, row_end, BK, BM)
-    if amax > seen:  # see atomic_max_bits; a stale `seen` only costs an atomic
-        tl.atomic_max(amax_ptr + g, amax)
+        _tensorwise_mixed(x_ptr, probs_ptr, scale_ptr, row_ptr, col_ptr, amax_ptr, ends_ptr, row0, pid_k * BK, g,
+                          g_last, M, K, G, stride_xm, ACT, GLU_BLOCK, FMT_MAX, OUT_DTYPE, ROWWISE, COLWISE, BM, BK)
+
+
+# groups_of_rows counts two rows' groups in the halves of one int32
+MAX_TENSORWISE_GROUPS = 1 << 15
 
 
 @kernel_op("qmoe::quantize_fp8_tensorwise")
@@ -218,16 +279,20 @@ def fp8_tensorwise_op(x: torch.Tensor, scale: torch.Tensor, splits: Optional[tor
                       out_dtype: torch.dtype, fmt_max: float, rowwise: bool, columnwise: bool,
                       probs: Optional[torch.Tensor] = None, act: int = NO_ACTIVATION,
                       glu_block: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(row [M, K] | empty, col [K, M] | empty, amax [G] fp32)."""
+    """(row [M, K] | empty, col [K, M] | empty, amax [G] fp32); rows past the splits' sum stay unwritten."""
     m, k = x.shape[0], input_width(x, act)
+    if num_groups >= MAX_TENSORWISE_GROUPS:
+        raise UnsupportedError("the grouped FP8 per-tensor cast", why=f"{num_groups} groups",
+                               fix=f"split the tensor into calls of fewer than {MAX_TENSORWISE_GROUPS} groups")
     row = torch.empty((m, k) if rowwise else (0,), dtype=out_dtype, device=x.device)
     col = torch.empty((k, m) if columnwise else (0,), dtype=out_dtype, device=x.device)
     bits = torch.zeros(num_groups, dtype=torch.int32, device=x.device)
     if m * k:
         grouped = splits is not None
-        launch_cast(_fp8_tensorwise_kernel, tile_grid(m, k, num_groups, grouped),
+        ends = torch.cumsum(splits, 0, dtype=torch.int32) if grouped else x
+        launch_cast(_fp8_tensorwise_kernel, tile_grid(m, k, num_groups, False),
                     (x, probs if probs is not None else x, scale.reshape(-1), row.view(torch.uint8),
-                     col.view(torch.uint8), bits, splits if grouped else x, m, k, num_groups, x.stride(0)),
+                     col.view(torch.uint8), bits, ends, m, k, num_groups, x.stride(0)),
                     _SMALL_CAST, m * k, ACT=act, GLU_BLOCK=glu_block, FMT_MAX=fmt_max, OUT_DTYPE=_TL_FP8[out_dtype],
                     ROWWISE=rowwise, COLWISE=columnwise, GROUPED=grouped, G_P2=group_pow2(num_groups))
     return row, col, bits.view(torch.float32)

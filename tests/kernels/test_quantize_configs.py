@@ -108,6 +108,28 @@ def families(splits):
            lambda x, o: RG.grouped_quantize_fp8_tensorwise(x, s, scales, E4M3, *o), ("row", "col", "amax"))
 
 
+def tail_past_groups(x, splits, skip):
+    """FP8 per tensor with rows past the last group (a capacity tail of NaN): every config gives the
+    groups' codes and amaxes as if the tail were not there."""
+    import torch
+    from qmoe.contracts.formats import E4M3
+    from qmoe.kernels import grouped_quantize as KG
+    from qmoe.kernels import quantize as K
+    from qmoe.kernels._cast_variants import configs_for, forced_config
+    from qmoe.reference import grouped_quantize as RG
+    m, k = x.shape
+    s, scales = torch.tensor(splits), torch.exp2(-torch.arange(len(splits)).float() % 3)
+    xt = torch.cat([x, torch.full((9, k), float("nan"))])
+    want = RG.grouped_quantize_fp8_tensorwise(x, s, scales, E4M3, True, True)
+    for cfg in configs_for(K._fp8_tensorwise_kernel, m + 9, k, ROWWISE=True, COLWISE=True):
+        with forced_config(K._fp8_tensorwise_kernel, cfg):
+            row, col, amax = KG.grouped_quantize_fp8_tensorwise(xt, s, scales, E4M3, True, True)
+        same(row[:m], want[0], f"tail {cfg} row", skip["row"])
+        same(col[:, :m], want[1], f"tail {cfg} col", skip["col"])
+        same(amax, want[2], f"tail {cfg} amax")
+    print("grouped tensorwise: rows past the last group", flush=True)
+
+
 def check(part):
     import torch
     from qmoe.contracts.carriers import ActivatedRows
@@ -146,6 +168,7 @@ def check(part):
                                         run(a, (True, True)), names):
                     same(got, want, f"fused swiglu {name} {cfg} {n}")
         print(f"{part}: fused activation", flush=True)
+        tail_past_groups(x, splits, codes_skip)
     print(f"{part}: every config passed")
 
 
