@@ -181,17 +181,19 @@ def _tensorwise_tile(x_ptr, probs_ptr, row_ptr, col_ptr, scale, row0, col0, M, K
     cols = col0 + tl.arange(0, BK)
     if QUAD:
         x0, x1, x2, x3 = load_quads(x_ptr, probs_ptr, row0, M, cols, cols < K, stride_xm, K, ACT, GLU_BLOCK, BM // 4)
+        amax = tl.max(tl.max(quad_abs_bits(x0, x1, x2, x3), 1), 0)  # before the stores: x dies with them
         store_quads(row_ptr, col_ptr, x0 * scale, x1 * scale, x2 * scale, x3 * scale, row0, col0, M, K, M,
                     FMT_MAX, OUT_DTYPE, ROWWISE, COLWISE, BM // 4, BK)
-        return tl.max(tl.max(quad_abs_bits(x0, x1, x2, x3), 1), 0)
-    rows = row0 + tl.arange(0, BM)
-    x = load_rows(x_ptr, probs_ptr, rows, cols, rows < M, cols < K, stride_xm, K, ACT, GLU_BLOCK).to(tl.float32)
-    q = cast_codes(x * scale, FMT_MAX, OUT_DTYPE)
-    if ROWWISE:
-        store8(row_ptr, q, row0, col0, K, M, K, BM, BK)
-    if COLWISE:  # the quantized transpose [K, M]
-        store8(col_ptr, tl.trans(q), col0, row0, M, K, M, BK, BM)
-    return max_abs_bits(x, False)
+    else:
+        rows = row0 + tl.arange(0, BM)
+        x = load_rows(x_ptr, probs_ptr, rows, cols, rows < M, cols < K, stride_xm, K, ACT, GLU_BLOCK).to(tl.float32)
+        amax = max_abs_bits(x, False)
+        q = cast_codes(x * scale, FMT_MAX, OUT_DTYPE)
+        if ROWWISE:
+            store8(row_ptr, q, row0, col0, K, M, K, BM, BK)
+        if COLWISE:  # the quantized transpose [K, M]
+            store8(col_ptr, tl.trans(q), col0, row0, M, K, M, BK, BM)
+    return amax
 
 
 @triton.jit
@@ -210,12 +212,12 @@ def _tensorwise_mixed(x_ptr, probs_ptr, scale_ptr, row_ptr, col_ptr, amax_ptr, e
         grp += (rows >= tl.load(ends_ptr + h)).to(tl.int32)
     ok = rows < row_end
     x = load_rows(x_ptr, probs_ptr, rows, cols, ok, cols < K, stride_xm, K, ACT, GLU_BLOCK).to(tl.float32)
+    bits = tl.max(abs_bits(x), 1)
     q = cast_codes(x * tl.load(scale_ptr + grp, mask=ok, other=0.0)[:, None], FMT_MAX, OUT_DTYPE)
     if ROWWISE:
         store8(row_ptr, q, row0, col0, K, row_end, K, BM, BK)
     if COLWISE:
         store8(col_ptr, tl.trans(q), col0, row0, M, K, row_end, BK, BM)
-    bits = tl.max(abs_bits(x), 1)
     for h in range(g, tl.minimum(g_last, G - 1) + 1):
         amax = tl.max(tl.where(ok & (grp == h), bits, 0), 0)
         if amax > tl.load(amax_ptr + h):
