@@ -69,6 +69,11 @@ CAST_CONFIGS = [_config(32, 128, 4),  # the plain tile
                 _config(32, 128, 4, k_major=1),  # rowwise alone (per tensor, MXFP8)
                 _config(32, 128, 4, quad=1, k_major=1),  # per tensor, both orientations
                 _config(64, 64, 4, quad=1)]  # MXFP8, both orientations
+# FP8 per tensor: the same tiles, the row quads capped at the registers their dense tiles use
+# (a grouped kernel's rare group-boundary path would otherwise raise every tile's count).
+TENSORWISE_CONFIGS = CAST_CONFIGS[:2] + [_config(32, 128, 4, quad=1, k_major=1, maxnreg=72),
+                                         _config(64, 64, 4, quad=1, maxnreg=72),
+                                         _config(64, 64, 4, quad=1, maxnreg=80)]
 # 128-wide blocks: BK = 128; BM = 128 whenever blocks also run along M (columnwise, 128x128).
 BLOCK128_CONFIGS = [_config(128, 128, 8, bkc=128),  # the plain tile (every orientation)
                     _config(32, 128, 4, k_major=1, bkc=128),  # 1x128 rowwise alone

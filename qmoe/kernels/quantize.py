@@ -33,8 +33,9 @@ from qmoe.kernels.activation import NO_ACTIVATION, input_width, load_rows
 from qmoe.kernels._arith import (abs_bits, atomic_max_bits, cast_codes, exp2_int, fp8_scale_from_amax, max_abs_bits,
                                 reciprocal, saturate)
 from qmoe.kernels._cast_variants import prune_blocks  # noqa: F401 (the NVFP4 kernels prune with it too)
-from qmoe.kernels._cast_variants import (BLOCK128_CONFIGS, CAST_CONFIGS, block_quads, is_forced, launch_cast,
-                                         load_quads, mx_multiplier, mx_quads, mx_rows, prune_variants, store_quads)
+from qmoe.kernels._cast_variants import (BLOCK128_CONFIGS, CAST_CONFIGS, TENSORWISE_CONFIGS, block_quads, is_forced,
+                                         launch_cast, load_quads, mx_multiplier, mx_quads, mx_rows, prune_variants,
+                                         store_quads)
 from qmoe.kernels._launch import kernel_op, launch, prune_oversized, tile_configs, wrapped
 from qmoe.kernels._layout import as_rows, group_pow2
 from qmoe.kernels._tiles import (block_amax_2d, block_amax_first, block_amax_last, quad_abs_bits, scale_2d, scale_last,
@@ -203,28 +204,33 @@ def _tensorwise_mixed(x_ptr, probs_ptr, scale_ptr, row_ptr, col_ptr, amax_ptr, e
                       BK: tl.constexpr):
     """A tile whose rows run from group g into group g_last (G: past the last group): each row is
     cast with its group's scale, each group's maximum recorded; rows past the last group stay
-    unwritten."""
+    unwritten. In chunks of CW columns: few tiles take this path, and its registers would
+    otherwise count against every tile's (the kernel's register budget is its largest path's)."""
+    CW: tl.constexpr = 32 if BM <= 32 else 16
     rows = row0 + tl.arange(0, BM)
-    cols = col0 + tl.arange(0, BK)
     row_end = tl.minimum(tl.load(ends_ptr + G - 1), M)
     grp = tl.zeros([BM], dtype=tl.int32) + g
     for h in range(g, g_last):  # the group ends inside the tile
         grp += (rows >= tl.load(ends_ptr + h)).to(tl.int32)
     ok = rows < row_end
-    x = load_rows(x_ptr, probs_ptr, rows, cols, ok, cols < K, stride_xm, K, ACT, GLU_BLOCK).to(tl.float32)
-    bits = tl.max(abs_bits(x), 1)
-    q = cast_codes(x * tl.load(scale_ptr + grp, mask=ok, other=0.0)[:, None], FMT_MAX, OUT_DTYPE)
-    if ROWWISE:
-        store8(row_ptr, q, row0, col0, K, row_end, K, BM, BK)
-    if COLWISE:
-        store8(col_ptr, tl.trans(q), col0, row0, M, K, row_end, BK, BM)
+    scale = tl.load(scale_ptr + grp, mask=ok, other=0.0)[:, None]
+    bits = tl.zeros([BM], dtype=tl.int32)
+    for c in range(col0, tl.minimum(col0 + BK, K), CW):
+        cols = c + tl.arange(0, CW)
+        x = load_rows(x_ptr, probs_ptr, rows, cols, ok, cols < K, stride_xm, K, ACT, GLU_BLOCK).to(tl.float32)
+        bits = tl.maximum(bits, tl.max(abs_bits(x), 1))
+        q = cast_codes(x * scale, FMT_MAX, OUT_DTYPE)
+        if ROWWISE:
+            store8(row_ptr, q, row0, c, K, row_end, K, BM, CW)
+        if COLWISE:
+            store8(col_ptr, tl.trans(q), c, row0, M, K, row_end, CW, BM)
     for h in range(g, tl.minimum(g_last, G - 1) + 1):
         amax = tl.max(tl.where(ok & (grp == h), bits, 0), 0)
         if amax > tl.load(amax_ptr + h):
             tl.atomic_max(amax_ptr + h, amax)
 
 
-@triton.autotune(configs=CAST_CONFIGS, key=ORIENTED_KEY, reset_to_zero=["amax_ptr"],
+@triton.autotune(configs=TENSORWISE_CONFIGS, key=ORIENTED_KEY, reset_to_zero=["amax_ptr"],
                  prune_configs_by={"early_config_prune": prune_variants})
 @triton.jit
 def _fp8_tensorwise_kernel(
