@@ -67,13 +67,12 @@ def _config(bm: int, bk: int, warps: int, quad: int = 0, k_major: int = 0, bkc: 
 # are left out: that tile gave wrong columnwise MXFP8 codes on grouped inputs in compiled code.
 CAST_CONFIGS = [_config(32, 128, 4),  # the plain tile
                 _config(32, 128, 4, k_major=1),  # rowwise alone (per tensor, MXFP8)
-                _config(32, 128, 4, quad=1, k_major=1),  # per tensor, both orientations
+                _config(32, 128, 4, quad=1, k_major=1),  # both orientations (per tensor: capped, below)
                 _config(64, 64, 4, quad=1)]  # MXFP8, both orientations
-# FP8 per tensor: the same tiles, the row quads capped at the registers their dense tiles use
-# (a grouped kernel's rare group-boundary path would otherwise raise every tile's count).
-TENSORWISE_CONFIGS = CAST_CONFIGS[:2] + [_config(32, 128, 4, quad=1, k_major=1, maxnreg=72),
-                                         _config(64, 64, 4, quad=1, maxnreg=72),
-                                         _config(64, 64, 4, quad=1, maxnreg=80)]
+# FP8 per tensor: the plain tiles and the per-tensor row quads, capped at the registers their
+# dense kernel uses (the grouped kernel's rare group-boundary path would otherwise raise every
+# tile's count and lower occupancy); the 64 x 64 quads lost to them on every shape once capped.
+TENSORWISE_CONFIGS = CAST_CONFIGS[:2] + [_config(32, 128, 4, quad=1, k_major=1, maxnreg=72)]
 # 128-wide blocks: BK = 128; BM = 128 whenever blocks also run along M (columnwise, 128x128).
 BLOCK128_CONFIGS = [_config(128, 128, 8, bkc=128),  # the plain tile (every orientation)
                     _config(32, 128, 4, k_major=1, bkc=128),  # 1x128 rowwise alone
