@@ -18,8 +18,9 @@ saved and its time against the default row.
 `overlap_shared_experts=True` (on a side CUDA stream), in bf16 and FP8 block scaling (or --recipes).
 The weight options add rows after each quantized recipe's row as `--recompute-activation` does:
 `--weight-cache` (`cache_quantized_weights=True`, rows marked +wc), timed over optimizer steps of
-`--micro-batches` forward + backward steps each (the weights' versions bumped after every step,
-as an optimizer step bumps them: the first micro-batch quantizes, the others reuse), reported
+`--micro-batches` forward + backward steps each, inside one `qmoe.autocast` region per optimizer
+step (the weights' versions bumped after every step, as an optimizer step bumps them: the first
+micro-batch quantizes, the others reuse; delayed scaling updates at the step's end), reported
 per micro-batch; graphed, the step is captured twice (`qmoe.quant.capture_weights`: one graph
 keeps the weights, one reuses them) and each optimizer step replays the first once;
 `--recompute-weight-columnwise` (+rw: dgrad's weight copy quantized again in
@@ -84,13 +85,15 @@ def _step_fn(module, x, dy, recipe):
     return step
 
 
-def _graphed_ms(step, warmup: int, iters: int, micro_batches: int = 1):
+def _graphed_ms(step, warmup: int, iters: int, micro_batches: int = 1, region=contextlib.nullcontext):
     """Capture the whole step (forward + backward) in one CUDA graph and time its replay.
 
     micro_batches > 1 (the weight cache): capture it twice, under `capture_weights("keep")` and
     `("reuse")`, and time optimizer steps (warmup and iters count them) of one replay of the first
-    and micro_batches - 1 of the second, per micro-batch. Returns (ms, None) or (None, "why
-    capture failed")."""
+    and micro_batches - 1 of the second, per micro-batch. `region()` is open around the captures:
+    the `qmoe.autocast` region of the optimizer step, so the step's own region is nested and no
+    delayed-scaling update is captured (it runs once per optimizer step, at that region's exit,
+    outside the timed replays). Returns (ms, None) or (None, "why capture failed")."""
     from qmoe.quant.weight_cache import capture_weights
 
     inner = []  # the step's own error: a failed capture's exit raises a vaguer one on top
@@ -104,14 +107,14 @@ def _graphed_ms(step, warmup: int, iters: int, micro_batches: int = 1):
     try:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # capture wants warmed-up allocations made off the main stream
+        with region(), torch.cuda.stream(side):  # capture wants warmed-up allocations made off the main stream
             for _ in range(3):
                 step()
         torch.cuda.current_stream().wait_stream(side)
         graphs = []
         for role in ("keep", "reuse") if micro_batches > 1 else (None,):
             graphs.append(torch.cuda.CUDAGraph())
-            with capture_weights(role) if role else contextlib.nullcontext(), \
+            with region(), capture_weights(role) if role else contextlib.nullcontext(), \
                     torch.cuda.graph(graphs[-1], pool=graphs[0].pool() if len(graphs) > 1 else None):
                 guarded()
         first, later = graphs[0], graphs[-1]
@@ -129,17 +132,28 @@ def _graphed_ms(step, warmup: int, iters: int, micro_batches: int = 1):
         return None, error_line(inner[0] if inner else e)
 
 
-def _optimizer_steps(step, module, micro_batches: int):
-    """`micro_batches` steps, then every parameter's version bumped as an optimizer step bumps it
-    (the values stay: the timing does not depend on them), so the weight cache quantizes again."""
+def _optimizer_steps(step, module, micro_batches: int, recipe):
+    """`micro_batches` steps inside one `qmoe.autocast` region (`_step_region`), then every
+    parameter's version bumped as an optimizer step bumps it (the values stay: the timing does not
+    depend on them), so the weight cache quantizes again."""
     params = list(module.parameters())
 
     def cycle():
-        for _ in range(micro_batches):
-            step()
+        with _step_region(recipe)():
+            for _ in range(micro_batches):
+                step()
         for p in params:
             torch.autograd.graph.increment_version(p)
     return cycle
+
+
+def _step_region(recipe):
+    """The optimizer step's `qmoe.autocast` region around its micro-batches: delayed scaling
+    updates its scales once per step, at this region's exit, so the weight cache can reuse the
+    weights within the step (with a region per micro-batch the scale moves every time)."""
+    import qmoe
+
+    return lambda: qmoe.autocast(recipe=recipe, enabled=recipe is not None)
 
 
 def _fresh_caches(module) -> None:
@@ -163,7 +177,7 @@ def _measure(module, x, dy, recipe, warmup: int, iters: int, graphed: bool, micr
     and report the time per micro-batch."""
     one = step = _step_fn(module, x, dy, recipe)
     if micro_batches > 1:
-        step = _optimizer_steps(step, module, micro_batches)
+        step = _optimizer_steps(step, module, micro_batches, recipe)
         warmup, iters = max(1, -(-warmup // micro_batches)), max(2, -(-iters // micro_batches))
     _drop_grads(module, x)  # earlier runs' gradients (a graph's pool included) are not this run's memory
     torch.cuda.synchronize()
@@ -178,7 +192,8 @@ def _measure(module, x, dy, recipe, warmup: int, iters: int, graphed: bool, micr
                held_gib=_held_gib(module, x, dy, recipe), graphed_ms=None, graph_error=None,
                cache_gib=_cache_gib(module), micro_batches=micro_batches)
     if graphed and micro_batches > 1:  # the weight cache: a graph that keeps the weights, one that reuses them
-        out["graphed_ms"], out["graph_error"] = _graphed_ms(one, warmup, iters, micro_batches)
+        out["graphed_ms"], out["graph_error"] = _graphed_ms(one, warmup, iters, micro_batches,
+                                                            _step_region(recipe))
         _fresh_caches(module)
     elif graphed:
         out["graphed_ms"], out["graph_error"] = _graphed_ms(step, warmup, iters)

@@ -23,7 +23,9 @@ Capture and call inside the same recipe; inputs keep the sample's shapes and dty
 Gradient accumulation: with `keep_weights=True` (modules built with `cache_quantized_weights`)
 the step is captured twice (`qmoe.quant.capture_weights`): a graph that quantizes the weights
 and keeps them, replayed for the first call after the weights change (an optimizer step, a
-load, `qmoe.quant.clear_weight_caches`), and one that reuses them, replayed for the calls after.
+load, `qmoe.quant.clear_weight_caches`) or a delayed-scaling scale does (the exit of the
+outermost `qmoe.autocast` region), and one that reuses them, replayed for the calls after.
+Delayed scaling thus reuses the weights when one region spans the micro-batches of a step.
 """
 from __future__ import annotations
 
@@ -90,9 +92,10 @@ class GraphedModule:
         self._params, self._caches = list(module.parameters()), weight_caches(module)
 
     def _weights_now(self) -> tuple:
-        """What the weights are known by on the host: versions, addresses, and the caches' clears."""
+        """What the kept weights are known by on the host: the parameters' versions and addresses,
+        the caches' clears and their quantizers' stamps (a delayed-scaling update)."""
         return (tuple((p._version, p.data_ptr()) for p in self._params)
-                + tuple(cache.clears for cache in self._caches))
+                + tuple((cache.clears, cache.graph_stamp()) for cache in self._caches))
 
     def __call__(self, *args):
         graphed = self._graphed

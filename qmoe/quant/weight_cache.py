@@ -31,10 +31,12 @@ with two captures of the same step (`capture_weights`, which `qmoe.graph.capture
 keep_weights=True)` drives):
 - one under `capture_weights("keep")`: its quantize is captured and its result kept, so every
   replay of that graph quantizes the weights of its time into the kept buffers;
-- others under `capture_weights("reuse")`: they read those buffers instead of quantizing.
+- others under `capture_weights("reuse")`: they read those buffers instead of quantizing (and,
+  for delayed scaling, record the kept weights' amax, as the eager reuse does).
 Replay the "keep" graph for the first micro-batch after every change of the weights (an
-optimizer step, a load), the "reuse" graphs after it. Delayed scaling quantizes in every graph:
-its scale moves at region exits that no replay sees.
+optimizer step, a load) or of the quantizer's scale (a delayed-scaling update, at the exit of
+the outermost `qmoe.autocast` region: `WeightCache.graph_stamp` tells), the "reuse" graphs
+after it. So delayed scaling reuses only within one region that spans the micro-batches.
 
 Not consulted at all (every call quantizes, nothing is stored) where a kept result could
 differ from a fresh quantize or could not be kept:
@@ -115,7 +117,8 @@ def capture_weights(role: str):
     its buffers belong to the graph, and every replay rewrites them with the weights of its time.
     Under "reuse", each cache hands back what a "keep" capture kept (the graph reads those
     buffers), or quantizes inside the capture where it has none for these weights. Replay the
-    "keep" graph first after every change of the weights, the "reuse" graphs after it.
+    "keep" graph first after every change of the weights or of a delayed-scaling scale (see the
+    module docstring), the "reuse" graphs after it.
 
     >>> with capture_weights("keep"), torch.cuda.graph(first):
     ...     step()
@@ -230,7 +233,7 @@ class WeightCache:
         if role is None or not self._storable(sources, weight):
             return fresh(rowwise, columnwise)
         key = quantizer.reuse_key(weight.device, weight.shape[0])
-        if key is None or quantizer.reuse_replay() is not None:  # delayed scaling: see the module docstring
+        if key is None:
             return fresh(rowwise, columnwise)
         layouts = tuple(_layout(s) for s in sources)  # versions move between replays unseen: not compared
         shape = (weight.dtype, tuple(weight.shape), weight.device)
@@ -241,17 +244,29 @@ class WeightCache:
         if not role.keep:
             if not hit:
                 return fresh(rowwise, columnwise)
+            if e.replay is not None:  # delayed scaling: the reuse graph records the kept weights' amax
+                e.replay()
             view = copy.copy(e.result)  # a reuse graph's own bf16 copies stay its own: never kept
             view.bf16_copies = dict(e.result.bf16_copies)
             return view
-        if hit and e.role is role:  # this region kept it already (a checkpoint's recompute, the backward graph)
+        if hit and e.role is role:  # this region kept it already (a second call, the backward graph)
+            if e.replay is not None:
+                e.replay()
             return e.result
         self._graph_entry = None
         result = fresh(rowwise, columnwise)
         result.bf16_copies = {}
         self._graph_entry = _Entry(tuple(weakref.ref(s) for s in sources), layouts, shape, quantizer, key, False,
-                                   result, None, role)
+                                   result, quantizer.reuse_replay(), role)
         return result
+
+    def graph_stamp(self) -> tuple:
+        """What the quantizer of the graphs' kept weights is known by on the host now (its reuse key:
+        numbers by value, tensors and groups by identity). A delayed-scaling update changes it: a
+        replayer then replays the "keep" graph, whose quantize reads the new scale."""
+        e = self._graph_entry
+        key = e.quantizer.reuse_key(e.weight[2], e.weight[1][0]) if e is not None else None
+        return tuple(v if isinstance(v, (bool, int, float, str)) else id(v) for v in key or ())
 
     def _usable(self, sources, weight) -> bool:
         return not self.captured and self._storable(sources, weight)

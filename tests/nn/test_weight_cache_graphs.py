@@ -5,6 +5,7 @@ plain captures keep nothing, and the graphed training loop gives the eager loop'
 The CPU tests simulate a capture in progress (the capture check reports one); the GPU tests
 capture and replay for real.
 """
+import contextlib
 import copy
 import pickle
 
@@ -70,15 +71,35 @@ def test_what_reuse_does_not_find_it_quantizes(capturing, weight_quantizations):
     assert len(weight_quantizations) == 4
 
 
-def test_plain_captures_and_delayed_scaling_keep_nothing(capturing, weight_quantizations):
+def test_plain_captures_keep_nothing(capturing, weight_quantizations):
     layer = _layer()
     x = torch.randn(sum(SPLITS), H)
     for _ in range(2):
         _forward(layer, x)  # a capture outside capture_weights
-    with capture_weights("keep"):
-        for _ in range(2):
-            _forward(layer, x, DelayedScaling())  # its scale moves at region exits no replay sees
-    assert len(weight_quantizations) == 4 and layer.weight_cache.kept_for_graphs is None
+    assert len(weight_quantizations) == 2 and layer.weight_cache.kept_for_graphs is None
+
+
+def test_delayed_scaling_reuses_within_a_region_and_records_each_reuse(capturing, weight_quantizations,
+                                                                       monkeypatch):
+    """Delayed scaling under one region: keep, then reuse with the weight's amax recorded again (a
+    run without the cache records it at every quantize); the update at the region's exit changes
+    the cache's stamp, which tells a replayer to replay the keep graph."""
+    from qmoe.quant.delayed import DelayedScalingState
+    recorded = []
+    real = DelayedScalingState.record
+    monkeypatch.setattr(DelayedScalingState, "record", lambda st, amax: recorded.append(st) or real(st, amax))
+    layer, recipe = _layer(), DelayedScaling()
+    x = torch.randn(sum(SPLITS), H)
+    with qmoe.autocast(recipe=recipe):
+        with capture_weights("keep"):
+            kept_y = layer(x, torch.tensor(SPLITS))
+        first = list(recorded)  # the input's and the weight's slots
+        with capture_weights("reuse"):
+            assert torch.equal(layer(x, torch.tensor(SPLITS)), kept_y)
+        stamp = layer.weight_cache.graph_stamp()
+    assert len(weight_quantizations) == 1 and layer.weight_cache.kept_for_graphs is not None
+    assert len(first) == 2 and {id(st) for st in recorded[2:]} == {id(st) for st in first}
+    assert layer.weight_cache.graph_stamp() != stamp  # the region's exit updated the scale
 
 
 def test_eager_calls_after_a_capture_do_not_read_the_graphs_weights(monkeypatch, weight_quantizations):
@@ -157,6 +178,21 @@ def test_the_replayer_replays_the_keep_graph_after_every_change():
     assert ran == ["keep", "reuse", "reuse"] * 2 + ["keep", "keep", "reuse"]
 
 
+def test_the_replayer_replays_the_keep_graph_after_a_scale_update(monkeypatch):
+    """A change of the caches' stamp (a delayed-scaling update) sends the next call to "keep"."""
+    layer = _layer()
+    stamp = [0]
+    monkeypatch.setattr(layer.weight_cache, "graph_stamp", lambda: (stamp[0],))
+    ran = []
+    graphed = GraphedModule(lambda x: ran.append("keep") or x, layer, [], False,
+                            reuse=lambda x: ran.append("reuse") or x)
+    for _ in range(2):
+        graphed(torch.zeros(1))
+        graphed(torch.zeros(1))
+        stamp[0] += 1
+    assert ran == ["keep", "reuse"] * 2
+
+
 # ---- on the GPU: real captures and replays
 
 T, GH, GF, GE, K = 512, 256, 512, 4, 2  # 1024 routed rows over 4 experts: the emulated GEMMs' dequantize route
@@ -174,22 +210,42 @@ def _moe(cache: bool):
                             cache_quantized_weights=cache)
 
 
-def _loop(layer, recipe, fn, steps=2, micro=3):
-    """`steps` SGD steps of `micro` micro-batches through `fn`; every output and gradient, then the weights."""
+def _loop(layer, recipe, fn, steps=2, micro=3, region_per_step=False):
+    """`steps` SGD steps of `micro` micro-batches through `fn`; every output and gradient, then the
+    weights. region_per_step: one `qmoe.autocast` region around each step's micro-batches (their
+    forward and backward), so delayed scaling updates once per step; then also every recipe state."""
     opt = torch.optim.SGD(layer.parameters(), lr=0.5)
     seen = []
     for step in range(steps):
-        for m in range(micro):
-            g = torch.Generator(device="cuda").manual_seed(step * micro + m)
-            x = torch.randn(T, GH, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
-            with qmoe.autocast(recipe=recipe):
-                y = fn(x)
-            torch.autograd.backward([y, layer.aux_loss], [torch.ones_like(y) / y.numel() * (m + 1), None])
-            seen += [y.detach().clone(), x.grad.clone()]  # a replay's grad may live in the graph's memory
+        with qmoe.autocast(recipe=recipe) if region_per_step else contextlib.nullcontext():
+            for m in range(micro):
+                g = torch.Generator(device="cuda").manual_seed(step * micro + m)
+                x = torch.randn(T, GH, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+                with qmoe.autocast(recipe=recipe):
+                    y = fn(x)
+                torch.autograd.backward([y, layer.aux_loss], [torch.ones_like(y) / y.numel() * (m + 1), None])
+                seen += [y.detach().clone(), x.grad.clone()]  # a replay's grad may live in the graph's memory
         seen += [p.grad.clone() for p in layer.parameters()]
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return seen + [p.detach().clone() for p in layer.parameters()]
+    seen += [p.detach().clone() for p in layer.parameters()]
+    if region_per_step:
+        seen += _recipe_states(layer)
+    return seen
+
+
+def _recipe_states(layer):
+    """Every tensor of the layer's recipe states (delayed scaling's scales and amax histories)."""
+    out = []
+
+    def walk(v):
+        if isinstance(v, torch.Tensor):
+            out.append(v.detach().clone())
+        elif isinstance(v, dict):
+            for k in sorted(v, key=str):
+                walk(v[k])
+    walk({k: v for k, v in layer.state_dict().items() if k.endswith("_extra_state")})
+    return out
 
 
 @pytest.mark.gpu
@@ -228,6 +284,30 @@ def test_graphed_loop_with_kept_weights_gives_the_eager_bits(recipe):
     eager.load_state_dict(layer.state_dict())
     with qmoe.autocast(recipe=recipe):
         assert torch.equal(after, eager(x)) and not torch.equal(after, before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("region_per_step,reuses", [(True, 4), (False, 0)], ids=["region-per-step", "per-call"])
+def test_graphed_delayed_scaling_reuses_within_a_region(region_per_step, reuses):
+    """Delayed scaling under qmoe.graph.capture(keep_weights=True): with one region per optimizer
+    step, the reuse graph runs for the second and third micro-batches and the outputs, gradients,
+    weights, scales and amax histories equal the eager loop's without the cache; with a region
+    per call every call's scale update sends it to the keep graph, with the same bits."""
+    recipe = DelayedScaling()
+    eager = _moe(False)
+    want = _loop(eager, recipe, eager, region_per_step=region_per_step)
+    layer = _moe(True)
+    sample = torch.randn(T, GH, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with qmoe.autocast(recipe=recipe):
+        graphed = qmoe.graph.capture(layer, (sample,), keep_weights=True)
+    reuse, reused = graphed._reuse, []
+    graphed._reuse = lambda *a: reused.append(1) or reuse(*a)
+    got = _loop(layer, recipe, graphed, region_per_step=region_per_step)
+    assert len(reused) == reuses and len(got) == len(want)
+    if region_per_step:
+        assert len(_recipe_states(layer)) > 0
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"tensor {i}: max |diff| {(a.float() - b.float()).abs().max().item():.3g}"
 
 
 @pytest.mark.gpu
