@@ -30,6 +30,7 @@ Delayed scaling thus reuses the weights when one region spans the micro-batches 
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 from torch import nn
@@ -90,6 +91,23 @@ class GraphedModule:
         self._kept_at = None  # what the weights were known by when `_graphed` last ran
         # the graphs hold these parameters' storage: the same tensors at every call
         self._params, self._caches = list(module.parameters()), weight_caches(module)
+        self._own_grads: list = [None] * len(self._params)  # weak refs to the gradients copied by _keep_grads
+
+    def _keep_grads(self) -> None:
+        """Give each parameter a gradient of its own before the next replay can overwrite it.
+
+        A backward replay hands each parameter's gradient over in the graph's static buffer, and
+        autograd keeps that very buffer as `.grad` when there was none: the next backward replay
+        would overwrite it, and accumulating into it would double the new gradient. So a
+        gradient not copied here yet (the first micro-batch's, or one set by the caller) is
+        copied once; accumulation then adds into the copy.
+        """
+        for i, p in enumerate(self._params):
+            g = p.grad
+            if g is None or (self._own_grads[i] is not None and self._own_grads[i]() is g):
+                continue
+            p.grad = g.clone()
+            self._own_grads[i] = weakref.ref(p.grad)
 
     def _weights_now(self) -> tuple:
         """What the kept weights are known by on the host: the parameters' versions and addresses,
@@ -98,6 +116,7 @@ class GraphedModule:
                 + tuple((cache.clears, cache.graph_stamp()) for cache in self._caches))
 
     def __call__(self, *args):
+        self._keep_grads()
         graphed = self._graphed
         if self._reuse is not None:
             now = self._weights_now()
@@ -123,7 +142,9 @@ def capture(module: nn.Module, sample_args: tuple, num_warmup_iters: int = 3,
     keep_weights: capture twice, so calls between two changes of the weights quantize them once
     (see the module docstring); needs modules built with `cache_quantized_weights=True`. Run
     each call's backward before the next call, as one graph needs anyway (its outputs and saved
-    tensors are the graph's own buffers, rewritten by the next replay).
+    tensors are the graph's own buffers, rewritten by the next replay). Gradients accumulate
+    over calls as in eager: a call first copies any parameter gradient that still lives in a
+    graph's buffer (`GraphedModule._keep_grads`: one copy per optimizer step when accumulating).
     Call inside the `qmoe.autocast` region (recipe) the replays will use.
     """
     if not isinstance(sample_args, tuple) or not sample_args:

@@ -193,6 +193,22 @@ def test_the_replayer_replays_the_keep_graph_after_a_scale_update(monkeypatch):
     assert ran == ["keep", "reuse"] * 2
 
 
+def test_a_call_copies_a_gradient_left_in_a_graphs_buffer_once():
+    """_keep_grads: a gradient autograd kept from a replay (the graph's buffer) is copied at the
+    next call, before a replay could rewrite it; the copy is then kept as the accumulator."""
+    layer = _layer()
+    static = torch.ones_like(layer.weight)  # what a backward replay hands over
+    graphed = GraphedModule(lambda x: x, layer, [], False)
+    layer.weight.grad = static
+    graphed(torch.zeros(1))
+    g = layer.weight.grad
+    assert g is not static and torch.equal(g, torch.ones_like(g))
+    static.fill_(5.0)  # the next replay rewrites its buffer
+    g.add_(static)  # accumulation adds into the copy
+    graphed(torch.zeros(1))
+    assert layer.weight.grad is g and torch.equal(g, torch.full_like(g, 6.0))
+
+
 # ---- on the GPU: real captures and replays
 
 T, GH, GF, GE, K = 512, 256, 512, 4, 2  # 1024 routed rows over 4 experts: the emulated GEMMs' dequantize route
@@ -244,6 +260,9 @@ def _recipe_states(layer):
         elif isinstance(v, dict):
             for k in sorted(v, key=str):
                 walk(v[k])
+        elif isinstance(v, (list, tuple)):
+            for item in v:
+                walk(item)
     walk({k: v for k, v in layer.state_dict().items() if k.endswith("_extra_state")})
     return out
 
@@ -308,6 +327,27 @@ def test_graphed_delayed_scaling_reuses_within_a_region(region_per_step, reuses)
         assert len(_recipe_states(layer)) > 0
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"tensor {i}: max |diff| {(a.float() - b.float()).abs().max().item():.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("keep_grads", [True, False], ids=["as-shipped", "without-keep-grads"])
+def test_graphed_gradient_accumulation_gives_the_eager_bits(keep_grads, monkeypatch):
+    """One graph replayed for three micro-batches per optimizer step (qmoe.graph.capture, no
+    weight cache): the eager loop's gradients and weights. Without `_keep_grads`, autograd keeps
+    the first backward's static gradient buffer as .grad and the next replay overwrites it."""
+    recipe = Float8CurrentScaling()
+    eager = _moe(False)
+    want = _loop(eager, recipe, eager)
+    layer = _moe(False)
+    sample = torch.randn(T, GH, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with qmoe.autocast(recipe=recipe):
+        graphed = qmoe.graph.capture(layer, (sample,))
+    if not keep_grads:
+        monkeypatch.setattr(graphed, "_keep_grads", lambda: None)
+    got = _loop(layer, recipe, graphed)
+    same = all(torch.equal(a, b) for a, b in zip(got, want))
+    assert same is keep_grads, "without _keep_grads the accumulated gradients should differ" if same else \
+        [i for i, (a, b) in enumerate(zip(got, want)) if not torch.equal(a, b)][:8]
 
 
 @pytest.mark.gpu
