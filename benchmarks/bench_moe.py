@@ -107,16 +107,17 @@ def _graphed_ms(step, warmup: int, iters: int, micro_batches: int = 1, region=co
     try:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with region(), torch.cuda.stream(side):  # capture wants warmed-up allocations made off the main stream
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
         graphs = []
-        for role in ("keep", "reuse") if micro_batches > 1 else (None,):
-            graphs.append(torch.cuda.CUDAGraph())
-            with region(), capture_weights(role) if role else contextlib.nullcontext(), \
-                    torch.cuda.graph(graphs[-1], pool=graphs[0].pool() if len(graphs) > 1 else None):
-                guarded()
+        with region():  # one region: no scale update between the captures either
+            with torch.cuda.stream(side):  # capture wants warmed-up allocations made off the main stream
+                for _ in range(3):
+                    step()
+            torch.cuda.current_stream().wait_stream(side)
+            for role in ("keep", "reuse") if micro_batches > 1 else (None,):
+                graphs.append(torch.cuda.CUDAGraph())
+                with capture_weights(role) if role else contextlib.nullcontext(), \
+                        torch.cuda.graph(graphs[-1], pool=graphs[0].pool() if len(graphs) > 1 else None):
+                    guarded()
         first, later = graphs[0], graphs[-1]
 
         def cycle():
