@@ -165,7 +165,7 @@ def compute_fp8_scale(amax: torch.Tensor, fmt_max: float, power_2_scale: bool = 
 # ---------------------------------------------------------------- FP8 per tensor
 
 @triton.jit
-def groups_of_rows(ends_ptr, G, first, last, G_P2: tl.constexpr):
+def _groups_of_rows(ends_ptr, G, first, last, G_P2: tl.constexpr):
     """(group of row `first`, group of row `last`): how many group ends (ends_ptr: the cumulative
     split sizes, [G]) lie at or before each row, so G for a row past the last group."""
     idx = tl.arange(0, G_P2)
@@ -253,7 +253,7 @@ def _fp8_tensorwise_kernel(
     and the atomic comes last, so no global round trip waits between the tile's load and stores.
 
     Grouped: the tiles cover the rows as if ungrouped, and a tile finds its group from the
-    cumulative split sizes (ends_ptr) with one reduction (`groups_of_rows`): the few tiles that
+    cumulative split sizes (ends_ptr) with one reduction (`_groups_of_rows`): the few tiles that
     hold a group boundary scale row by row (`_tensorwise_mixed`). (The other cast kernels start
     their tiles afresh at every group, `tiles.tile_rows`, as their scale blocks must, at the cost
     of scans over the split sizes in every program.)
@@ -261,7 +261,7 @@ def _fp8_tensorwise_kernel(
     pid_m, pid_k = tile_pids(K, BK, K_MAJOR)
     row0 = pid_m * BM
     if GROUPED:
-        g, g_last = groups_of_rows(ends_ptr, G, row0, row0 + BM - 1, G_P2)
+        g, g_last = _groups_of_rows(ends_ptr, G, row0, row0 + BM - 1, G_P2)
     else:
         g, g_last = 0, 0
     if g >= G:
@@ -278,7 +278,7 @@ def _fp8_tensorwise_kernel(
                           g_last, M, K, G, stride_xm, ACT, GLU_BLOCK, FMT_MAX, OUT_DTYPE, ROWWISE, COLWISE, BM, BK)
 
 
-# groups_of_rows counts two rows' groups in the halves of one int32
+# _groups_of_rows counts two rows' groups in the halves of one int32
 MAX_TENSORWISE_GROUPS = 1 << 15
 
 

@@ -249,7 +249,7 @@ class WeightCache:
             view = copy.copy(e.result)  # a reuse graph's own bf16 copies stay its own: never kept
             view.bf16_copies = dict(e.result.bf16_copies)
             return view
-        if hit and e.role is role:  # this region kept it already (a second call, the backward graph)
+        if hit and e.role is role:  # kept in this region already (a checkpoint's recompute, a second call)
             if e.replay is not None:
                 e.replay()
             return e.result

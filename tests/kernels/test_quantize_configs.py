@@ -175,3 +175,15 @@ def check(part):
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
     check(sys.argv[1])
+
+
+def test_grouped_per_tensor_cast_refuses_more_groups_than_it_counts():
+    """Its group lookup counts two rows' groups in the halves of one int32: 2^15 groups and more
+    raise before anything is allocated or launched, naming the limit."""
+    import torch
+    from qmoe.contracts.errors import UnsupportedError
+    from qmoe.kernels.quantize import MAX_TENSORWISE_GROUPS, fp8_tensorwise_op
+    g = MAX_TENSORWISE_GROUPS
+    with pytest.raises(UnsupportedError, match=str(g)):
+        fp8_tensorwise_op(torch.zeros(4, 16), torch.ones(g), torch.zeros(g, dtype=torch.int64), g,
+                          torch.float8_e4m3fn, 448.0, True, True)

@@ -267,6 +267,24 @@ def _recipe_states(layer):
     return out
 
 
+def _graphed(layer, recipe, keep_weights=True):
+    """qmoe.graph.capture of `layer` under `recipe`, and a list that counts the reuse graph's replays."""
+    sample = torch.randn(T, GH, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with qmoe.autocast(recipe=recipe):
+        graphed = qmoe.graph.capture(layer, (sample,), keep_weights=keep_weights)
+    reused = []
+    if keep_weights:
+        reuse = graphed._reuse
+        graphed._reuse = lambda *a: reused.append(1) or reuse(*a)
+    return graphed, reused
+
+
+def _assert_same_bits(got, want):
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"tensor {i}: max |diff| {(a.float() - b.float()).abs().max().item():.3g}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", GPU_RECIPES)
 def test_graphed_loop_with_kept_weights_gives_the_eager_bits(recipe):
@@ -278,15 +296,9 @@ def test_graphed_loop_with_kept_weights_gives_the_eager_bits(recipe):
     eager = _moe(False)
     want = _loop(eager, recipe, eager)
     layer = _moe(True)
-    sample = torch.randn(T, GH, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    with qmoe.autocast(recipe=recipe):
-        graphed = qmoe.graph.capture(layer, (sample,), keep_weights=True)
-    reuse, reused = graphed._reuse, []
-    graphed._reuse = lambda *a: reused.append(1) or reuse(*a)
-    got = _loop(layer, recipe, graphed)
+    graphed, reused = _graphed(layer, recipe)
+    _assert_same_bits(_loop(layer, recipe, graphed), want)
     assert len(reused) == 4
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert torch.equal(a, b), f"tensor {i}: max |diff| {(a.float() - b.float()).abs().max().item():.3g}"
     kept = [m.weight_cache.kept_for_graphs for m in layer.modules() if hasattr(m, "weight_cache")]
     assert len(kept) == 2 and all(k is not None for k in kept)
     if isinstance(recipe, (MXFP8BlockScaling, NVFP4BlockScaling)):  # made by the keep graph, fprop's and dgrad's
@@ -316,17 +328,11 @@ def test_graphed_delayed_scaling_reuses_within_a_region(region_per_step, reuses)
     eager = _moe(False)
     want = _loop(eager, recipe, eager, region_per_step=region_per_step)
     layer = _moe(True)
-    sample = torch.randn(T, GH, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    with qmoe.autocast(recipe=recipe):
-        graphed = qmoe.graph.capture(layer, (sample,), keep_weights=True)
-    reuse, reused = graphed._reuse, []
-    graphed._reuse = lambda *a: reused.append(1) or reuse(*a)
-    got = _loop(layer, recipe, graphed, region_per_step=region_per_step)
-    assert len(reused) == reuses and len(got) == len(want)
+    graphed, reused = _graphed(layer, recipe)
+    _assert_same_bits(_loop(layer, recipe, graphed, region_per_step=region_per_step), want)
+    assert len(reused) == reuses
     if region_per_step:
         assert len(_recipe_states(layer)) > 0
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert torch.equal(a, b), f"tensor {i}: max |diff| {(a.float() - b.float()).abs().max().item():.3g}"
 
 
 @pytest.mark.gpu
@@ -339,9 +345,7 @@ def test_graphed_gradient_accumulation_gives_the_eager_bits(keep_grads, monkeypa
     eager = _moe(False)
     want = _loop(eager, recipe, eager)
     layer = _moe(False)
-    sample = torch.randn(T, GH, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    with qmoe.autocast(recipe=recipe):
-        graphed = qmoe.graph.capture(layer, (sample,))
+    graphed, _ = _graphed(layer, recipe, keep_weights=False)
     if not keep_grads:
         monkeypatch.setattr(graphed, "_keep_grads", lambda: None)
     got = _loop(layer, recipe, graphed)
