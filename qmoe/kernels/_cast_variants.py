@@ -1,5 +1,6 @@
 """The FP8 and MXFP8 cast kernels' variants (`qmoe.kernels.quantize`): configs, pruning, row quads.
 
+- Autotune keys: `TILE_KEY` (shape, groups, fused activation), `ORIENTED_KEY` (and orientations).
 - Configs: the plain tiles the kernels always had, then the variants the autotuner may pick, all
   giving the same bits: QUAD (the tile held as a row quad, `qmoe.kernels._tiles`, so a transposed
   copy packs its words in registers), K_MAJOR (grid order along K), BKC (the FP8 block kernel's
@@ -23,7 +24,13 @@ from qmoe.kernels._tiles import (block_amax_last, interleave4, quad_abs_bits, ru
 from qmoe.kernels.activation import load_rows
 
 
-# ---------------------------------------------------------------- configs
+# ---------------------------------------------------------------- autotune keys and configs
+
+TILE_KEY = ["M", "K", "G", "ACT"]
+# Kernels with block scales also key on orientation and block shape: they decide which tiles are
+# legal (a tile tuned for a rowwise-only call cannot hold the 128-row blocks of a columnwise one).
+ORIENTED_KEY = TILE_KEY + ["ROWWISE", "COLWISE"]
+
 
 def prune_blocks(configs, named_args, **kwargs):
     """Tiles must hold whole blocks: BK % B along K; BM % B where blocks run along M too."""
