@@ -38,7 +38,8 @@ FAMILIES = ("tensorwise", "block1x128", "block128x128", "mxfp8")
 # and Qwen3-30B-A3B; the first two are the shapes, the default).
 SHAPES = {"65536x7168": (65536, 7168, 0, False), "32x2048x7168": (65536, 7168, 32, False),
           "32x~2048x2048": (65536, 2048, 32, True), "128x~1024x2048": (131072, 2048, 128, True),
-          "128x~1024x1536": (131072, 1536, 128, True)}
+          "128x~1024x1536": (131072, 1536, 128, True), "131072x2048": (131072, 2048, 0, False),
+          "128x1024x2048": (131072, 2048, 128, False), "128x1536x2048": (196608, 2048, 128, False)}
 DEFAULT_SHAPES = ("65536x7168", "32x2048x7168")
 TINY_SHAPES = {"136x264": (136, 264, 0, False), "4x(0,37,33,66)x200": (136, 200, 4, False)}
 TINY_SPLITS = [0, 37, 33, 66]
