@@ -1,84 +1,34 @@
 """The FP8 per-tensor cast's Triton kernel (private helper of `qmoe/kernels/quantize.py`, whose
 `fp8_tensorwise_op` launches it): q = cast(x * scale[g]) in both orientations and max|x| per group.
 
-Grouped inputs: the tiles cover the rows as if ungrouped, and each reads its group from a table
-of row units that one small launch builds from the split sizes (`_row_units_kernel`, which also
-writes their cumulative sums); the few tiles that hold a group boundary cast row by row
-(`_tensorwise_mixed`). The block-scaled casts cannot do this: their scale blocks start afresh at
-every group, so their tiles do too (`tiles.tile_rows`).
+Grouped inputs: the tiles cover the rows as if ungrouped, and each finds its group from the
+cumulative split sizes with one reduction (`_groups_of_rows`); the few tiles that hold a group
+boundary cast row by row (`_tensorwise_mixed`). The block-scaled casts cannot do this: their
+scale blocks start afresh at every group, so their tiles do too (`tiles.tile_rows`).
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from qmoe.kernels._arith import abs_bits, cast_codes, max_abs_bits
 from qmoe.kernels._cast_variants import (ORIENTED_KEY, TENSORWISE_CONFIGS, load_quads, prune_variants,
                                          store_quads)
-from qmoe.kernels._launch import wrapped
-from qmoe.kernels._layout import group_pow2
 from qmoe.kernels._tiles import quad_abs_bits, store8, tile_pids
 from qmoe.kernels.activation import load_rows
 
-# a row unit's entry holds the groups of its first and last rows in the halves of one int32
+# _groups_of_rows counts two rows' groups in the halves of one int32
 MAX_TENSORWISE_GROUPS = 1 << 15
-# rows per entry of the row-unit table: every tile's BM is a multiple (prune_units)
-ROW_UNIT = 16
-
-
-def prune_units(configs, named_args, **kwargs):
-    """prune_variants, keeping the tiles whose rows are whole row units."""
-    return prune_variants([c for c in configs if c.kwargs["BM"] % ROW_UNIT == 0], named_args, **kwargs)
 
 
 @triton.jit
-def _row_units_kernel(splits_ptr, ends_ptr, units_ptr, G, U, UNIT: tl.constexpr, GC: tl.constexpr,
-                      BU: tl.constexpr):
-    """ends = cumsum(splits) (program 0 writes it) and, for each unit u of UNIT rows, units[u] =
-    (group of row u * UNIT) | (group of its last row) << 16, a row's group being how many ends lie
-    at or before it (G past the last group). Each program counts for BU units over all G ends, in
-    chunks of GC: a few compares per unit and group, against a reduction in every cast tile."""
-    pid = tl.program_id(0)
-    u = pid * BU + tl.arange(0, BU)
-    first = u * UNIT
-    last = first + (UNIT - 1)
-    n_first = tl.zeros([BU], dtype=tl.int32)
-    n_last = tl.zeros([BU], dtype=tl.int32)
-    base = tl.sum(tl.zeros([GC], dtype=tl.int32), 0)
-    for c in range(0, G, GC):
-        idx = c + tl.arange(0, GC)
-        ok = idx < G
-        sizes = tl.load(splits_ptr + idx, mask=ok, other=0).to(tl.int32)
-        ends = base + tl.cumsum(sizes, 0)
-        if pid == 0:
-            tl.store(ends_ptr + idx, ends, mask=ok)
-        ends = tl.where(ok, ends, 2147483647)
-        n_first += tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), 1)
-        n_last += tl.sum((ends[None, :] <= last[:, None]).to(tl.int32), 1)
-        base += tl.sum(sizes, 0)
-    tl.store(units_ptr + u, n_first | (n_last << 16), mask=u < U)
-
-
-def row_units(splits, m: int):
-    """(ends [G] int32, units [ceil(m / ROW_UNIT)] int32): `_row_units_kernel` in one launch."""
-    g = splits.shape[0]
-    n_units = triton.cdiv(m, ROW_UNIT)
-    ends = torch.empty(g, dtype=torch.int32, device=splits.device)
-    units = torch.empty(n_units, dtype=torch.int32, device=splits.device)
-    bu = 256
-    wrapped(_row_units_kernel)[(triton.cdiv(n_units, bu),)](splits, ends, units, g, n_units, UNIT=ROW_UNIT,
-                                                            GC=min(128, group_pow2(g)), BU=bu, num_warps=4)
-    return ends, units
-
-
-@triton.jit
-def _groups_of_tile(units_ptr, U, row0, BM: tl.constexpr, UNIT: tl.constexpr):
-    """(group of row row0, group of row row0 + BM - 1) from the row-unit table (units past the
-    table's end: its last unit, whose last row is at or past every group end that matters)."""
-    first = tl.load(units_ptr + row0 // UNIT)
-    last = tl.load(units_ptr + tl.minimum((row0 + BM - 1) // UNIT, U - 1))
-    return first & 0xFFFF, last >> 16
+def _groups_of_rows(ends_ptr, G, first, last, G_P2: tl.constexpr):
+    """(group of row `first`, group of row `last`): how many group ends (ends_ptr: the cumulative
+    split sizes, [G]) lie at or before each row, so G for a row past the last group."""
+    idx = tl.arange(0, G_P2)
+    ends = tl.load(ends_ptr + idx, mask=idx < G, other=2147483647)
+    both = tl.sum((ends <= first).to(tl.int32) + ((ends <= last).to(tl.int32) << 16), 0)  # G < 2^15
+    return both & 0xFFFF, both >> 16
 
 
 @triton.jit
@@ -138,18 +88,18 @@ def _tensorwise_mixed(x_ptr, probs_ptr, scale_ptr, row_ptr, col_ptr, amax_ptr, e
 
 
 @triton.autotune(configs=TENSORWISE_CONFIGS, key=ORIENTED_KEY, reset_to_zero=["amax_ptr"],
-                 prune_configs_by={"early_config_prune": prune_units})
+                 prune_configs_by={"early_config_prune": prune_variants})
 @triton.jit
 def _fp8_tensorwise_kernel(
         # pointers
-        x_ptr, probs_ptr, scale_ptr, row_ptr, col_ptr, amax_ptr, ends_ptr, units_ptr,
+        x_ptr, probs_ptr, scale_ptr, row_ptr, col_ptr, amax_ptr, ends_ptr,
         # sizes
-        M, K, G, U,
+        M, K, G,
         # strides
         stride_xm,
         # meta
         ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, FMT_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr,
-        ROWWISE: tl.constexpr, COLWISE: tl.constexpr, GROUPED: tl.constexpr, UNIT: tl.constexpr,
+        ROWWISE: tl.constexpr, COLWISE: tl.constexpr, GROUPED: tl.constexpr, G_P2: tl.constexpr,
         QUAD: tl.constexpr, K_MAJOR: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     """q = cast(x * scale[g]) in both orientations, and max|x| per group with inf and NaN (what
     delayed scaling records: a non-finite step is left out of its history).
@@ -159,16 +109,16 @@ def _fp8_tensorwise_kernel(
     as one tile (`store8`). The scale and the recorded maximum are read before the first store,
     and the atomic comes last, so no global round trip waits between the tile's load and stores.
 
-    Grouped: the tiles cover the rows as if ungrouped, and a tile reads its group from the table
-    of U row units (units_ptr, `_row_units_kernel`; ends_ptr: the cumulative split sizes): the
-    few tiles that hold a group boundary scale row by row (`_tensorwise_mixed`). (The other cast
-    kernels start their tiles afresh at every group, `tiles.tile_rows`, as their scale blocks
-    must, at the cost of scans over the split sizes in every program.)
+    Grouped: the tiles cover the rows as if ungrouped, and a tile finds its group from the
+    cumulative split sizes (ends_ptr) with one reduction (`_groups_of_rows`): the few tiles that
+    hold a group boundary scale row by row (`_tensorwise_mixed`). (The other cast kernels start
+    their tiles afresh at every group, `tiles.tile_rows`, as their scale blocks must, at the cost
+    of scans over the split sizes in every program.)
     """
     pid_m, pid_k = tile_pids(K, BK, K_MAJOR)
     row0 = pid_m * BM
     if GROUPED:
-        g, g_last = _groups_of_tile(units_ptr, U, row0, BM, UNIT)
+        g, g_last = _groups_of_rows(ends_ptr, G, row0, row0 + BM - 1, G_P2)
     else:
         g, g_last = 0, 0
     if g >= G:

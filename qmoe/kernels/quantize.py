@@ -35,7 +35,7 @@ from qmoe.kernels.activation import NO_ACTIVATION, input_width, load_rows
 from qmoe.kernels._arith import (atomic_max_bits, cast_codes, exp2_int, fp8_scale_from_amax, max_abs_bits,
                                 reciprocal, saturate)
 from qmoe.kernels._cast_variants import prune_blocks  # noqa: F401 (the NVFP4 kernels prune with it too)
-from qmoe.kernels._cast_tensorwise import MAX_TENSORWISE_GROUPS, ROW_UNIT, _fp8_tensorwise_kernel, row_units
+from qmoe.kernels._cast_tensorwise import MAX_TENSORWISE_GROUPS, _fp8_tensorwise_kernel
 from qmoe.kernels._cast_variants import (BLOCK128_CONFIGS, CAST_CONFIGS, ORIENTED_KEY, TILE_KEY, block_quads, is_forced,
                                          launch_cast, mx_multiplier, mx_quads, mx_rows, prune_variants)
 from qmoe.kernels._launch import kernel_op, launch, prune_oversized, tile_configs, wrapped
@@ -177,13 +177,12 @@ def fp8_tensorwise_op(x: torch.Tensor, scale: torch.Tensor, splits: Optional[tor
     bits = torch.zeros(num_groups, dtype=torch.int32, device=x.device)
     if m * k:
         grouped = splits is not None
-        ends, units = row_units(splits, m) if grouped else (x, x)
+        ends = torch.cumsum(splits, 0, dtype=torch.int32) if grouped else x
         launch_cast(_fp8_tensorwise_kernel, tile_grid(m, k, num_groups, False),
                     (x, probs if probs is not None else x, scale.reshape(-1), row.view(torch.uint8),
-                     col.view(torch.uint8), bits, ends, units, m, k, num_groups, units.shape[0] if grouped else 0,
-                     x.stride(0)),
+                     col.view(torch.uint8), bits, ends, m, k, num_groups, x.stride(0)),
                     _SMALL_CAST, m * k, ACT=act, GLU_BLOCK=glu_block, FMT_MAX=fmt_max, OUT_DTYPE=_TL_FP8[out_dtype],
-                    ROWWISE=rowwise, COLWISE=columnwise, GROUPED=grouped, UNIT=ROW_UNIT)
+                    ROWWISE=rowwise, COLWISE=columnwise, GROUPED=grouped, G_P2=group_pow2(num_groups))
     return row, col, bits.view(torch.float32)
 
 

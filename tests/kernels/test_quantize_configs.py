@@ -24,7 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("part", ["dense", "grouped", "row_units"])
+@pytest.mark.parametrize("part", ["dense", "grouped"])
 def test_every_config_under_interpreter(part):
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -130,31 +130,8 @@ def tail_past_groups(x, splits, skip):
     print("grouped tensorwise: rows past the last group", flush=True)
 
 
-def row_units_table():
-    """The grouped per-tensor cast's row-unit table against searchsorted on the cumulative split
-    sizes: empty groups, more groups than one chunk of the table kernel (so ends carry across
-    chunks), rows past the last group, a row count that is no multiple of the unit."""
-    import torch
-    from qmoe.kernels._cast_tensorwise import ROW_UNIT, row_units
-    g = torch.Generator().manual_seed(3)
-    cases = [([5], 16), ([0, 16, 0, 17, 31], 70), (torch.randint(0, 40, (300,), generator=g).tolist(), None),
-             ([0] * 129 + [33], 40)]
-    for sizes, m in cases:
-        splits = torch.tensor(sizes, dtype=torch.int64)
-        m = int(splits.sum()) + 23 if m is None else m
-        ends, units = row_units(splits, m)
-        want_ends = torch.cumsum(splits, 0).to(torch.int32)
-        assert torch.equal(ends, want_ends), (sizes, ends, want_ends)
-        first = torch.arange(0, m, ROW_UNIT)
-        group = torch.searchsorted(want_ends, torch.stack([first, first + ROW_UNIT - 1]), right=True).to(torch.int32)
-        assert torch.equal(units & 0xFFFF, group[0]) and torch.equal(units >> 16, group[1]), (sizes, m)
-    print("row_units: every config passed")
-
-
 def check(part):
     import torch
-    if part == "row_units":
-        return row_units_table()
     from qmoe.contracts.carriers import ActivatedRows
     from qmoe.kernels import activation as KA
     from qmoe.kernels._cast_variants import configs_for, forced_config
