@@ -27,6 +27,9 @@ SHAPES = {  # name: (experts, rows per expert, K, N)
     "dsv3-fc2": (32, 2048, 2048, 7168),
     "mixtral-fc1": (8, 4096, 4096, 28672),
     "qwen3-fc1": (128, 512, 2048, 1536),
+    # the MoE layer's own groups (bench_moe: 16384 tokens, top 8 of 128 experts)
+    "qwen3-fc1-layer": (128, 1024, 2048, 1536),
+    "qwen3-fc2-layer": (128, 1024, 768, 2048),
 }
 MEMORY_BOUND = {f"mem-8x{m}": (8, m, 4096, 14336) for m in (16, 32, 64)}
 QUICK = ("dsv3-fc1", "mem-8x32")
@@ -216,7 +219,9 @@ def _sweep_candidates(name, layout, memory_bound, rows_per_group):
     if name == "current" and layout == "wgrad":  # short token groups: tiles that overlap their dW stores
         return [("fused", c) for c in (k_tile_config(Scaling.TENSOR), TileConfig(128, 128, 128, 8, 3),
                                        TileConfig(128, 128, 128, 4, 3), TileConfig(64, 256, 128, 8, 3),
-                                       TileConfig(64, 128, 128, 4, 4))]
+                                       TileConfig(64, 128, 128, 4, 4), TileConfig(128, 256, 128, 8, 2),
+                                       TileConfig(128, 128, 128, 4, 2), TileConfig(128, 256, 128, 8, 4),
+                                       TileConfig(128, 256, 128, 8, 3, group_m=16))]
     return []
 
 

@@ -376,16 +376,22 @@ def _desc(t: torch.Tensor, block: list[int]):
 SMEM_BYTES = 232448
 _SMEM_SPARE = 1024
 # What qmoe's m-grouped FP8 block GEMM dispatches to (launch_block_gemm_ws's keywords): 128x256
-# tiles where N allows them (each weight tile is read by half as many programs), else 128x128 with
-# the promotion of one step overlapping the next step's MMA. The benchmark sweep
-# (benchmarks/sweep_block_gemm.py) times the other schedules and tiles against them.
-DISPATCH_WIDE = dict(bn=256, stages=4, pipe=0, group_m=8, c_bufs=1)
+# tiles where N allows them (each weight tile is read by half as many programs) in the strict
+# ping-pong with two result buffers per consumer (a tile's second half is stored without waiting
+# for its first), else 128x128 with the promotion of one step overlapping the next step's MMA.
+# The benchmark sweep (benchmarks/sweep_block_gemm.py) times the other schedules and tiles
+# against them (benchmarks/results/sweeps/block_gemm_pingpong.json).
+DISPATCH_WIDE = dict(bn=256, stages=3, pipe=3, group_m=8, c_bufs=2)
+# fp32 results: one result buffer per consumer (two would leave room for two stages only)
+DISPATCH_WIDE_FP32 = dict(bn=256, stages=3, pipe=3, group_m=8, c_bufs=1)
 DISPATCH = dict(bn=128, stages=5, pipe=2, group_m=8)
 
 
-def dispatch_config(n_out: int) -> dict:
-    """The dispatched keywords for an output of n_out columns."""
-    return dict(DISPATCH_WIDE if n_out % DISPATCH_WIDE["bn"] == 0 else DISPATCH)
+def dispatch_config(n_out: int, out_dtype=torch.bfloat16) -> dict:
+    """The dispatched keywords for an output of n_out columns of out_dtype."""
+    if n_out % DISPATCH_WIDE["bn"]:
+        return dict(DISPATCH)
+    return dict(DISPATCH_WIDE_FP32 if out_dtype == torch.float32 else DISPATCH_WIDE)
 # Calls whose kernel failed to compile (a Triton without this Gluon API): they take the Triton kernel.
 FAILED: dict[tuple, str] = {}
 
@@ -481,7 +487,7 @@ def launch_dispatched(a, b, offsets, total_rows: int, n_out: int, k: int, groups
     if unsupported(a, b, n_out, k, out_dtype, total_rows, groups) is not None:
         return None
     b_columnwise = b.group_stride < b.stride_r
-    cfg = dispatch_config(n_out)
+    cfg = dispatch_config(n_out, out_dtype)
     cfg["stages"] = fit_stages(cfg["stages"], 128, cfg["bn"], out_dtype, cfg.get("c_bufs", 1))
     key = (out_dtype, b_columnwise, *sorted(cfg.items()))
     return launch_once(FAILED, key, "FP8 block GEMM", lambda: launch_block_gemm_ws(

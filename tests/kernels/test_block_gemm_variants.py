@@ -349,8 +349,14 @@ def test_unsupported_calls_launch_nothing(sm90, monkeypatch):
     assert calls[1]["b_columnwise"] is True
     # an output of a multiple of 256 columns takes the wide tiles
     assert ws.launch_dispatched(a, b, None, 4096, 512, 512, 4, torch.bfloat16, None) == "launched"
-    assert calls[2]["bn"] == 256 and calls[2]["pipe"] == ws.DISPATCH_WIDE["pipe"]
+    assert calls[2]["bn"] == 256 and calls[2]["pipe"] == ws.DISPATCH_WIDE["pipe"] == 3
     assert calls[0]["bn"] == 128
+    # bf16 results: the ping-pong with two result buffers per consumer; fp32 ones keep one buffer,
+    # as two fp32 buffers would leave room for two stages only
+    assert (calls[2]["c_bufs"], calls[2]["stages"]) == (2, 3)
+    assert ws.launch_dispatched(a, b, None, 4096, 512, 512, 4, torch.float32, None) == "launched"
+    assert (calls[3]["bn"], calls[3]["pipe"], calls[3]["c_bufs"], calls[3]["stages"]) == (256, 3, 1, 3)
+    assert ws.fit_stages(3, 128, 256, torch.float32, 2) == 2
 
 
 @launcher
