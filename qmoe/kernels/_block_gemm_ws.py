@@ -392,6 +392,8 @@ def dispatch_config(n_out: int, out_dtype=torch.bfloat16) -> dict:
     if n_out % DISPATCH_WIDE["bn"]:
         return dict(DISPATCH)
     return dict(DISPATCH_WIDE_FP32 if out_dtype == torch.float32 else DISPATCH_WIDE)
+
+
 # Calls whose kernel failed to compile (a Triton without this Gluon API): they take the Triton kernel.
 FAILED: dict[tuple, str] = {}
 
