@@ -378,20 +378,24 @@ _SMEM_SPARE = 1024
 # What qmoe's m-grouped FP8 block GEMM dispatches to (launch_block_gemm_ws's keywords): 128x256
 # tiles where N allows them (each weight tile is read by half as many programs) in the strict
 # ping-pong with two result buffers per consumer (a tile's second half is stored without waiting
-# for its first), else 128x128 with the promotion of one step overlapping the next step's MMA.
-# The benchmark sweep (benchmarks/sweep_block_gemm.py) times the other schedules and tiles
-# against them (benchmarks/results/sweeps/block_gemm_pingpong.json).
+# for its first) where they leave room for its stages, else one; else 128x128 with the promotion
+# of one step overlapping the next step's MMA. The benchmark sweep (benchmarks/sweep_block_gemm.py)
+# times the other schedules and tiles against them (benchmarks/results/sweeps/block_gemm_pingpong.json).
 DISPATCH_WIDE = dict(bn=256, stages=3, pipe=3, group_m=8, c_bufs=2)
-# fp32 results: one result buffer per consumer (two would leave room for two stages only)
-DISPATCH_WIDE_FP32 = dict(bn=256, stages=3, pipe=3, group_m=8, c_bufs=1)
 DISPATCH = dict(bn=128, stages=5, pipe=2, group_m=8)
 
 
 def dispatch_config(n_out: int, out_dtype=torch.bfloat16) -> dict:
-    """The dispatched keywords for an output of n_out columns of out_dtype."""
+    """The dispatched keywords for an output of n_out columns of out_dtype, its stages fitted to
+    shared memory: wide tiles drop their second result buffer where it would cost a stage (fp32)."""
     if n_out % DISPATCH_WIDE["bn"]:
-        return dict(DISPATCH)
-    return dict(DISPATCH_WIDE_FP32 if out_dtype == torch.float32 else DISPATCH_WIDE)
+        cfg = dict(DISPATCH)
+    else:
+        cfg = dict(DISPATCH_WIDE)
+        if fit_stages(cfg["stages"], 128, cfg["bn"], out_dtype, cfg["c_bufs"]) < cfg["stages"]:
+            cfg["c_bufs"] = 1
+    cfg["stages"] = fit_stages(cfg["stages"], 128, cfg["bn"], out_dtype, cfg.get("c_bufs", 1))
+    return cfg
 
 
 # Calls whose kernel failed to compile (a Triton without this Gluon API): they take the Triton kernel.
@@ -490,7 +494,6 @@ def launch_dispatched(a, b, offsets, total_rows: int, n_out: int, k: int, groups
         return None
     b_columnwise = b.group_stride < b.stride_r
     cfg = dispatch_config(n_out, out_dtype)
-    cfg["stages"] = fit_stages(cfg["stages"], 128, cfg["bn"], out_dtype, cfg.get("c_bufs", 1))
     key = (out_dtype, b_columnwise, *sorted(cfg.items()))
     return launch_once(FAILED, key, "FP8 block GEMM", lambda: launch_block_gemm_ws(
         a, b, offsets, total_rows, n_out, k, groups, out_dtype, out=out, b_columnwise=b_columnwise, **cfg))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from qmoe.kernels._arith import abs_bits, cast_codes, max_abs_bits
+from qmoe.kernels._arith import abs_bits, atomic_max_bits, cast_codes, max_abs_bits
 from qmoe.kernels._cast_variants import (ORIENTED_KEY, TENSORWISE_CONFIGS, load_quads, prune_variants,
                                          store_quads)
 from qmoe.kernels._tiles import quad_abs_bits, store8, tile_pids
@@ -82,9 +82,7 @@ def _tensorwise_mixed(x_ptr, probs_ptr, scale_ptr, row_ptr, col_ptr, amax_ptr, e
         if COLWISE:
             store8(col_ptr, tl.trans(q), c, row0, M, K, row_end, CW, BM)
     for h in range(g, tl.minimum(g_last, G - 1) + 1):
-        amax = tl.max(tl.where(ok & (grp == h), bits, 0), 0)
-        if amax > tl.load(amax_ptr + h):
-            tl.atomic_max(amax_ptr + h, amax)
+        atomic_max_bits(amax_ptr + h, tl.max(tl.where(ok & (grp == h), bits, 0), 0))
 
 
 @triton.autotune(configs=TENSORWISE_CONFIGS, key=ORIENTED_KEY, reset_to_zero=["amax_ptr"],

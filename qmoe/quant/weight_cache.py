@@ -265,7 +265,10 @@ class WeightCache:
         numbers by value, tensors and groups by identity). A delayed-scaling update changes it: a
         replayer then replays the "keep" graph, whose quantize reads the new scale."""
         e = self._graph_entry
-        key = e.quantizer.reuse_key(e.weight[2], e.weight[1][0]) if e is not None else None
+        if e is None:
+            return ()
+        _, shape, device = e.weight
+        key = e.quantizer.reuse_key(device, shape[0])
         return tuple(v if isinstance(v, (bool, int, float, str)) else id(v) for v in key or ())
 
     def _usable(self, sources, weight) -> bool:
