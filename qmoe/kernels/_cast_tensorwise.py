@@ -106,12 +106,7 @@ def _fp8_tensorwise_kernel(
     the tile as a row quad (its transposed words are built in registers, `interleave4`), else
     as one tile (`store8`). The scale and the recorded maximum are read before the first store,
     and the atomic comes last, so no global round trip waits between the tile's load and stores.
-
-    Grouped: the tiles cover the rows as if ungrouped, and a tile finds its group from the
-    cumulative split sizes (ends_ptr) with one reduction (`_groups_of_rows`): the few tiles that
-    hold a group boundary scale row by row (`_tensorwise_mixed`). (The other cast kernels start
-    their tiles afresh at every group, `tiles.tile_rows`, as their scale blocks must, at the cost
-    of scans over the split sizes in every program.)
+    Grouped (ends_ptr: the cumulative split sizes): see the module docstring.
     """
     pid_m, pid_k = tile_pids(K, BK, K_MAJOR)
     row0 = pid_m * BM
