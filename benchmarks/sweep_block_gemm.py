@@ -69,6 +69,9 @@ def wgrad_variants():
                                             (0, 4, 16, True)):
         v[f"gluon-wg pipe{pipe} s{stages} gm{group_m}{' tail-tma' if tail_tma else ''}"] = dict(
             kind="wg", pipe=pipe, stages=stages, group_m=group_m, tail_tma=tail_tma)
+    for pipe, tail_tma in ((0, True), (0, False), (1, False)):  # the step-major scales streamed by TMA
+        v[f"gluon-wg pipe{pipe} s4 gm8{' tail-tma' if tail_tma else ''} scales-tma"] = dict(
+            kind="wg", pipe=pipe, stages=4, group_m=8, tail_tma=tail_tma, scales_tma=True)
     return v
 
 

@@ -15,6 +15,12 @@ TMA, and two consumer warpgroups each own 64 rows of a 128 x 128 output tile, so
 runs while the other's MMA holds the tensor cores. PIPE 1 also overlaps within a consumer: it
 issues step i's MMA, then promotes step i-1.
 
+The promotion factors: stored as quantized, a step's scales lie one per row of a [rows, steps]
+tensor, so each consumer's per-step loads touch a cache line per value. With SCALES_TMA the launch
+stores them steps-major (one small transpose per call), the producer loads each step's 128 row
+scales and 128 column scales with the step's codes into the same stage, and the consumers read
+them from shared memory straight into the MMA's row and column layouts.
+
 A group's tokens start anywhere (groups are padded to the recipe's `align_size`, not to 128), so
 its last step may be partial, and TMA cannot stop at a group's end. Two ways, the same bits:
 TAIL_TMA loads that step like the others (its box runs into the next group's tokens) and each
@@ -63,20 +69,29 @@ if gluon is not None:
         return gl.where(start % 16 == 0, n, 0)
 
     @gluon.jit
-    def _producer(a_desc, b_desc, a_bufs, b_bufs, full, empty, offs_ptr, total_tiles, per_group, num_m, num_n,
+    def _producer(a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, full, empty, offs_ptr,
+                  soffs_a_ptr, soffs_b_ptr, total_tiles, per_group, num_m, num_n,
                   BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
-                  STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, TAIL_TMA: gl.constexpr):
-        """One warp: TMA loads of every tile's full 128-token steps into the stage ring."""
+                  STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, TAIL_TMA: gl.constexpr, SCALES_TMA: gl.constexpr):
+        """One warp: TMA loads of every tile's full 128-token steps into the stage ring (with
+        SCALES_TMA, each step's row of both operands' step-major scales too)."""
         nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+        s_nbytes: gl.constexpr = sa_desc.block_type.nbytes + sb_desc.block_type.nbytes if SCALES_TMA else 0
         it = 0
         for t in range(gl.program_id(0), total_tiles, NUM_PROGRAMS):
             g, pm, pn, start, length = _tile_of(t, offs_ptr, per_group, num_m, num_n, GROUP_M)
+            if SCALES_TMA:
+                step_a = gl.load(soffs_a_ptr + g).to(gl.int32)
+                step_b = gl.load(soffs_b_ptr + g).to(gl.int32)
             for ki in range(_tma_steps(start, length, BK, TAIL_TMA)):
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-                mbarrier.expect(full.index(s), nbytes)
+                mbarrier.expect(full.index(s), nbytes + s_nbytes)
                 ws._tma_load(a_desc, [pm * BM, start + ki * BK], full.index(s), a_bufs.index(s))
                 ws._tma_load(b_desc, [pn * BN, start + ki * BK], full.index(s), b_bufs.index(s))
+                if SCALES_TMA:
+                    ws._tma_load(sa_desc, [step_a + ki, pm * BM], full.index(s), sa_bufs.index(s))
+                    ws._tma_load(sb_desc, [step_b + ki, pn * BN], full.index(s), sb_bufs.index(s))
                 it += 1
 
     @gluon.jit
@@ -136,24 +151,36 @@ if gluon is not None:
             dst.slice(i * 32, 32).store(gl.where(c < valid, x, gl.zeros_like(x)))
 
     @gluon.jit
+    def _staged_factor(sa_rows, sb_rows, s, HALF: gl.constexpr, HM: gl.constexpr, row_l: gl.constexpr,
+                       col_l: gl.constexpr):
+        """Stage s's promotion factors from the scale rows the producer loaded with its codes (zero
+        past N, K: TMA fills them)."""
+        return sa_rows.index(s).slice(HALF * HM, HM).load(row_l), sb_rows.index(s).load(col_l)
+
+    @gluon.jit
     def _own_step(acc, a_mine, b_mine, zero, sa_tile, sb_tile, n_rows, n_cols, ki, s_stride_an, s_stride_at,
-                  s_stride_bk, s_stride_bt, HM: gl.constexpr, BN: gl.constexpr, row_l: gl.constexpr,
-                  col_l: gl.constexpr):
-        """Step ki from this consumer's own buffers (just written by its threads): MMA, then promotion."""
+                  s_stride_bk, s_stride_bt, sa_rows, sb_rows, s, HALF: gl.constexpr, HM: gl.constexpr,
+                  BN: gl.constexpr, row_l: gl.constexpr, col_l: gl.constexpr, STAGED: gl.constexpr):
+        """Step ki from this consumer's own buffers (just written by its threads): MMA, then
+        promotion, its factors from stage s's scale rows where STAGED."""
         fence_async_shared()
         tok = warpgroup_mma(a_mine, b_mine.permute((1, 0)), zero, use_acc=False, is_async=True)
-        fa, fb = _factor(sa_tile, sb_tile, n_rows, n_cols, ki, s_stride_an, s_stride_at, s_stride_bk, s_stride_bt,
-                         HM, BN, row_l, col_l)
+        if STAGED:
+            fa, fb = _staged_factor(sa_rows, sb_rows, s, HALF, HM, row_l, col_l)
+        else:
+            fa, fb = _factor(sa_tile, sb_tile, n_rows, n_cols, ki, s_stride_an, s_stride_at, s_stride_bk,
+                             s_stride_bt, HM, BN, row_l, col_l)
         p = warpgroup_mma_wait(0, deps=(tok, ))
         return _promote(acc, p, fa, fb)
 
     @gluon.jit
-    def _consumer(a_bufs, b_bufs, c_bufs, a_tail, b_tail, full, empty, c_desc, a_ptr, b_ptr, out_ptr, offs_ptr,
+    def _consumer(a_bufs, b_bufs, sa_rows, sb_rows, c_bufs, a_tail, b_tail, full, empty, c_desc, a_ptr, b_ptr, out_ptr,
+                  offs_ptr,
                   sa_ptr, sb_ptr, soffs_a_ptr, soffs_b_ptr, total_tiles, per_group, num_m, num_n, N, K,
                   stride_an, stride_bk, stride_og, stride_on, s_stride_an, s_stride_at, s_stride_bk, s_stride_bt,
                   HALF: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
                   STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, PIPE: gl.constexpr, ACCUMULATE: gl.constexpr,
-                  TMA_OUT: gl.constexpr, TAIL_TMA: gl.constexpr):
+                  TMA_OUT: gl.constexpr, TAIL_TMA: gl.constexpr, SCALES_TMA: gl.constexpr):
         """One warpgroup: rows HALF*BM/2.. of each output tile; MMA per step, promotion, epilogue."""
         HM: gl.constexpr = BM // 2
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
@@ -187,11 +214,15 @@ if gluon is not None:
                         _mask_tokens(a_s, a_s, valid, ld)
                         _mask_tokens(b_bufs.index(s), b_mine, valid, ld)
                         acc = _own_step(acc, a_s, b_mine, zero, sa_tile, sb_tile, N - row0, K - col0, ki,
-                                        s_stride_an, s_stride_at, s_stride_bk, s_stride_bt, HM, BN, row_l, col_l)
+                                        s_stride_an, s_stride_at, s_stride_bk, s_stride_bt, sa_rows, sb_rows, s, HALF,
+                                        HM, BN, row_l, col_l, SCALES_TMA)
                     else:
                         tok = warpgroup_mma(a_s, b_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
-                        fa, fb = _factor(sa_tile, sb_tile, N - row0, K - col0, ki, s_stride_an, s_stride_at,
-                                         s_stride_bk, s_stride_bt, HM, BN, row_l, col_l)
+                        if SCALES_TMA:
+                            fa, fb = _staged_factor(sa_rows, sb_rows, s, HALF, HM, row_l, col_l)
+                        else:
+                            fa, fb = _factor(sa_tile, sb_tile, N - row0, K - col0, ki, s_stride_an, s_stride_at,
+                                             s_stride_bk, s_stride_bt, HM, BN, row_l, col_l)
                         p = warpgroup_mma_wait(0, deps=(tok, ))
                         acc = _promote(acc, p, fa, fb)
                     mbarrier.arrive(empty.index(s), count=1)
@@ -206,8 +237,11 @@ if gluon is not None:
                     tok = warpgroup_mma(a_bufs.index(s).slice(HALF * HM, HM), b_bufs.index(s).permute((1, 0)), zero,
                                         use_acc=False, is_async=True)
                     acc = _promote(acc, p, fa, fb)
-                    fa, fb = _factor(sa_tile, sb_tile, N - row0, K - col0, ki, s_stride_an, s_stride_at,
-                                     s_stride_bk, s_stride_bt, HM, BN, row_l, col_l)
+                    if SCALES_TMA:
+                        fa, fb = _staged_factor(sa_rows, sb_rows, s, HALF, HM, row_l, col_l)
+                    else:
+                        fa, fb = _factor(sa_tile, sb_tile, N - row0, K - col0, ki, s_stride_an, s_stride_at,
+                                         s_stride_bk, s_stride_bt, HM, BN, row_l, col_l)
                     p, acc = warpgroup_mma_wait(0, deps=(tok, acc))  # the promotion stays before the wait
                     mbarrier.arrive(empty.index(s), count=1)
                     it += 1
@@ -219,14 +253,16 @@ if gluon is not None:
                     _tail_to_smem(a_ptr, a_mine, row0, N, t16, tail, stride_an, ld)
                     _tail_to_smem(b_ptr, b_mine, col0, K, t16, tail, stride_bk, ld)
                     acc = _own_step(acc, a_mine, b_mine, zero, sa_tile, sb_tile, N - row0, K - col0, nk, s_stride_an,
-                                    s_stride_at, s_stride_bk, s_stride_bt, HM, BN, row_l, col_l)
+                                    s_stride_at, s_stride_bk, s_stride_bt, sa_rows, sb_rows, 0, HALF, HM, BN, row_l,
+                                    col_l, False)
             else:  # TMA cannot start off a 16-byte boundary: every step through masked byte loads
                 for ki in range(gl.cdiv(length, BK)):
                     t0 = start + ki * BK
                     _tail_to_smem(a_ptr, a_mine, row0, N, t0, length - ki * BK, stride_an, ld)
                     _tail_to_smem(b_ptr, b_mine, col0, K, t0, length - ki * BK, stride_bk, ld)
                     acc = _own_step(acc, a_mine, b_mine, zero, sa_tile, sb_tile, N - row0, K - col0, ki, s_stride_an,
-                                    s_stride_at, s_stride_bk, s_stride_bt, HM, BN, row_l, col_l)
+                                    s_stride_at, s_stride_bk, s_stride_bt, sa_rows, sb_rows, 0, HALF, HM, BN, row_l,
+                                    col_l, False)
             if ACCUMULATE:  # the Triton kernel's order: the new sum, then what out held
                 ptrs = (out_ptr + g.to(gl.int64) * stride_og + gl.expand_dims(rows.to(gl.int64) * stride_on, 1)
                         + gl.expand_dims(cols, 0))
@@ -251,14 +287,14 @@ if gluon is not None:
     _SIZES = ["total_tiles", "per_group", "num_m", "num_n", "stride_og", "s_stride_an", "s_stride_bk"]
 
     @gluon.jit(do_not_specialize=_SIZES)
-    def block_wgrad_ws_kernel(a_desc, b_desc, c_desc, a_ptr, b_ptr, out_ptr, offs_ptr, sa_ptr, sb_ptr, soffs_a_ptr,
-                              soffs_b_ptr, total_tiles, per_group, num_m, num_n, N, K,
+    def block_wgrad_ws_kernel(a_desc, b_desc, c_desc, sa_desc, sb_desc, a_ptr, b_ptr, out_ptr, offs_ptr, sa_ptr,
+                              sb_ptr, soffs_a_ptr, soffs_b_ptr, total_tiles, per_group, num_m, num_n, N, K,
                               stride_an, stride_bk, stride_og, stride_on,
                               s_stride_an, s_stride_at, s_stride_bk, s_stride_bt,
                               BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
                               STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, PIPE: gl.constexpr,
                               ACCUMULATE: gl.constexpr, TMA_OUT: gl.constexpr, TAIL_TMA: gl.constexpr,
-                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                              SCALES_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         """out[g] = A[:, tokens of g] @ B[:, tokens of g]^T (see k_grouped_gemm_kernel), FP8 block scaling.
 
         Partitions: the default one (4 warps) and a 4-warp worker consume the two 64-row halves of
@@ -269,38 +305,49 @@ if gluon is not None:
         c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2 if TMA_OUT else 1, BM // 2, BN], c_desc.layout)
         a_tail = gl.allocate_shared_memory(a_desc.dtype, [2, BM // 2, BK], a_desc.layout)
         b_tail = gl.allocate_shared_memory(b_desc.dtype, [2, BN, BK], b_desc.layout)
+        # each stage's scale rows ([1, BM] and [1, BN] TMA boxes), read back as 1-d rows
+        SR: gl.constexpr = STAGES if SCALES_TMA else 1
+        sa_bufs = gl.allocate_shared_memory(gl.float32, [SR, 1, BM], sa_desc.layout)
+        sb_bufs = gl.allocate_shared_memory(gl.float32, [SR, 1, BN], sb_desc.layout)
+        rows_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # rank 1: .index() keeps it
+        sa_rows = sa_bufs._reinterpret(gl.float32, [SR, BM], rows_l)
+        sb_rows = sb_bufs._reinterpret(gl.float32, [SR, BN], rows_l)
         full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(full.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)
         gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, c_bufs, a_tail, b_tail, full, empty, c_desc, a_ptr, b_ptr, out_ptr, offs_ptr,
-                         sa_ptr, sb_ptr, soffs_a_ptr, soffs_b_ptr, total_tiles, per_group, num_m, num_n, N, K,
+            (_consumer, (a_bufs, b_bufs, sa_rows, sb_rows, c_bufs, a_tail, b_tail, full, empty, c_desc, a_ptr, b_ptr,
+                         out_ptr, offs_ptr, sa_ptr, sb_ptr, soffs_a_ptr, soffs_b_ptr, total_tiles, per_group, num_m,
+                         num_n, N, K,
                          stride_an, stride_bk, stride_og, stride_on, s_stride_an, s_stride_at, s_stride_bk,
                          s_stride_bt, 0, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, PIPE, ACCUMULATE, TMA_OUT,
-                         TAIL_TMA)),
-            (_consumer, (a_bufs, b_bufs, c_bufs, a_tail, b_tail, full, empty, c_desc, a_ptr, b_ptr, out_ptr, offs_ptr,
-                         sa_ptr, sb_ptr, soffs_a_ptr, soffs_b_ptr, total_tiles, per_group, num_m, num_n, N, K,
+                         TAIL_TMA, SCALES_TMA)),
+            (_consumer, (a_bufs, b_bufs, sa_rows, sb_rows, c_bufs, a_tail, b_tail, full, empty, c_desc, a_ptr, b_ptr,
+                         out_ptr, offs_ptr, sa_ptr, sb_ptr, soffs_a_ptr, soffs_b_ptr, total_tiles, per_group, num_m,
+                         num_n, N, K,
                          stride_an, stride_bk, stride_og, stride_on, s_stride_an, s_stride_at, s_stride_bk,
                          s_stride_bt, 1, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, PIPE, ACCUMULATE, TMA_OUT,
-                         TAIL_TMA)),
-            (_producer, (a_desc, b_desc, a_bufs, b_bufs, full, empty, offs_ptr, total_tiles, per_group, num_m, num_n,
-                         BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, TAIL_TMA)),
+                         TAIL_TMA, SCALES_TMA)),
+            (_producer, (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, full, empty, offs_ptr,
+                         soffs_a_ptr, soffs_b_ptr, total_tiles, per_group, num_m, num_n,
+                         BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, TAIL_TMA, SCALES_TMA)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # What the k-grouped FP8 block GEMM dispatches to (launch_block_wgrad_ws's keywords); the benchmark
 # sweep (benchmarks/sweep_block_gemm.py --wgrad) times the other schedules against it.
-DISPATCH = dict(pipe=0, stages=4, group_m=8, tail_tma=True)
+DISPATCH = dict(pipe=0, stages=4, group_m=8, tail_tma=True, scales_tma=True)
 # Calls whose kernel failed to compile (a Triton without this Gluon API): they take the Triton kernel.
 FAILED: dict[tuple, str] = {}
 
 
 def _smem(stages: int, out_dtype, tma_out: bool) -> int:
-    """Shared-memory bytes: the stage ring, the result buffers and each consumer's tail buffers."""
+    """Shared-memory bytes: the stage ring (codes and scale rows), the result buffers and each
+    consumer's tail buffers."""
     c = (2 if tma_out else 1) * 64 * 128 * torch.finfo(out_dtype).bits // 8
-    return stages * 2 * 128 * 128 + c + 2 * (64 + 128) * 128
+    return stages * 2 * (128 * 128 + 128 * 4) + c + 2 * (64 + 128) * 128
 
 
 def fit_stages(stages: int, out_dtype, tma_out: bool = True) -> int:
@@ -314,6 +361,17 @@ def _tma_out(out: torch.Tensor, n: int, k: int, accumulate: bool) -> bool:
     """Whether results leave by TMA: a contiguous [G, N, K] output, 16-byte rows, no read-back."""
     return (not accumulate and out.is_contiguous() and (k * out.element_size()) % 16 == 0
             and out.data_ptr() % 16 == 0)
+
+
+def _scales_tma(n: int, k: int) -> bool:
+    """Whether the step-major scales can go by TMA: 16-byte rows of n and k fp32 values."""
+    return n % 4 == 0 and k % 4 == 0
+
+
+def _scale_desc(steps_major: torch.Tensor):
+    """TMA descriptor of [steps, rows] fp32 scales: boxes of one step's 128 rows."""
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return ws.TensorDescriptor(steps_major, list(steps_major.shape), list(steps_major.stride()), [1, 128], layout)
 
 
 def unsupported(a, b, out: torch.Tensor) -> str | None:
@@ -342,6 +400,7 @@ def launch_dispatched(a, b, offsets, n: int, k: int, groups: int, out: torch.Ten
     if unsupported(a, b, out) is not None:
         return None
     cfg = dict(DISPATCH)
+    cfg["scales_tma"] = cfg["scales_tma"] and _scales_tma(n, k)
     cfg["stages"] = fit_stages(cfg["stages"], out.dtype, _tma_out(out, n, k, accumulate))
     key = (out.dtype, accumulate, *sorted(cfg.items()))
     return ws.launch_once(FAILED, key, "FP8 block wgrad GEMM",
@@ -350,7 +409,7 @@ def launch_dispatched(a, b, offsets, n: int, k: int, groups: int, out: torch.Ten
 
 def launch_block_wgrad_ws(a, b, offsets: torch.Tensor, n: int, k: int, groups: int, out: torch.Tensor,
                           accumulate: bool = False, *, stages: int = 4, pipe: int = 0, group_m: int = 8,
-                          tail_tma: bool = False,
+                          tail_tma: bool = False, scales_tma: bool = False,
                           programs: int | None = None, consumer_regs: int = 232, producer_regs: int = 40,
                           info: dict | None = None) -> torch.Tensor:
     """out [groups, n, k] (+= with accumulate) of the FP8 block k-grouped GEMM; a [n, T], b [k, T]:
@@ -363,6 +422,8 @@ def launch_block_wgrad_ws(a, b, offsets: torch.Tensor, n: int, k: int, groups: i
                          f"(blocks {a.block} x {b.block}, token strides {a.stride_k}, {b.stride_k})")
     if pipe not in (0, 1) or (tail_tma and pipe != 0):
         raise ValueError(f"pipe={pipe}, tail_tma={tail_tma}: the wgrad kernel takes pipe 0 or 1, tail_tma with 0")
+    if scales_tma and not _scales_tma(n, k):
+        raise ValueError(f"scales_tma needs n and k multiples of 4 (16-byte scale rows), got n={n}, k={k}")
     tma_out = _tma_out(out, n, k, accumulate)
     if fit_stages(stages, out.dtype, tma_out) < stages:
         raise ValueError(f"{stages} stages with {out.dtype} results exceed shared memory: take fit_stages(...)")
@@ -373,14 +434,21 @@ def launch_block_wgrad_ws(a, b, offsets: torch.Tensor, n: int, k: int, groups: i
     if programs is None:
         programs = num_sms(a.data.device)
     flat = out.view(groups * n, k) if tma_out else out.new_empty((64, 128))  # a stand-in the kernel never stores to
+    if scales_tma:  # stored steps-major (a step's scales: one TMA box); loads in the kernel take these strides
+        sa, sb = a.scale.t().contiguous(), b.scale.t().contiguous()
+        sa_desc, sb_desc = _scale_desc(sa), _scale_desc(sb)
+        s_strides = (1, n, 1, k)
+    else:
+        sa, sb = a.scale, b.scale
+        sa_desc = sb_desc = _scale_desc(out.new_zeros((1, 128), dtype=torch.float32))  # never read
+        s_strides = (a.s_stride_r, a.s_stride_k, b.s_stride_r, b.s_stride_k)
     compiled = block_wgrad_ws_kernel[(programs,)](
-        ws._desc(a.data, [128, 128]), ws._desc(b.data, [128, 128]), ws._desc(flat, [64, 128]),
+        ws._desc(a.data, [128, 128]), ws._desc(b.data, [128, 128]), ws._desc(flat, [64, 128]), sa_desc, sb_desc,
         a.data.view(torch.uint8), b.data.view(torch.uint8), out,
-        offsets, a.scale, b.scale, a.soffs, b.soffs, groups * per_group, per_group, num_m, num_n, n, k,
-        a.stride_r, b.stride_r, out.stride(0), out.stride(1),
-        a.s_stride_r, a.s_stride_k, b.s_stride_r, b.s_stride_k,
+        offsets, sa, sb, a.soffs, b.soffs, groups * per_group, per_group, num_m, num_n, n, k,
+        a.stride_r, b.stride_r, out.stride(0), out.stride(1), *s_strides,
         BM=128, BN=128, BK=128, GROUP_M=group_m, STAGES=stages, NUM_PROGRAMS=programs, PIPE=pipe,
-        ACCUMULATE=accumulate, TMA_OUT=tma_out, TAIL_TMA=tail_tma, CONSUMER_REGS=consumer_regs,
+        ACCUMULATE=accumulate, TMA_OUT=tma_out, TAIL_TMA=tail_tma, SCALES_TMA=scales_tma, CONSUMER_REGS=consumer_regs,
         PRODUCER_REGS=producer_regs,        num_warps=4)
     kernel_info(compiled, info)
     return out

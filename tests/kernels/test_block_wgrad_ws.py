@@ -69,10 +69,12 @@ def test_gluon_wgrad_gives_the_triton_kernels_bits(splits, n, k):
     oracle = reference.k_grouped_gemm(dyq, xq, out_dtype=torch.float32)
     for out_dtype in (torch.bfloat16, torch.float16, torch.float32):
         want = _triton(dyq, xq, out_dtype=out_dtype)
-        for pipe, tail_tma in ((0, False), (1, False), (0, True)):
+        for pipe, tail_tma, scales_tma in ((0, False, False), (1, False, False), (0, True, False), (0, False, True),
+                                           (1, False, True), (0, True, True)):
             out = torch.full((len(splits), n, k), float("nan"), dtype=out_dtype, device="cuda")
-            got = _gluon(dyq, xq, out, pipe=pipe, tail_tma=tail_tma, programs=5)
-            assert torch.equal(got, want), (out_dtype, pipe, tail_tma, (got.float() - want.float()).abs().max())
+            got = _gluon(dyq, xq, out, pipe=pipe, tail_tma=tail_tma, scales_tma=scales_tma, programs=5)
+            assert torch.equal(got, want), (out_dtype, pipe, tail_tma, scales_tma,
+                                            (got.float() - want.float()).abs().max())
         assert (want[1 if splits[1] == 0 else 2] == 0).all()  # the empty group writes zeros
     rel = (want.float() - oracle).norm() / oracle.norm()
     assert rel <= 1e-3, rel  # fp32 output against the reference (NUMERICS.md)
@@ -85,7 +87,9 @@ def test_gluon_wgrad_accumulates_like_the_triton_kernel():
     start = torch.randn(len(SPLITS), 256, 384, device="cuda")
     want = _triton(dyq, xq, out=start.clone(), accumulate=True)
     for tail_tma in (False, True):
-        assert torch.equal(_gluon(dyq, xq, start.clone(), accumulate=True, tail_tma=tail_tma), want)
+        for scales_tma in (False, True):
+            got = _gluon(dyq, xq, start.clone(), accumulate=True, tail_tma=tail_tma, scales_tma=scales_tma)
+            assert torch.equal(got, want), (tail_tma, scales_tma)
     strided = torch.randn(len(SPLITS), 256, 512, device="cuda")[:, :, :384]  # rows not contiguous: masked stores
     want = _triton(dyq, xq, out=strided.clone(), accumulate=True)
     got = _gluon(dyq, xq, strided.clone(), accumulate=True)
@@ -176,6 +180,19 @@ def test_a_failed_compile_falls_back_to_the_triton_kernel_with_one_warning(sm90,
     assert_a_compile_failure_falls_back_once(
         monkeypatch, sm90, "launch_block_wgrad_ws",
         lambda: sm90.launch_dispatched(_op(), _op(), None, 256, 384, 4, out, False), None)
+
+
+def test_the_scales_go_by_tma_where_their_rows_are_16_bytes(sm90, monkeypatch):
+    """The dispatched launch streams the step-major scales by TMA where n and k hold whole 16-byte
+    rows of fp32 scales, and loads them in the consumers otherwise (both give the same bits)."""
+    with pytest.raises(ValueError, match="multiples of 4"):
+        sm90.launch_block_wgrad_ws(_op(), _op(), None, 258, 384, 4, torch.empty(4, 258, 384), scales_tma=True)
+    seen = []
+    monkeypatch.setattr(sm90, "launch_block_wgrad_ws", lambda *args, **kw: seen.append(kw["scales_tma"]) or args[6])
+    for n, k, expect in ((256, 384, True), (258, 384, False), (256, 386, False)):
+        out = torch.empty(4, n, k, dtype=torch.bfloat16)
+        assert sm90.launch_dispatched(_op(rows=n), _op(rows=k), None, n, k, 4, out, False) is out
+        assert seen[-1] is expect, (n, k)
 
 
 def test_the_triton_wgrad_runs_where_the_gluon_one_declines(monkeypatch):
