@@ -36,7 +36,8 @@ SHAPES = {  # name: (experts, mean rows per expert, K, N) as in benchmarks/bench
 CASES = [("dsv3-fc1", "fprop", "uneven"), ("dsv3-fc1", "dgrad", "uneven"), ("dsv3-fc1", "wgrad", "uneven"),
          ("dsv3-fc2", "fprop", "uneven"), ("mixtral-fc1", "fprop", "uneven"), ("dsv3-fc1", "fprop", "even"),
          ("dsv3-fc1", "wgrad", "uneven16"), ("dsv3-fc1", "wgrad", "even"), ("dsv3-fc2", "wgrad", "uneven16"),
-         ("mixtral-fc1", "wgrad", "uneven16")]
+         ("mixtral-fc1", "wgrad", "uneven16"), ("dsv3-fc1", "fprop", "uneven16"), ("dsv3-fc1", "dgrad", "uneven16"),
+         ("dsv3-fc2", "fprop", "uneven16"), ("mixtral-fc1", "fprop", "uneven16")]
 TINY = {"dsv3-fc1": (4, 100, 256, 256), "dsv3-fc2": (4, 100, 256, 256), "mixtral-fc1": (2, 150, 256, 384)}
 PAD_ROWS = 48  # rows past the last group (static buffers): written as zeros; tokens stay a multiple of 16 (TMA)
 
@@ -54,6 +55,11 @@ def variants(extra: bool = False):
     for pipe, stages, c_bufs in ((0, 4, 1), (3, 4, 1), (0, 3, 2), (3, 3, 2)):
         v[f"gluon-ws n256 pipe{pipe} s{stages} c{c_bufs}"] = dict(kind="ws", bn=256, pipe=pipe, stages=stages,
                                                                   c_bufs=c_bufs)
+    # the activation scales streamed by TMA with the codes
+    v["gluon-ws pipe2 s5 scales-tma"] = dict(kind="ws", pipe=2, stages=5, scales_tma=True)
+    for pipe, c_bufs in ((0, 2), (3, 2), (3, 1)):
+        v[f"gluon-ws n256 pipe{pipe} s3 c{c_bufs} scales-tma"] = dict(kind="ws", bn=256, pipe=pipe, stages=3,
+                                                                      c_bufs=c_bufs, scales_tma=True)
     if extra:
         v["tl w8 s4"] = dict(kind="tl", warps=8, stages=4)  # the current body, persistent over TMA descriptors
         v["tl-split w8 s4"] = dict(kind="tl", split=True, warps=8, stages=4)

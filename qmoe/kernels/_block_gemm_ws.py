@@ -97,15 +97,17 @@ if gluon is not None:
         return g, m_start, m_end, pm, pn
 
     @gluon.jit
-    def _producer(a_desc, b_desc, a_bufs, b_bufs, full, empty, offs_ptr, total_rows, N, K, num_groups,
-                  b_group_rows, b_group_cols,
+    def _producer(a_desc, b_desc, sa_desc, a_bufs, b_bufs, sa_bufs, full, empty, offs_ptr, total_rows, N, K,
+                  num_groups, b_group_rows, b_group_cols,
                   BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, GP: gl.constexpr,
-                  STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr):
-        """One warp: TMA loads of every tile's A and B steps into the stage ring."""
+                  STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, SCALES_TMA: gl.constexpr):
+        """One warp: TMA loads of every tile's A and B steps into the stage ring (with SCALES_TMA,
+        each step's row of the steps-major activation scales too)."""
         num_n = gl.cdiv(N, BN)
         gi, starts, ends, tiles, tile_end = _group_table(offs_ptr, total_rows, num_groups, num_n, BM, GP, 1)
         total_tiles = gl.sum(tiles, 0)
         nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+        s_nbytes: gl.constexpr = sa_desc.block_type.nbytes
         it = 0
         for t in range(gl.program_id(0), total_tiles, NUM_PROGRAMS):
             g, m_start, m_end, pm, pn = _locate(t, gi, starts, ends, tiles, tile_end, num_n, BM, GROUP_M)
@@ -114,39 +116,61 @@ if gluon is not None:
             brow = gb * b_group_rows + pn * BN
             bcol = gb * b_group_cols
             nk = gl.where(g < num_groups, gl.cdiv(K, BK), 0)
+            staged = row0 % 4 == 0  # with SCALES_TMA: the scale box starts on 16 bytes, as TMA needs
             for ki in range(nk):
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-                mbarrier.expect(full.index(s), nbytes)
+                if SCALES_TMA:
+                    if staged:
+                        mbarrier.expect(full.index(s), nbytes + s_nbytes)
+                    else:
+                        mbarrier.expect(full.index(s), nbytes)
+                else:
+                    mbarrier.expect(full.index(s), nbytes)
                 _tma_load(a_desc, [row0, ki * BK], full.index(s), a_bufs.index(s))
                 _tma_load(b_desc, [brow, bcol + ki * BK], full.index(s), b_bufs.index(s))
+                if SCALES_TMA:
+                    _tma_load(sa_desc, [ki, row0], full.index(s), sa_bufs.index(s), pred=staged)
                 it += 1
 
     @gluon.jit
-    def _factor(sa_rows, sb_tile, row_ok, ki, s_stride_ak, s_stride_bk):
-        """Step ki's promotion factor per row: a_scale[row, ki] * b_scale[tile's block, ki]."""
-        return gl.load(sa_rows + ki * s_stride_ak, mask=row_ok, other=0.0) * gl.load(sb_tile + ki * s_stride_bk)
+    def _row_scales(sa_rows, sa_staged, s, row_ok, ki, s_stride_ak, staged, HALF: gl.constexpr, HM: gl.constexpr,
+                    row_l: gl.constexpr, SCALES_TMA: gl.constexpr):
+        """Step ki's activation scales of this half's rows: from stage s's scale row where the
+        producer loaded it with the codes (SCALES_TMA and a tile starting on 16 bytes of scales:
+        `staged`), else from global memory."""
+        if SCALES_TMA:
+            if staged:
+                f = sa_staged.index(s).slice(HALF * HM, HM).load(row_l)
+            else:
+                f = gl.load(sa_rows + ki * s_stride_ak, mask=row_ok, other=0.0)
+        else:
+            f = gl.load(sa_rows + ki * s_stride_ak, mask=row_ok, other=0.0)
+        return f
 
     @gluon.jit
-    def _step(acc, p, f, a_bufs, b_bufs, full, empty, it, ki, sa_rows, sb_tile, row_ok, s_stride_ak, s_stride_bk, zero,
-              HALF: gl.constexpr, HM: gl.constexpr, STAGES: gl.constexpr):
+    def _step(acc, p, f, a_bufs, b_bufs, sa_staged, full, empty, it, ki, sa_rows, sb_tile, row_ok, s_stride_ak,
+              s_stride_bk, zero, staged, HALF: gl.constexpr, HM: gl.constexpr, STAGES: gl.constexpr,
+              row_l: gl.constexpr, SCALES_TMA: gl.constexpr):
         """Issue step ki's MMA, promote the previous step's product p (factor f) meanwhile, wait for ki's."""
         s = it % STAGES
         mbarrier.wait(full.index(s), (it // STAGES) & 1)
         tok = warpgroup_mma(a_bufs.index(s).slice(HALF * HM, HM), b_bufs.index(s).permute((1, 0)), zero,
                             use_acc=False, is_async=True)
         acc = acc + p * gl.expand_dims(f, 1)
-        f = _factor(sa_rows, sb_tile, row_ok, ki, s_stride_ak, s_stride_bk)
+        f = _row_scales(sa_rows, sa_staged, s, row_ok, ki, s_stride_ak, staged, HALF, HM, row_l,
+                        SCALES_TMA) * gl.load(sb_tile + ki * s_stride_bk)
         p, acc = warpgroup_mma_wait(0, deps=(tok, acc))  # acc as a dep: the promotion stays before the wait
         mbarrier.arrive(empty.index(s), count=1)
         return acc, p, f
 
     @gluon.jit
-    def _consumer(a_bufs, b_bufs, c_bufs, full, empty, turn, c_desc, out_ptr, offs_ptr, sa_ptr, sb_ptr,
+    def _consumer(a_bufs, b_bufs, sa_staged, c_bufs, full, empty, turn, c_desc, out_ptr, offs_ptr, sa_ptr, sb_ptr,
                   total_rows, N, K, num_groups, stride_om, s_stride_am, s_stride_ak, s_stride_bn, s_stride_bk,
                   sb_group_stride, HALF: gl.constexpr,
                   BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, B_BR: gl.constexpr, GROUP_M: gl.constexpr,
-                  GP: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, PIPE: gl.constexpr):
+                  GP: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, PIPE: gl.constexpr,
+                  SCALES_TMA: gl.constexpr):
         """One warpgroup: rows HALF*BM/2.. of each tile; MMA per step, promotion, epilogue."""
         HM: gl.constexpr = BM // 2
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
@@ -165,6 +189,7 @@ if gluon is not None:
             row_ok = rows < m_end
             gb = gl.minimum(g, num_groups - 1).to(gl.int64)
             sa_rows = sa_ptr + rows.to(gl.int64) * s_stride_am
+            staged = m_start % 4 == 0  # the producer's rule (its tile starts m_start + pm * BM)
             sb_tile = sb_ptr + gb * sb_group_stride + (pn * BN // B_BR) * s_stride_bn
             nk = gl.where(g < num_groups, gl.cdiv(K, BK), 0)
             acc = zero
@@ -178,7 +203,8 @@ if gluon is not None:
                                         use_acc=False, is_async=True)
                     if PIPE == 3:
                         mbarrier.arrive(turn.index(1 - HALF), count=1)
-                    f = _factor(sa_rows, sb_tile, row_ok, ki, s_stride_ak, s_stride_bk)
+                    f = _row_scales(sa_rows, sa_staged, s, row_ok, ki, s_stride_ak, staged, HALF, HM, row_l,
+                                    SCALES_TMA) * gl.load(sb_tile + ki * s_stride_bk)
                     p = warpgroup_mma_wait(0, deps=(tok, ))
                     mbarrier.arrive(empty.index(s), count=1)
                     acc = acc + p * gl.expand_dims(f, 1)
@@ -188,19 +214,23 @@ if gluon is not None:
                 f = gl.zeros([HM], gl.float32, row_l)
                 if PIPE == 1:
                     for ki in range(nk):
-                        acc, p, f = _step(acc, p, f, a_bufs, b_bufs, full, empty, it, ki, sa_rows, sb_tile, row_ok,
-                                          s_stride_ak, s_stride_bk, zero, HALF, HM, STAGES)
+                        acc, p, f = _step(acc, p, f, a_bufs, b_bufs, sa_staged, full, empty, it, ki, sa_rows, sb_tile,
+                                          row_ok, s_stride_ak, s_stride_bk, zero, staged, HALF, HM, STAGES,
+                                          row_l, SCALES_TMA)
                         it += 1
                 else:  # two steps per trip: the products alternate between two register sets, no copies
                     for kp in range(nk // 2):
-                        acc, p, f = _step(acc, p, f, a_bufs, b_bufs, full, empty, it, 2 * kp, sa_rows, sb_tile,
-                                          row_ok, s_stride_ak, s_stride_bk, zero, HALF, HM, STAGES)
-                        acc, p, f = _step(acc, p, f, a_bufs, b_bufs, full, empty, it + 1, 2 * kp + 1, sa_rows,
-                                          sb_tile, row_ok, s_stride_ak, s_stride_bk, zero, HALF, HM, STAGES)
+                        acc, p, f = _step(acc, p, f, a_bufs, b_bufs, sa_staged, full, empty, it, 2 * kp, sa_rows,
+                                          sb_tile, row_ok, s_stride_ak, s_stride_bk, zero, staged, HALF, HM, STAGES,
+                                          row_l, SCALES_TMA)
+                        acc, p, f = _step(acc, p, f, a_bufs, b_bufs, sa_staged, full, empty, it + 1, 2 * kp + 1,
+                                          sa_rows, sb_tile, row_ok, s_stride_ak, s_stride_bk, zero, staged, HALF, HM,
+                                          STAGES, row_l, SCALES_TMA)
                         it += 2
                     if nk % 2 == 1:
-                        acc, p, f = _step(acc, p, f, a_bufs, b_bufs, full, empty, it, nk - 1, sa_rows, sb_tile,
-                                          row_ok, s_stride_ak, s_stride_bk, zero, HALF, HM, STAGES)
+                        acc, p, f = _step(acc, p, f, a_bufs, b_bufs, sa_staged, full, empty, it, nk - 1, sa_rows,
+                                          sb_tile, row_ok, s_stride_ak, s_stride_bk, zero, staged, HALF, HM, STAGES,
+                                          row_l, SCALES_TMA)
                         it += 1
                 acc = acc + p * gl.expand_dims(f, 1)
             out = acc.to(c_desc.dtype)
@@ -235,12 +265,13 @@ if gluon is not None:
             gl.store(ptrs, out, mask=gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < N, 0))
 
     @gluon.jit
-    def _consumer_wide(a_bufs, b_bufs, c_bufs, full, empty, turn, c_desc, out_ptr, offs_ptr, sa_ptr, sb_ptr,
+    def _consumer_wide(a_bufs, b_bufs, sa_staged, c_bufs, full, empty, turn, c_desc, out_ptr, offs_ptr, sa_ptr,
+                       sb_ptr,
                        total_rows, N, K, num_groups, stride_om, s_stride_am, s_stride_ak, s_stride_bn, s_stride_bk,
                        sb_group_stride, HALF: gl.constexpr,
                        BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, B_BR: gl.constexpr, GROUP_M: gl.constexpr,
                        GP: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, PIPE: gl.constexpr,
-                       C_BUFS: gl.constexpr):
+                       C_BUFS: gl.constexpr, SCALES_TMA: gl.constexpr):
         """BN = 2 * 128: rows HALF*BM/2.. of each tile as two 128-column sums (schedules 0 and 3)."""
         HM: gl.constexpr = BM // 2
         SUB: gl.constexpr = BN // 2
@@ -260,6 +291,7 @@ if gluon is not None:
             row_ok = rows < m_end
             gb = gl.minimum(g, num_groups - 1).to(gl.int64)
             sa_rows = sa_ptr + rows.to(gl.int64) * s_stride_am
+            staged = m_start % 4 == 0  # the producer's rule (its tile starts m_start + pm * BM)
             sb_lo = sb_ptr + gb * sb_group_stride + (pn * BN // B_BR) * s_stride_bn
             sb_hi = sb_ptr + gb * sb_group_stride + ((pn * BN + SUB) // B_BR) * s_stride_bn
             nk = gl.where(g < num_groups, gl.cdiv(K, BK), 0)
@@ -275,7 +307,8 @@ if gluon is not None:
                                     is_async=True)
                 if PIPE == 3:
                     mbarrier.arrive(turn.index(1 - HALF), count=1)
-                sa_k = gl.load(sa_rows + ki * s_stride_ak, mask=row_ok, other=0.0)
+                sa_k = _row_scales(sa_rows, sa_staged, s, row_ok, ki, s_stride_ak, staged, HALF, HM, row_l,
+                                   SCALES_TMA)
                 f = sa_k * gl.load(sb_lo + ki * s_stride_bk)
                 p = warpgroup_mma_wait(0, deps=(tok, ))
                 acc0 = acc0 + p * gl.expand_dims(f, 1)
@@ -304,13 +337,13 @@ if gluon is not None:
               "s_stride_bn", "sb_group_stride"]
 
     @gluon.jit(do_not_specialize=_SIZES)
-    def block_gemm_ws_kernel(a_desc, b_desc, c_desc, out_ptr, offs_ptr, sa_ptr, sb_ptr,
+    def block_gemm_ws_kernel(a_desc, b_desc, c_desc, sa_desc, out_ptr, offs_ptr, sa_ptr, sb_ptr,
                              total_rows, N, K, num_groups, b_group_rows, b_group_cols, stride_om,
                              s_stride_am, s_stride_ak, s_stride_bn, s_stride_bk, sb_group_stride,
                              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, B_BR: gl.constexpr,
                              GROUP_M: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
                              NUM_PROGRAMS: gl.constexpr, PIPE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                             PRODUCER_REGS: gl.constexpr, C_BUFS: gl.constexpr):
+                             PRODUCER_REGS: gl.constexpr, C_BUFS: gl.constexpr, SCALES_TMA: gl.constexpr):
         """out[T, N] = A_g @ B_g^T per group (see m_grouped_gemm_kernel), FP8 block scaling.
 
         Partitions: the default one (4 warps) and a 4-warp worker consume the two 64-row halves of
@@ -324,6 +357,10 @@ if gluon is not None:
         full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        # each stage's activation-scale row (a [1, BM] TMA box), read back as a 1-d row
+        sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES if SCALES_TMA else 1, 1, BM], sa_desc.layout)
+        sa_staged = sa_bufs._reinterpret(gl.float32, [STAGES if SCALES_TMA else 1, BM],
+                                         gl.SwizzledSharedLayout(1, 1, 1, order=[0]))  # rank 1: .index() keeps it
         mbarrier.init(turn.index(0), count=1)
         mbarrier.init(turn.index(1), count=1)
         for i in gl.static_range(STAGES):
@@ -331,29 +368,31 @@ if gluon is not None:
             mbarrier.init(empty.index(i), count=2)
         if BN > 128:
             gl.warp_specialize([
-                (_consumer_wide, (a_bufs, b_bufs, c_bufs, full, empty, turn, c_desc, out_ptr, offs_ptr, sa_ptr, sb_ptr,
-                                  total_rows, N, K, num_groups, stride_om, s_stride_am, s_stride_ak, s_stride_bn,
-                                  s_stride_bk, sb_group_stride, 0, BM, BN, BK, B_BR, GROUP_M, GP, STAGES,
-                                  NUM_PROGRAMS, PIPE, C_BUFS)),
-                (_consumer_wide, (a_bufs, b_bufs, c_bufs, full, empty, turn, c_desc, out_ptr, offs_ptr, sa_ptr, sb_ptr,
-                                  total_rows, N, K, num_groups, stride_om, s_stride_am, s_stride_ak, s_stride_bn,
-                                  s_stride_bk, sb_group_stride, 1, BM, BN, BK, B_BR, GROUP_M, GP, STAGES,
-                                  NUM_PROGRAMS, PIPE, C_BUFS)),
-                (_producer, (a_desc, b_desc, a_bufs, b_bufs, full, empty, offs_ptr, total_rows, N, K, num_groups,
-                             b_group_rows, b_group_cols, BM, BN, BK, GROUP_M, GP, STAGES, NUM_PROGRAMS)),
+                (_consumer_wide, (a_bufs, b_bufs, sa_staged, c_bufs, full, empty, turn, c_desc, out_ptr, offs_ptr,
+                                  sa_ptr, sb_ptr, total_rows, N, K, num_groups, stride_om, s_stride_am, s_stride_ak,
+                                  s_stride_bn, s_stride_bk, sb_group_stride, 0, BM, BN, BK, B_BR, GROUP_M, GP,
+                                  STAGES, NUM_PROGRAMS, PIPE, C_BUFS, SCALES_TMA)),
+                (_consumer_wide, (a_bufs, b_bufs, sa_staged, c_bufs, full, empty, turn, c_desc, out_ptr, offs_ptr,
+                                  sa_ptr, sb_ptr, total_rows, N, K, num_groups, stride_om, s_stride_am, s_stride_ak,
+                                  s_stride_bn, s_stride_bk, sb_group_stride, 1, BM, BN, BK, B_BR, GROUP_M, GP,
+                                  STAGES, NUM_PROGRAMS, PIPE, C_BUFS, SCALES_TMA)),
+                (_producer, (a_desc, b_desc, sa_desc, a_bufs, b_bufs, sa_bufs, full, empty, offs_ptr, total_rows, N,
+                             K, num_groups, b_group_rows, b_group_cols, BM, BN, BK, GROUP_M, GP, STAGES, NUM_PROGRAMS,
+                             SCALES_TMA)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
-                (_consumer, (a_bufs, b_bufs, c_bufs, full, empty, turn, c_desc, out_ptr, offs_ptr, sa_ptr, sb_ptr,
-                             total_rows, N, K, num_groups, stride_om, s_stride_am, s_stride_ak, s_stride_bn,
-                             s_stride_bk, sb_group_stride, 0, BM, BN, BK, B_BR, GROUP_M, GP, STAGES, NUM_PROGRAMS,
-                             PIPE)),
-                (_consumer, (a_bufs, b_bufs, c_bufs, full, empty, turn, c_desc, out_ptr, offs_ptr, sa_ptr, sb_ptr,
-                             total_rows, N, K, num_groups, stride_om, s_stride_am, s_stride_ak, s_stride_bn,
-                             s_stride_bk, sb_group_stride, 1, BM, BN, BK, B_BR, GROUP_M, GP, STAGES, NUM_PROGRAMS,
-                             PIPE)),
-                (_producer, (a_desc, b_desc, a_bufs, b_bufs, full, empty, offs_ptr, total_rows, N, K, num_groups,
-                             b_group_rows, b_group_cols, BM, BN, BK, GROUP_M, GP, STAGES, NUM_PROGRAMS)),
+                (_consumer, (a_bufs, b_bufs, sa_staged, c_bufs, full, empty, turn, c_desc, out_ptr, offs_ptr,
+                             sa_ptr, sb_ptr, total_rows, N, K, num_groups, stride_om, s_stride_am, s_stride_ak,
+                             s_stride_bn, s_stride_bk, sb_group_stride, 0, BM, BN, BK, B_BR, GROUP_M, GP,
+                             STAGES, NUM_PROGRAMS, PIPE, SCALES_TMA)),
+                (_consumer, (a_bufs, b_bufs, sa_staged, c_bufs, full, empty, turn, c_desc, out_ptr, offs_ptr,
+                             sa_ptr, sb_ptr, total_rows, N, K, num_groups, stride_om, s_stride_am, s_stride_ak,
+                             s_stride_bn, s_stride_bk, sb_group_stride, 1, BM, BN, BK, B_BR, GROUP_M, GP,
+                             STAGES, NUM_PROGRAMS, PIPE, SCALES_TMA)),
+                (_producer, (a_desc, b_desc, sa_desc, a_bufs, b_bufs, sa_bufs, full, empty, offs_ptr, total_rows, N,
+                             K, num_groups, b_group_rows, b_group_cols, BM, BN, BK, GROUP_M, GP, STAGES, NUM_PROGRAMS,
+                             SCALES_TMA)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -379,22 +418,27 @@ _SMEM_SPARE = 1024
 # tiles where N allows them (each weight tile is read by half as many programs) in the strict
 # ping-pong with two result buffers per consumer (a tile's second half is stored without waiting
 # for its first) where they leave room for its stages, else one; else 128x128 with the promotion
-# of one step overlapping the next step's MMA. The benchmark sweep (benchmarks/sweep_block_gemm.py)
+# of one step overlapping the next step's MMA. Where a row's scales span a cache line or more
+# (K >= SCALES_TMA_MIN_K), so that each per-step load would touch a line per row, both take each
+# step's activation scales with its codes through the TMA ring (scales_tma); below that, the rows
+# of a line share it across the tile's steps. The benchmark sweep (benchmarks/sweep_block_gemm.py)
 # times the other schedules and tiles against them (benchmarks/results/sweeps/block_gemm_pingpong.json).
 DISPATCH_WIDE = dict(bn=256, stages=3, pipe=3, group_m=8, c_bufs=2)
 DISPATCH = dict(bn=128, stages=5, pipe=2, group_m=8)
+SCALES_TMA_MIN_K = 4096  # 32 steps of 4-byte scales: a 128-byte line per row
 
 
-def dispatch_config(n_out: int, out_dtype=torch.bfloat16) -> dict:
-    """The dispatched keywords for an output of n_out columns of out_dtype, its stages fitted to
-    shared memory: wide tiles drop their second result buffer where it would cost a stage (fp32)."""
+def dispatch_config(n_out: int, k: int, out_dtype=torch.bfloat16) -> dict:
+    """The dispatched keywords for an output of n_out columns of out_dtype over a contraction of k,
+    its stages fitted to shared memory: wide tiles drop their second result buffer where it would
+    cost a stage (fp32)."""
     if n_out % DISPATCH_WIDE["bn"]:
-        cfg = dict(DISPATCH)
+        cfg = dict(DISPATCH, scales_tma=k >= SCALES_TMA_MIN_K)
     else:
-        cfg = dict(DISPATCH_WIDE)
-        if fit_stages(cfg["stages"], 128, cfg["bn"], out_dtype, cfg["c_bufs"]) < cfg["stages"]:
+        cfg = dict(DISPATCH_WIDE, scales_tma=k >= SCALES_TMA_MIN_K)
+        if fit_stages(cfg["stages"], 128, cfg["bn"], out_dtype, cfg["c_bufs"], cfg["scales_tma"]) < cfg["stages"]:
             cfg["c_bufs"] = 1
-    cfg["stages"] = fit_stages(cfg["stages"], 128, cfg["bn"], out_dtype, cfg.get("c_bufs", 1))
+    cfg["stages"] = fit_stages(cfg["stages"], 128, cfg["bn"], out_dtype, cfg.get("c_bufs", 1), cfg["scales_tma"])
     return cfg
 
 
@@ -470,14 +514,33 @@ def unsupported(a, b, n_out: int, k: int, out_dtype, total_rows: int, groups: in
     return None
 
 
-def _smem(stages: int, bm: int, bn: int, out_dtype, c_bufs: int) -> tuple[int, int]:
-    """(bytes per stage, bytes of the result buffers) in shared memory."""
-    return (bm + bn) * 128, 2 * c_bufs * (bm // 2) * min(bn, 128) * torch.finfo(out_dtype).bits // 8
+def _smem(bm: int, bn: int, out_dtype, c_bufs: int, scales_tma: bool) -> tuple[int, int]:
+    """(bytes per stage: codes, and with scales_tma a row of activation scales; bytes of the result
+    buffers) in shared memory."""
+    results = 2 * c_bufs * (bm // 2) * min(bn, 128) * torch.finfo(out_dtype).bits // 8
+    return (bm + bn) * 128 + (bm * 4 if scales_tma else 0), results
 
 
-def fit_stages(stages: int, bm: int, bn: int, out_dtype, c_bufs: int = 1) -> int:
+def steps_major_scales(scale: torch.Tensor):
+    """[rows, steps] fp32 scales as a [steps, rows] view of a copy whose rows are padded to 16 bytes,
+    and its TMA descriptor in boxes of one step's 128 rows (rows past the end read as zeros): a
+    step's scales become one contiguous box instead of a cache line per value."""
+    rows, steps = scale.shape
+    padded = torch.empty((steps, -(-rows // 4) * 4), dtype=torch.float32, device=scale.device)
+    view = padded[:, :rows]
+    view.copy_(scale.t())
+    return view, scale_rows_desc(view)
+
+
+def scale_rows_desc(steps_major: torch.Tensor):
+    """TMA descriptor of [steps, rows] fp32 scales (16-byte row stride): boxes of one step's 128 rows."""
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return TensorDescriptor(steps_major, list(steps_major.shape), list(steps_major.stride()), [1, 128], layout)
+
+
+def fit_stages(stages: int, bm: int, bn: int, out_dtype, c_bufs: int = 1, scales_tma: bool = False) -> int:
     """At most `stages` stages such that the stages and the result buffers fit in shared memory."""
-    stage, c = _smem(stages, bm, bn, out_dtype, c_bufs)
+    stage, c = _smem(bm, bn, out_dtype, c_bufs, scales_tma)
     return max(1, min(stages, (SMEM_BYTES - _SMEM_SPARE - c) // stage))
 
 
@@ -493,7 +556,7 @@ def launch_dispatched(a, b, offsets, total_rows: int, n_out: int, k: int, groups
     if unsupported(a, b, n_out, k, out_dtype, total_rows, groups) is not None:
         return None
     b_columnwise = b.group_stride < b.stride_r
-    cfg = dispatch_config(n_out, out_dtype)
+    cfg = dispatch_config(n_out, k, out_dtype)
     key = (out_dtype, b_columnwise, *sorted(cfg.items()))
     return launch_once(FAILED, key, "FP8 block GEMM", lambda: launch_block_gemm_ws(
         a, b, offsets, total_rows, n_out, k, groups, out_dtype, out=out, b_columnwise=b_columnwise, **cfg))
@@ -502,12 +565,14 @@ def launch_dispatched(a, b, offsets, total_rows: int, n_out: int, k: int, groups
 def launch_block_gemm_ws(a, b, offsets: torch.Tensor, total_rows: int, n_out: int, k: int, groups: int,
                          out_dtype=torch.bfloat16, *, out: torch.Tensor | None = None, b_columnwise: bool = False,
                          bm: int = 128, bn: int = 128, stages: int = 5, pipe: int = 1, group_m: int = 8,
-                         c_bufs: int = 1, programs: int | None = None, consumer_regs: int = 232,
-                         producer_regs: int = 40, info: dict | None = None) -> torch.Tensor:
+                         c_bufs: int = 1, scales_tma: bool = False, programs: int | None = None,
+                         consumer_regs: int = 232, producer_regs: int = 40, info: dict | None = None) -> torch.Tensor:
     """out [total_rows, n_out] of the FP8 block m-grouped GEMM; a, b: grouped_gemm._Operand (BLOCK scaling).
 
     pipe: the consumers' schedule (0-3, see the module docstring; bn = 256 takes 0 and 3).
     c_bufs: result buffers per consumer (bn = 256: 2 stores a tile's halves without waiting).
+    scales_tma: the producer streams each step's activation scales (stored steps-major here, one
+    small copy per call) with the codes, and the consumers read them from shared memory.
     Host-sync-free: the descriptors hold pointers and shapes only, the grid is the SM count.
     """
     if gluon is None:
@@ -518,7 +583,7 @@ def launch_block_gemm_ws(a, b, offsets: torch.Tensor, total_rows: int, n_out: in
                          f"and 128 x 256 with pipe 0 or 3 and N % 256 == 0")
     if c_bufs not in (1, 2) or (bn == 128 and c_bufs != 1):
         raise ValueError(f"c_bufs={c_bufs}: 1, or 2 with bn = 256")
-    if fit_stages(stages, bm, bn, out_dtype, c_bufs) < stages:
+    if fit_stages(stages, bm, bn, out_dtype, c_bufs, scales_tma) < stages:
         raise ValueError(f"{stages} stages of {bm} x {bn} tiles and {c_bufs} result buffers of {out_dtype} per "
                          f"consumer exceed shared memory ({SMEM_BYTES} bytes): take fit_stages(...)")
     if out is None:
@@ -529,12 +594,17 @@ def launch_block_gemm_ws(a, b, offsets: torch.Tensor, total_rows: int, n_out: in
     if programs is None:
         programs = num_sms(a.data.device)
     sub = min(bn, 128)
+    if scales_tma:
+        sa, sa_desc = steps_major_scales(a.scale)
+    else:
+        sa, sa_desc = a.scale, scale_rows_desc(out.new_zeros((1, 128), dtype=torch.float32))  # never read
     compiled = block_gemm_ws_kernel[(programs,)](
-        _desc(a.data, [bm, 128]), _desc(b.data, [bn, 128]), _desc(out, [bm // 2, sub]), out, offsets, a.scale,
+        _desc(a.data, [bm, 128]), _desc(b.data, [bn, 128]), _desc(out, [bm // 2, sub]), sa_desc, out, offsets, sa,
         b.scale, total_rows, n_out, k, groups, g_rows, g_cols, out.stride(0),
-        a.s_stride_r, a.s_stride_k, b.s_stride_r, b.s_stride_k, b.s_group_stride,
+        sa.stride(1) if scales_tma else a.s_stride_r, sa.stride(0) if scales_tma else a.s_stride_k, b.s_stride_r,
+        b.s_stride_k, b.s_group_stride,
         BM=bm, BN=bn, BK=128, B_BR=b.block[0], GROUP_M=group_m, GP=triton.next_power_of_2(groups + 1),
         STAGES=stages, NUM_PROGRAMS=programs, PIPE=pipe, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
-        C_BUFS=c_bufs, num_warps=4)
+        C_BUFS=c_bufs, SCALES_TMA=scales_tma, num_warps=4)
     kernel_info(compiled, info)
     return out

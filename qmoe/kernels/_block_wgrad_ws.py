@@ -363,17 +363,6 @@ def _tma_out(out: torch.Tensor, n: int, k: int, accumulate: bool) -> bool:
             and out.data_ptr() % 16 == 0)
 
 
-def _scales_tma(n: int, k: int) -> bool:
-    """Whether the step-major scales can go by TMA: 16-byte rows of n and k fp32 values."""
-    return n % 4 == 0 and k % 4 == 0
-
-
-def _scale_desc(steps_major: torch.Tensor):
-    """TMA descriptor of [steps, rows] fp32 scales: boxes of one step's 128 rows."""
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    return ws.TensorDescriptor(steps_major, list(steps_major.shape), list(steps_major.stride()), [1, 128], layout)
-
-
 def unsupported(a, b, out: torch.Tensor) -> str | None:
     """Why the dispatched Gluon kernel cannot run this k-grouped BLOCK call (None: it can).
 
@@ -400,7 +389,6 @@ def launch_dispatched(a, b, offsets, n: int, k: int, groups: int, out: torch.Ten
     if unsupported(a, b, out) is not None:
         return None
     cfg = dict(DISPATCH)
-    cfg["scales_tma"] = cfg["scales_tma"] and _scales_tma(n, k)
     cfg["stages"] = fit_stages(cfg["stages"], out.dtype, _tma_out(out, n, k, accumulate))
     key = (out.dtype, accumulate, *sorted(cfg.items()))
     return ws.launch_once(FAILED, key, "FP8 block wgrad GEMM",
@@ -422,8 +410,6 @@ def launch_block_wgrad_ws(a, b, offsets: torch.Tensor, n: int, k: int, groups: i
                          f"(blocks {a.block} x {b.block}, token strides {a.stride_k}, {b.stride_k})")
     if pipe not in (0, 1) or (tail_tma and pipe != 0):
         raise ValueError(f"pipe={pipe}, tail_tma={tail_tma}: the wgrad kernel takes pipe 0 or 1, tail_tma with 0")
-    if scales_tma and not _scales_tma(n, k):
-        raise ValueError(f"scales_tma needs n and k multiples of 4 (16-byte scale rows), got n={n}, k={k}")
     tma_out = _tma_out(out, n, k, accumulate)
     if fit_stages(stages, out.dtype, tma_out) < stages:
         raise ValueError(f"{stages} stages with {out.dtype} results exceed shared memory: take fit_stages(...)")
@@ -434,13 +420,12 @@ def launch_block_wgrad_ws(a, b, offsets: torch.Tensor, n: int, k: int, groups: i
     if programs is None:
         programs = num_sms(a.data.device)
     flat = out.view(groups * n, k) if tma_out else out.new_empty((64, 128))  # a stand-in the kernel never stores to
-    if scales_tma:  # stored steps-major (a step's scales: one TMA box); loads in the kernel take these strides
-        sa, sb = a.scale.t().contiguous(), b.scale.t().contiguous()
-        sa_desc, sb_desc = _scale_desc(sa), _scale_desc(sb)
-        s_strides = (1, n, 1, k)
+    if scales_tma:  # steps-major (a step's scales: one TMA box); the kernel's own loads take these strides
+        (sa, sa_desc), (sb, sb_desc) = ws.steps_major_scales(a.scale), ws.steps_major_scales(b.scale)
+        s_strides = (1, sa.stride(0), 1, sb.stride(0))
     else:
         sa, sb = a.scale, b.scale
-        sa_desc = sb_desc = _scale_desc(out.new_zeros((1, 128), dtype=torch.float32))  # never read
+        sa_desc = sb_desc = ws.scale_rows_desc(out.new_zeros((1, 128), dtype=torch.float32))  # never read
         s_strides = (a.s_stride_r, a.s_stride_k, b.s_stride_r, b.s_stride_k)
     compiled = block_wgrad_ws_kernel[(programs,)](
         ws._desc(a.data, [128, 128]), ws._desc(b.data, [128, 128]), ws._desc(flat, [64, 128]), sa_desc, sb_desc,

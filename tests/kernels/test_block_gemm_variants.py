@@ -26,7 +26,10 @@ TL_GPU_VARIANTS = [dict(), dict(lag=True), dict(split=True)]
 TL_VARIANTS = TL_GPU_VARIANTS + [dict(ws=True, warps=4)]  # interpreter only
 WS_VARIANTS = ([dict(pipe=p, stages=s) for p, s in ((0, 5), (1, 5), (2, 5), (3, 5), (1, 4), (2, 6))]
                + [dict(pipe=2, stages=5, group_m=g) for g in (1, 4)]
-               + [dict(bn=256, pipe=p, stages=s, c_bufs=c) for p, s, c in ((0, 4, 1), (3, 4, 1), (0, 3, 2), (3, 3, 2))])
+               + [dict(bn=256, pipe=p, stages=s, c_bufs=c) for p, s, c in ((0, 4, 1), (3, 4, 1), (0, 3, 2), (3, 3, 2))]
+               # the activation scales streamed by TMA with the codes
+               + [dict(pipe=p, stages=5, scales_tma=True) for p in (0, 1, 2, 3)]
+               + [dict(bn=256, pipe=p, stages=3, c_bufs=c, scales_tma=True) for p, c in ((0, 1), (3, 2))])
 on_gpu = pytest.mark.skipif(INTERPRETING, reason="the GPU tests do not run under the interpreter")
 
 
@@ -94,7 +97,8 @@ def _fit(kw, out_dtype):
     from qmoe.kernels._block_gemm_ws import fit_stages
 
     kw = dict(kw)
-    kw["stages"] = fit_stages(kw["stages"], 128, kw.get("bn", 128), out_dtype, kw.get("c_bufs", 1))
+    kw["stages"] = fit_stages(kw["stages"], 128, kw.get("bn", 128), out_dtype, kw.get("c_bufs", 1),
+                              kw.get("scales_tma", False))
     return kw
 
 
@@ -357,6 +361,12 @@ def test_unsupported_calls_launch_nothing(sm90, monkeypatch):
     assert ws.launch_dispatched(a, b, None, 4096, 512, 512, 4, torch.float32, None) == "launched"
     assert (calls[3]["bn"], calls[3]["pipe"], calls[3]["c_bufs"], calls[3]["stages"]) == (256, 3, 1, 3)
     assert ws.fit_stages(3, 128, 256, torch.float32, 2) == 2
+    # the activation scales go by TMA where a row's scales span a cache line (K >= 4096)
+    assert not any(c["scales_tma"] for c in calls)  # K = 512 above
+    a4k, b4k = _ops(k=4096)
+    for n_out, out_dtype, stages in ((512, torch.bfloat16, 3), (384, torch.bfloat16, 5), (512, torch.float32, 3)):
+        assert ws.launch_dispatched(a4k, b4k, None, 4096, n_out, 4096, 4, out_dtype, None) == "launched"
+        assert calls[-1]["scales_tma"] is True and calls[-1]["stages"] == stages, calls[-1]
 
 
 @launcher
@@ -374,6 +384,9 @@ def test_result_buffers_and_stages_fit_shared_memory():
     assert fit_stages(6, 128, 128, torch.bfloat16) == 6  # 6 x 32 KiB stages + 32 KiB of results
     assert fit_stages(6, 128, 128, torch.float32) == 5  # fp32 results take 64 KiB
     assert fit_stages(5, 128, 256, torch.bfloat16) == 4 and fit_stages(4, 128, 256, torch.bfloat16, 2) == 3
+    assert fit_stages(6, 128, 128, torch.bfloat16, scales_tma=True) == 5  # a 512-byte scale row per stage
+    assert fit_stages(3, 128, 256, torch.bfloat16, 2, scales_tma=True) == 3  # the dispatched wide tiles
     for bn in (128, 256):
-        s = fit_stages(8, 128, bn, torch.float32)
-        assert s * (128 + bn) * 128 + 2 * 64 * 128 * 4 <= SMEM_BYTES
+        for scales_tma in (False, True):
+            s = fit_stages(8, 128, bn, torch.float32, scales_tma=scales_tma)
+            assert s * ((128 + bn) * 128 + 512 * scales_tma) + 2 * 64 * 128 * 4 <= SMEM_BYTES
