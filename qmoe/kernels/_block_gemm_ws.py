@@ -28,6 +28,12 @@ only: each half owns a 64 x 256 sum as two 64 x 128 accumulators and computes a 
 128-column products, each promoted before the next is issued, because the fp32 sum (128
 registers per thread) leaves room for one 64-register product, not two.
 
+SCALES_TMA: the activations' scales lie [rows, K/128], steps minor, so a step's per-row loads
+touch a cache line per row once a row's scales fill one. The launch then stores them steps-major
+(one small copy per call) and the producer loads each step's row of them with the step's codes,
+for the consumers to read from shared memory; a tile whose first scale is off 16 bytes (a group
+starting off a multiple of 4 rows) loads them itself, as without SCALES_TMA.
+
 Tiles walk the groups exactly as `m_grouped_gemm_kernel` does (device offsets, persistent
 programs, the same swizzle); every partition derives the same tile sequence. Full 64-row
 halves leave through a TMA store; a half that crosses its group's end is stored with a mask.
@@ -266,9 +272,8 @@ if gluon is not None:
 
     @gluon.jit
     def _consumer_wide(a_bufs, b_bufs, sa_staged, c_bufs, full, empty, turn, c_desc, out_ptr, offs_ptr, sa_ptr,
-                       sb_ptr,
-                       total_rows, N, K, num_groups, stride_om, s_stride_am, s_stride_ak, s_stride_bn, s_stride_bk,
-                       sb_group_stride, HALF: gl.constexpr,
+                       sb_ptr, total_rows, N, K, num_groups, stride_om, s_stride_am, s_stride_ak, s_stride_bn,
+                       s_stride_bk, sb_group_stride, HALF: gl.constexpr,
                        BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, B_BR: gl.constexpr, GROUP_M: gl.constexpr,
                        GP: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, PIPE: gl.constexpr,
                        C_BUFS: gl.constexpr, SCALES_TMA: gl.constexpr):
@@ -597,7 +602,7 @@ def launch_block_gemm_ws(a, b, offsets: torch.Tensor, total_rows: int, n_out: in
     if scales_tma:
         sa, sa_desc = steps_major_scales(a.scale)
     else:
-        sa, sa_desc = a.scale, scale_rows_desc(out.new_zeros((1, 128), dtype=torch.float32))  # never read
+        sa, sa_desc = a.scale, scale_rows_desc(out.new_empty((1, 128), dtype=torch.float32))  # never read
     compiled = block_gemm_ws_kernel[(programs,)](
         _desc(a.data, [bm, 128]), _desc(b.data, [bn, 128]), _desc(out, [bm // 2, sub]), sa_desc, out, offsets, sa,
         b.scale, total_rows, n_out, k, groups, g_rows, g_cols, out.stride(0),

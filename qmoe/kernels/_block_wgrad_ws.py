@@ -17,9 +17,9 @@ issues step i's MMA, then promotes step i-1.
 
 The promotion factors: stored as quantized, a step's scales lie one per row of a [rows, steps]
 tensor, so each consumer's per-step loads touch a cache line per value. With SCALES_TMA the launch
-stores them steps-major (one small transpose per call), the producer loads each step's 128 row
-scales and 128 column scales with the step's codes into the same stage, and the consumers read
-them from shared memory straight into the MMA's row and column layouts.
+stores them steps-major (one small copy per call, rows padded to 16 bytes), the producer loads
+each step's 128 row scales and 128 column scales with the step's codes into the same stage, and
+the consumers read them from shared memory straight into the MMA's row and column layouts.
 
 A group's tokens start anywhere (groups are padded to the recipe's `align_size`, not to 128), so
 its last step may be partial, and TMA cannot stop at a group's end. Two ways, the same bits:
@@ -175,8 +175,7 @@ if gluon is not None:
 
     @gluon.jit
     def _consumer(a_bufs, b_bufs, sa_rows, sb_rows, c_bufs, a_tail, b_tail, full, empty, c_desc, a_ptr, b_ptr, out_ptr,
-                  offs_ptr,
-                  sa_ptr, sb_ptr, soffs_a_ptr, soffs_b_ptr, total_tiles, per_group, num_m, num_n, N, K,
+                  offs_ptr, sa_ptr, sb_ptr, soffs_a_ptr, soffs_b_ptr, total_tiles, per_group, num_m, num_n, N, K,
                   stride_an, stride_bk, stride_og, stride_on, s_stride_an, s_stride_at, s_stride_bk, s_stride_bt,
                   HALF: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
                   STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, PIPE: gl.constexpr, ACCUMULATE: gl.constexpr,
@@ -425,7 +424,7 @@ def launch_block_wgrad_ws(a, b, offsets: torch.Tensor, n: int, k: int, groups: i
         s_strides = (1, sa.stride(0), 1, sb.stride(0))
     else:
         sa, sb = a.scale, b.scale
-        sa_desc = sb_desc = ws.scale_rows_desc(out.new_zeros((1, 128), dtype=torch.float32))  # never read
+        sa_desc = sb_desc = ws.scale_rows_desc(out.new_empty((1, 128), dtype=torch.float32))  # never read
         s_strides = (a.s_stride_r, a.s_stride_k, b.s_stride_r, b.s_stride_k)
     compiled = block_wgrad_ws_kernel[(programs,)](
         ws._desc(a.data, [128, 128]), ws._desc(b.data, [128, 128]), ws._desc(flat, [64, 128]), sa_desc, sb_desc,
