@@ -40,36 +40,19 @@ halves leave through a TMA store; a half that crosses its group's end is stored 
 """
 from __future__ import annotations
 
-try:  # Gluon ships with triton >= 3.5; qmoe never needs it (the Triton kernel is the fallback)
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                  warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-except (ImportError, AttributeError):  # pragma: no cover - older triton
-    gluon = None
-
-import functools
-import os
-import warnings
-
 import torch
 import triton
 
+from qmoe.kernels import _gluon_sm90 as sm90
 from qmoe.kernels._block_gemm_tl import b_group_offsets, check_block_operands, kernel_info
+from qmoe.kernels._gluon_sm90 import gluon
 from qmoe.kernels._launch import faking, num_sms
 
-GLUON_ERROR = None if gluon is not None else "triton.experimental.gluon is not available in this triton"
-if gluon is not None:  # the TMA copies' names since triton 3.7 (the old ones raise there)
-    _tma_load = getattr(tma, "async_load", tma.async_copy_global_to_shared)
-    _tma_store = getattr(tma, "async_store", tma.async_copy_shared_to_global)
+if gluon is not None:
+    from qmoe.kernels._gluon_sm90 import fence_async_shared, gl, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 
 if gluon is not None:
-
-    @gluon.jit
-    def _add(a, b):
-        return a + b
 
     @gluon.jit
     def _group_table(offs_ptr, total_rows, num_groups, num_n, BM: gl.constexpr, GP: gl.constexpr,
@@ -83,7 +66,7 @@ if gluon is not None:
         ends = gl.load(offs_ptr + gi + 1, mask=gi < num_groups, other=0).to(gl.int32)
         ends = gl.where(gi == num_groups, total_rows, ends)
         tiles = gl.cdiv(gl.maximum(ends - starts, 0), BM) * num_n
-        tile_end = gl.associative_scan(tiles, 0, _add)
+        tile_end = gl.associative_scan(tiles, 0, sm90.add)
         return gi, starts, ends, tiles, tile_end
 
     @gluon.jit
@@ -133,10 +116,10 @@ if gluon is not None:
                         mbarrier.expect(full.index(s), nbytes)
                 else:
                     mbarrier.expect(full.index(s), nbytes)
-                _tma_load(a_desc, [row0, ki * BK], full.index(s), a_bufs.index(s))
-                _tma_load(b_desc, [brow, bcol + ki * BK], full.index(s), b_bufs.index(s))
+                sm90.tma_load(a_desc, [row0, ki * BK], full.index(s), a_bufs.index(s))
+                sm90.tma_load(b_desc, [brow, bcol + ki * BK], full.index(s), b_bufs.index(s))
                 if SCALES_TMA:
-                    _tma_load(sa_desc, [ki, row0], full.index(s), sa_bufs.index(s), pred=staged)
+                    sm90.tma_load(sa_desc, [ki, row0], full.index(s), sa_bufs.index(s), pred=staged)
                 it += 1
 
     @gluon.jit
@@ -245,7 +228,7 @@ if gluon is not None:
                 tma.store_wait(0)
                 c_smem.store(out)
                 fence_async_shared()
-                _tma_store(c_desc, [row0, col0], c_smem)
+                sm90.tma_store(c_desc, [row0, col0], c_smem)
             else:
                 cols = col0 + gl.arange(0, BN, layout=col_l)
                 ptrs = out_ptr + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
@@ -264,7 +247,7 @@ if gluon is not None:
                 tma.store_wait(0)
             c_smem.store(out)
             fence_async_shared()
-            _tma_store(c_desc, [row0, col0], c_smem)
+            sm90.tma_store(c_desc, [row0, col0], c_smem)
         else:
             cols = col0 + gl.arange(0, W, layout=col_l)
             ptrs = out_ptr + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
@@ -401,24 +384,6 @@ if gluon is not None:
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-_GL_DTYPES = {}
-
-
-def _gl_dtype(dtype: torch.dtype):
-    if not _GL_DTYPES:
-        _GL_DTYPES.update({torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5,
-                           torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32})
-    return _GL_DTYPES[dtype]
-
-
-def _desc(t: torch.Tensor, block: list[int]):
-    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t.dtype))
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
-
-
-# sm90's shared memory per block (227 KiB) and what the kernel keeps besides the stages (barriers)
-SMEM_BYTES = 232448
-_SMEM_SPARE = 1024
 # What qmoe's m-grouped FP8 block GEMM dispatches to (launch_block_gemm_ws's keywords): 128x256
 # tiles where N allows them (each weight tile is read by half as many programs) in the strict
 # ping-pong with two result buffers per consumer (a tile's second half is stored without waiting
@@ -451,53 +416,6 @@ def dispatch_config(n_out: int, k: int, out_dtype=torch.bfloat16) -> dict:
 FAILED: dict[tuple, str] = {}
 
 
-@functools.lru_cache(maxsize=None)
-def _is_sm90(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) == (9, 0)
-
-
-def _aligned(t: torch.Tensor) -> bool:
-    """TMA: a 16-byte aligned base, unit last stride, 16-byte aligned row stride."""
-    return (t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
-            and (t.stride(0) * t.element_size()) % 16 == 0)
-
-
-def gluon_unavailable(device: torch.device) -> str | None:
-    """Why no sm90 Gluon kernel of qmoe runs on `device` now, whatever its operands (None: they
-    can): a fake-tensor pass, a Triton without Gluon, or not an sm90 GPU (TMA, warpgroup MMA)."""
-    if faking():
-        return "a fake-tensor pass (shapes only)"
-    if gluon is None:
-        return GLUON_ERROR
-    if device.type != "cuda":
-        return f"{device} is not a CUDA device"
-    if not _is_sm90(device.index if device.index is not None else torch.cuda.current_device()):
-        return "the kernel is written for sm90 (TMA, warpgroup MMA)"
-    return None
-
-
-def unavailable(device: torch.device) -> str | None:
-    """gluon_unavailable for the Gluon FP8 block GEMMs, which QMOE_BLOCK_GEMM=triton also turns off."""
-    if os.environ.get("QMOE_BLOCK_GEMM", "").strip().lower() == "triton":
-        return "QMOE_BLOCK_GEMM=triton"
-    return gluon_unavailable(device)
-
-
-def launch_once(failed: dict, key, what: str, launch):
-    """launch()'s result, or None where a launch with this key failed to compile before or fails now
-    (another Triton's Gluon; nothing was launched): the failure is recorded in `failed` and warned
-    about once, and the caller runs its Triton kernel."""
-    if key in failed:
-        return None
-    try:
-        return launch()
-    except Exception as err:  # noqa: BLE001 - a compile failure: the Triton kernel stands in
-        failed[key] = f"{type(err).__name__}: {err}"
-        warnings.warn(f"qmoe: the Gluon {what} did not compile ({failed[key][:300]}); using the Triton kernel",
-                      RuntimeWarning, stacklevel=3)
-        return None
-
-
 def unsupported(a, b, n_out: int, k: int, out_dtype, total_rows: int, groups: int) -> str | None:
     """Why the dispatched Gluon kernel cannot run this m-grouped BLOCK call (None: it can).
 
@@ -505,14 +423,15 @@ def unsupported(a, b, n_out: int, k: int, out_dtype, total_rows: int, groups: in
     TMA-aligned operands and output rows, and enough rows per group for 128-row tiles (fewer
     go to the current kernel's small-M tiles). QMOE_BLOCK_GEMM=triton turns it off.
     """
-    why = unavailable(a.data.device)
+    why = sm90.gluon_unavailable(a.data.device, sm90.BLOCK_GEMM_SWITCH)
     if why is not None:
         return why
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"output dtype {out_dtype}"
     if k % 128 or a.block != (1, 128) or b.block != (128, 128) or a.stride_k != 1 or b.stride_k != 1:
         return f"K={k}, blocks {a.block} x {b.block}, contraction strides {a.stride_k}, {b.stride_k}"
-    if (n_out * torch.finfo(out_dtype).bits // 8) % 16 or not (_aligned(a.data) and _aligned(b.data)):
+    aligned = sm90.tma_aligned(a.data) and sm90.tma_aligned(b.data)
+    if (n_out * torch.finfo(out_dtype).bits // 8) % 16 or not aligned:
         return "operands or output rows not 16-byte aligned (TMA)"
     if total_rows <= 96 * groups:
         return "few rows per group (the current kernel's 64-row tiles)"
@@ -526,27 +445,10 @@ def _smem(bm: int, bn: int, out_dtype, c_bufs: int, scales_tma: bool) -> tuple[i
     return (bm + bn) * 128 + (bm * 4 if scales_tma else 0), results
 
 
-def steps_major_scales(scale: torch.Tensor):
-    """[rows, steps] fp32 scales as a [steps, rows] view of a copy whose rows are padded to 16 bytes,
-    and its TMA descriptor in boxes of one step's 128 rows (rows past the end read as zeros): a
-    step's scales become one contiguous box instead of a cache line per value."""
-    rows, steps = scale.shape
-    padded = torch.empty((steps, -(-rows // 4) * 4), dtype=torch.float32, device=scale.device)
-    view = padded[:, :rows]
-    view.copy_(scale.t())
-    return view, scale_rows_desc(view)
-
-
-def scale_rows_desc(steps_major: torch.Tensor):
-    """TMA descriptor of [steps, rows] fp32 scales (16-byte row stride): boxes of one step's 128 rows."""
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    return TensorDescriptor(steps_major, list(steps_major.shape), list(steps_major.stride()), [1, 128], layout)
-
-
 def fit_stages(stages: int, bm: int, bn: int, out_dtype, c_bufs: int = 1, scales_tma: bool = False) -> int:
     """At most `stages` stages such that the stages and the result buffers fit in shared memory."""
     stage, c = _smem(bm, bn, out_dtype, c_bufs, scales_tma)
-    return max(1, min(stages, (SMEM_BYTES - _SMEM_SPARE - c) // stage))
+    return max(1, min(stages, (sm90.SMEM_BYTES - sm90.SMEM_SPARE - c) // stage))
 
 
 def launch_dispatched(a, b, offsets, total_rows: int, n_out: int, k: int, groups: int, out_dtype, out):
@@ -563,7 +465,7 @@ def launch_dispatched(a, b, offsets, total_rows: int, n_out: int, k: int, groups
     b_columnwise = b.group_stride < b.stride_r
     cfg = dispatch_config(n_out, k, out_dtype)
     key = (out_dtype, b_columnwise, *sorted(cfg.items()))
-    return launch_once(FAILED, key, "FP8 block GEMM", lambda: launch_block_gemm_ws(
+    return sm90.launch_once(FAILED, key, "FP8 block GEMM", lambda: launch_block_gemm_ws(
         a, b, offsets, total_rows, n_out, k, groups, out_dtype, out=out, b_columnwise=b_columnwise, **cfg))
 
 
@@ -581,7 +483,7 @@ def launch_block_gemm_ws(a, b, offsets: torch.Tensor, total_rows: int, n_out: in
     Host-sync-free: the descriptors hold pointers and shapes only, the grid is the SM count.
     """
     if gluon is None:
-        raise RuntimeError(GLUON_ERROR)
+        raise RuntimeError(sm90.GLUON_ERROR)
     check_block_operands(a, b, k, min(bn, 128))
     if bn not in (128, 256) or bm != 128 or (bn == 256 and (pipe not in (0, 3) or n_out % bn)):
         raise ValueError(f"tiles {bm} x {bn} (pipe {pipe}, N={n_out}): the kernel takes 128 x 128 with pipe 0-3 "
@@ -590,7 +492,7 @@ def launch_block_gemm_ws(a, b, offsets: torch.Tensor, total_rows: int, n_out: in
         raise ValueError(f"c_bufs={c_bufs}: 1, or 2 with bn = 256")
     if fit_stages(stages, bm, bn, out_dtype, c_bufs, scales_tma) < stages:
         raise ValueError(f"{stages} stages of {bm} x {bn} tiles and {c_bufs} result buffers of {out_dtype} per "
-                         f"consumer exceed shared memory ({SMEM_BYTES} bytes): take fit_stages(...)")
+                         f"consumer exceed shared memory ({sm90.SMEM_BYTES} bytes): take fit_stages(...)")
     if out is None:
         out = torch.empty((total_rows, n_out), dtype=out_dtype, device=a.data.device)
     if total_rows == 0 or n_out == 0 or faking():
@@ -600,12 +502,12 @@ def launch_block_gemm_ws(a, b, offsets: torch.Tensor, total_rows: int, n_out: in
         programs = num_sms(a.data.device)
     sub = min(bn, 128)
     if scales_tma:
-        sa, sa_desc = steps_major_scales(a.scale)
+        sa, sa_desc = sm90.steps_major_scales(a.scale)
     else:
-        sa, sa_desc = a.scale, scale_rows_desc(out.new_empty((1, 128), dtype=torch.float32))  # never read
+        sa, sa_desc = a.scale, sm90.scale_rows_desc(out.new_empty((1, 128), dtype=torch.float32))  # never read
     compiled = block_gemm_ws_kernel[(programs,)](
-        _desc(a.data, [bm, 128]), _desc(b.data, [bn, 128]), _desc(out, [bm // 2, sub]), sa_desc, out, offsets, sa,
-        b.scale, total_rows, n_out, k, groups, g_rows, g_cols, out.stride(0),
+        sm90.desc(a.data, [bm, 128]), sm90.desc(b.data, [bn, 128]), sm90.desc(out, [bm // 2, sub]), sa_desc, out,
+        offsets, sa, b.scale, total_rows, n_out, k, groups, g_rows, g_cols, out.stride(0),
         sa.stride(1) if scales_tma else a.s_stride_r, sa.stride(0) if scales_tma else a.s_stride_k, b.s_stride_r,
         b.s_stride_k, b.s_group_stride,
         BM=bm, BN=bn, BK=128, B_BR=b.block[0], GROUP_M=group_m, GP=triton.next_power_of_2(groups + 1),

@@ -35,14 +35,13 @@ from __future__ import annotations
 
 import torch
 
-from qmoe.kernels import _block_gemm_ws as ws
+from qmoe.kernels import _gluon_sm90 as sm90
 from qmoe.kernels._block_gemm_tl import kernel_info
+from qmoe.kernels._gluon_sm90 import gluon
 from qmoe.kernels._launch import faking, num_sms
 
-gluon = ws.gluon
 if gluon is not None:
-    from qmoe.kernels._block_gemm_ws import (fence_async_shared, gl, mbarrier, tma, warpgroup_mma,
-                                             warpgroup_mma_wait)
+    from qmoe.kernels._gluon_sm90 import fence_async_shared, gl, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
     @gluon.jit
     def _tile_of(t, offs_ptr, per_group, num_m, num_n, GROUP_M: gl.constexpr):
@@ -87,11 +86,11 @@ if gluon is not None:
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
                 mbarrier.expect(full.index(s), nbytes + s_nbytes)
-                ws._tma_load(a_desc, [pm * BM, start + ki * BK], full.index(s), a_bufs.index(s))
-                ws._tma_load(b_desc, [pn * BN, start + ki * BK], full.index(s), b_bufs.index(s))
+                sm90.tma_load(a_desc, [pm * BM, start + ki * BK], full.index(s), a_bufs.index(s))
+                sm90.tma_load(b_desc, [pn * BN, start + ki * BK], full.index(s), b_bufs.index(s))
                 if SCALES_TMA:
-                    ws._tma_load(sa_desc, [step_a + ki, pm * BM], full.index(s), sa_bufs.index(s))
-                    ws._tma_load(sb_desc, [step_b + ki, pn * BN], full.index(s), sb_bufs.index(s))
+                    sm90.tma_load(sa_desc, [step_a + ki, pm * BM], full.index(s), sa_bufs.index(s))
+                    sm90.tma_load(sb_desc, [step_b + ki, pn * BN], full.index(s), sb_bufs.index(s))
                 it += 1
 
     @gluon.jit
@@ -273,7 +272,7 @@ if gluon is not None:
                 tma.store_wait(0)
                 c_smem.store(out)
                 fence_async_shared()
-                ws._tma_store(c_desc, [g * N + row0, col0], c_smem)
+                sm90.tma_store(c_desc, [g * N + row0, col0], c_smem)
             else:
                 ptrs = (out_ptr + g.to(gl.int64) * stride_og + gl.expand_dims(rows.to(gl.int64) * stride_on, 1)
                         + gl.expand_dims(cols, 0))
@@ -351,7 +350,7 @@ def _smem(stages: int, out_dtype, tma_out: bool) -> int:
 
 def fit_stages(stages: int, out_dtype, tma_out: bool = True) -> int:
     """At most `stages` stages such that everything fits in sm90's shared memory."""
-    while stages > 1 and _smem(stages, out_dtype, tma_out) > ws.SMEM_BYTES - ws._SMEM_SPARE:
+    while stages > 1 and _smem(stages, out_dtype, tma_out) > sm90.SMEM_BYTES - sm90.SMEM_SPARE:
         stages -= 1
     return stages
 
@@ -369,14 +368,14 @@ def unsupported(a, b, out: torch.Tensor) -> str | None:
     group scale offsets, tokens contiguous and TMA-aligned, and a 16-bit or fp32 output.
     QMOE_BLOCK_GEMM=triton turns it off.
     """
-    why = ws.unavailable(a.data.device)
+    why = sm90.gluon_unavailable(a.data.device, sm90.BLOCK_GEMM_SWITCH)
     if why is not None:
         return why
     if out.dtype not in (torch.bfloat16, torch.float16, torch.float32) or out.stride(2) != 1:
         return f"output dtype {out.dtype}, strides {out.stride()} (contiguous rows needed)"
     if a.block != (1, 128) or b.block != (1, 128) or a.soffs is None or b.soffs is None:
         return f"blocks {a.block} x {b.block} (1x128 token blocks with group scale offsets)"
-    if a.stride_k != 1 or b.stride_k != 1 or not (ws._aligned(a.data) and ws._aligned(b.data)):
+    if a.stride_k != 1 or b.stride_k != 1 or not (sm90.tma_aligned(a.data) and sm90.tma_aligned(b.data)):
         return "tokens not contiguous or rows not 16-byte aligned (TMA)"
     return None
 
@@ -390,7 +389,7 @@ def launch_dispatched(a, b, offsets, n: int, k: int, groups: int, out: torch.Ten
     cfg = dict(DISPATCH)
     cfg["stages"] = fit_stages(cfg["stages"], out.dtype, _tma_out(out, n, k, accumulate))
     key = (out.dtype, accumulate, *sorted(cfg.items()))
-    return ws.launch_once(FAILED, key, "FP8 block wgrad GEMM",
+    return sm90.launch_once(FAILED, key, "FP8 block wgrad GEMM",
                           lambda: launch_block_wgrad_ws(a, b, offsets, n, k, groups, out, accumulate, **cfg))
 
 
@@ -403,7 +402,7 @@ def launch_block_wgrad_ws(a, b, offsets: torch.Tensor, n: int, k: int, groups: i
     grouped_gemm._Operand (BLOCK scaling, 1x128 token blocks). Host-sync-free: the grid is the SM
     count, the tile count depends on host sizes only."""
     if gluon is None:
-        raise RuntimeError(ws.GLUON_ERROR)
+        raise RuntimeError(sm90.GLUON_ERROR)
     if a.block != (1, 128) or b.block != (1, 128) or a.stride_k != 1 or b.stride_k != 1:
         raise ValueError(f"the TMA block wgrad needs 1x128 token blocks and contiguous tokens "
                          f"(blocks {a.block} x {b.block}, token strides {a.stride_k}, {b.stride_k})")
@@ -420,14 +419,14 @@ def launch_block_wgrad_ws(a, b, offsets: torch.Tensor, n: int, k: int, groups: i
         programs = num_sms(a.data.device)
     flat = out.view(groups * n, k) if tma_out else out.new_empty((64, 128))  # a stand-in the kernel never stores to
     if scales_tma:  # steps-major (a step's scales: one TMA box); the kernel's own loads take these strides
-        (sa, sa_desc), (sb, sb_desc) = ws.steps_major_scales(a.scale), ws.steps_major_scales(b.scale)
+        (sa, sa_desc), (sb, sb_desc) = sm90.steps_major_scales(a.scale), sm90.steps_major_scales(b.scale)
         s_strides = (1, sa.stride(0), 1, sb.stride(0))
     else:
         sa, sb = a.scale, b.scale
-        sa_desc = sb_desc = ws.scale_rows_desc(out.new_empty((1, 128), dtype=torch.float32))  # never read
+        sa_desc = sb_desc = sm90.scale_rows_desc(out.new_empty((1, 128), dtype=torch.float32))  # never read
         s_strides = (a.s_stride_r, a.s_stride_k, b.s_stride_r, b.s_stride_k)
     compiled = block_wgrad_ws_kernel[(programs,)](
-        ws._desc(a.data, [128, 128]), ws._desc(b.data, [128, 128]), ws._desc(flat, [64, 128]), sa_desc, sb_desc,
+        sm90.desc(a.data, [128, 128]), sm90.desc(b.data, [128, 128]), sm90.desc(flat, [64, 128]), sa_desc, sb_desc,
         a.data.view(torch.uint8), b.data.view(torch.uint8), out,
         offsets, sa, sb, a.soffs, b.soffs, groups * per_group, per_group, num_m, num_n, n, k,
         a.stride_r, b.stride_r, out.stride(0), out.stride(1), *s_strides,

@@ -21,18 +21,17 @@ store writes.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from qmoe.kernels import _block_gemm_ws as ws
+from qmoe.kernels import _gluon_sm90 as sm90
 from qmoe.kernels._arith import abs_bits, bits_to_float, cast_codes, fp8_scale_from_amax, reciprocal
 from qmoe.kernels._launch import num_sms
 from qmoe.kernels._layout import group_pow2
 
-gluon = ws.gluon
+from qmoe.kernels._gluon_sm90 import gluon
+
 if gluon is not None:
-    from qmoe.kernels._block_gemm_ws import TensorDescriptor, gl, mbarrier
+    from qmoe.kernels._gluon_sm90 import TensorDescriptor, gl, mbarrier
 
     @gluon.jit
     def _group_table(splits_ptr, G, BM: gl.constexpr, GP: gl.constexpr, GROUPED: gl.constexpr,
@@ -43,9 +42,9 @@ if gluon is not None:
         layout: gl.constexpr = gl.BlockedLayout([SPT], [32], [WARPS], [0])  # replicated over warps
         gi = gl.arange(0, GP, layout=layout)
         sizes = gl.load(splits_ptr + gi, mask=(gi < G) & GROUPED, other=0).to(gl.int32)
-        starts = gl.associative_scan(sizes, 0, ws._add) - sizes
+        starts = gl.associative_scan(sizes, 0, sm90.add) - sizes
         tiles = gl.cdiv(sizes, BM)
-        tile_end = gl.associative_scan(tiles, 0, ws._add)
+        tile_end = gl.associative_scan(tiles, 0, sm90.add)
         return gi, starts, sizes, tiles, tile_end
 
     @gluon.jit
@@ -71,7 +70,7 @@ if gluon is not None:
                BK: gl.constexpr, GROUPED: gl.constexpr):
         row0, _, _, kt = _locate(t, nk, M, gi, starts, sizes, tiles, tile_end, BM, GROUPED)
         mbarrier.expect(ready.index(slot), desc.block_type.nbytes)
-        ws._tma_load(desc, [row0, kt * BK], ready.index(slot), bufs.index(slot))
+        sm90.tma_load(desc, [row0, kt * BK], ready.index(slot), bufs.index(slot))
 
     @gluon.jit
     def _store_columns(col_ptr, qc, offs, cols64, col_ok, row0, row_end, M, BM: gl.constexpr):
@@ -180,9 +179,7 @@ DISPATCH = dict(stages=3, warps=8, per_sm=1)
 def unsupported(x: torch.Tensor, block_cols: int, fused_activation: bool) -> str | None:
     """Why this kernel cannot quantize x (None: it can): it needs Gluon on an sm90 GPU, 128-wide
     blocks, no fused activation, and x's rows TMA-aligned. QMOE_BLOCK_CAST=triton turns it off."""
-    if os.environ.get("QMOE_BLOCK_CAST", "").strip().lower() == "triton":
-        return "QMOE_BLOCK_CAST=triton"
-    why = ws.gluon_unavailable(x.device)
+    why = sm90.gluon_unavailable(x.device, "QMOE_BLOCK_CAST")
     if why is not None:
         return why
     if block_cols != _TILE:
@@ -191,7 +188,7 @@ def unsupported(x: torch.Tensor, block_cols: int, fused_activation: bool) -> str
         return "a fused activation (the Triton kernel applies it as it loads)"
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"input dtype {x.dtype}"
-    if not ws._aligned(x):
+    if not sm90.tma_aligned(x):
         return "x's rows are not contiguous and 16-byte aligned (TMA)"
     return None
 
@@ -213,7 +210,7 @@ def launch_dispatched(x: torch.Tensor, splits, num_groups: int, block_cols: int,
                row, row_s, col, col_s, **DISPATCH)
         return True
 
-    return ws.launch_once(FAILED, (x.dtype, splits is not None), "FP8 block cast", go) is True
+    return sm90.launch_once(FAILED, (x.dtype, splits is not None), "FP8 block cast", go) is True
 
 
 def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_max: float,

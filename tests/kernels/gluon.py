@@ -10,9 +10,9 @@ import torch
 def pretend_sm90(monkeypatch, module, env: str):
     """`module` (a Gluon kernel module with a FAILED record) dispatches as on an sm90 GPU: the
     capability check answers sm90, no compile has failed yet, and its switch `env` is unset."""
-    from qmoe.kernels import _block_gemm_ws as ws
+    from qmoe.kernels import _gluon_sm90
 
-    monkeypatch.setattr(ws, "_is_sm90", lambda index: True)
+    monkeypatch.setattr(_gluon_sm90, "is_sm90", lambda index: True)
     monkeypatch.setattr(module, "FAILED", {})
     monkeypatch.delenv(env, raising=False)
     return module

@@ -180,7 +180,7 @@ def sm90(monkeypatch):
 
 
 def test_the_gluon_cast_is_dispatched_only_where_it_applies(sm90, monkeypatch):
-    from qmoe.kernels import _block_gemm_ws as ws
+    from qmoe.kernels import _gluon_sm90
 
     ct = sm90
     assert ct.unsupported(_Rows(), 128, False) is None
@@ -195,7 +195,7 @@ def test_the_gluon_cast_is_dispatched_only_where_it_applies(sm90, monkeypatch):
     monkeypatch.setenv("QMOE_BLOCK_CAST", "triton")
     assert ct.unsupported(_Rows(), 128, False) == "QMOE_BLOCK_CAST=triton"
     monkeypatch.delenv("QMOE_BLOCK_CAST")
-    monkeypatch.setattr(ws, "_is_sm90", lambda index: False)
+    monkeypatch.setattr(_gluon_sm90, "is_sm90", lambda index: False)
     assert "sm90" in ct.unsupported(_Rows(), 128, False)
 
 

@@ -254,6 +254,8 @@ def sm90(monkeypatch):
 
 @launcher
 def test_dispatch_takes_the_gluon_kernel_only_where_it_applies(sm90, monkeypatch):
+    from qmoe.kernels import _gluon_sm90
+
     ws = sm90
     if ws.gluon is None:
         pytest.skip("this triton has no Gluon: test_dispatch_without_gluon covers it")
@@ -274,7 +276,7 @@ def test_dispatch_takes_the_gluon_kernel_only_where_it_applies(sm90, monkeypatch
     monkeypatch.setenv("QMOE_BLOCK_GEMM", "triton")
     assert why(*_ops()) == "QMOE_BLOCK_GEMM=triton"
     monkeypatch.delenv("QMOE_BLOCK_GEMM")
-    monkeypatch.setattr(ws, "_is_sm90", lambda index: False)  # sm100 and older GPUs
+    monkeypatch.setattr(_gluon_sm90, "is_sm90", lambda index: False)  # sm100 and older GPUs
     assert "sm90" in why(*_ops())
 
 
@@ -284,18 +286,22 @@ def test_dispatch_without_gluon(sm90, monkeypatch):
     import importlib
     import sys
 
+    from qmoe.kernels import _gluon_sm90
+
     ws = sm90
     had_gluon = ws.gluon is not None
     monkeypatch.setitem(sys.modules, "triton.experimental.gluon", None)  # `import` of it raises ImportError
     try:
+        importlib.reload(_gluon_sm90)
         importlib.reload(ws)
         assert ws.gluon is None
-        monkeypatch.setattr(ws, "_is_sm90", lambda index: True)
-        assert ws.unsupported(*_ops(), 384, 512, torch.bfloat16, 4096, 4) == ws.GLUON_ERROR
+        monkeypatch.setattr(_gluon_sm90, "is_sm90", lambda index: True)
+        assert ws.unsupported(*_ops(), 384, 512, torch.bfloat16, 4096, 4) == _gluon_sm90.GLUON_ERROR
         with pytest.raises(RuntimeError, match="gluon"):
             ws.launch_block_gemm_ws(*_ops(), None, 4096, 384, 512, 4)
     finally:
         monkeypatch.undo()
+        importlib.reload(_gluon_sm90)
         importlib.reload(ws)
     assert (ws.gluon is not None) == had_gluon
 
@@ -379,7 +385,8 @@ def test_a_gluon_compile_failure_warns_once_and_falls_back(sm90, monkeypatch):
 
 @launcher
 def test_result_buffers_and_stages_fit_shared_memory():
-    from qmoe.kernels._block_gemm_ws import SMEM_BYTES, fit_stages
+    from qmoe.kernels._block_gemm_ws import fit_stages
+    from qmoe.kernels._gluon_sm90 import SMEM_BYTES
 
     assert fit_stages(6, 128, 128, torch.bfloat16) == 6  # 6 x 32 KiB stages + 32 KiB of results
     assert fit_stages(6, 128, 128, torch.float32) == 5  # fp32 results take 64 KiB

@@ -154,7 +154,7 @@ def sm90(monkeypatch):
 
 
 def test_wgrad_dispatch_takes_the_gluon_kernel_only_where_it_applies(sm90, monkeypatch):
-    from qmoe.kernels import _block_gemm_ws as ws
+    from qmoe.kernels import _gluon_sm90
 
     wg = sm90
     out = torch.empty(4, 256, 384, dtype=torch.bfloat16)
@@ -171,7 +171,7 @@ def test_wgrad_dispatch_takes_the_gluon_kernel_only_where_it_applies(sm90, monke
     monkeypatch.setenv("QMOE_BLOCK_GEMM", "triton")
     assert wg.unsupported(_op(), _op(), out) == "QMOE_BLOCK_GEMM=triton"
     monkeypatch.delenv("QMOE_BLOCK_GEMM")
-    monkeypatch.setattr(ws, "_is_sm90", lambda index: False)
+    monkeypatch.setattr(_gluon_sm90, "is_sm90", lambda index: False)
     assert "sm90" in wg.unsupported(_op(), _op(), out)
 
 

@@ -1,0 +1,120 @@
+"""What qmoe's Gluon kernels for sm90 share (private helper of `_block_gemm_ws.py`,
+`_block_wgrad_ws.py` and `_cast_transpose_gl.py`): Gluon's Hopper API, imported only where this
+Triton has it, the TMA copies under either Triton's names, tensor descriptors, shared-memory
+bounds, whether a Gluon kernel can run on a device, and the fallback to a Triton kernel when a
+Gluon compile fails.
+
+Nothing here picks a kernel: each kernel module decides which calls it takes and falls back to
+its Triton kernel through `gluon_unavailable` and `launch_once`.
+"""
+from __future__ import annotations
+
+try:  # Gluon ships with triton >= 3.5; qmoe never needs it (the Triton kernels are the fallback)
+    # the kernel modules import Gluon's names from here: one guard for all of them
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: F401
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except (ImportError, AttributeError):  # pragma: no cover - older triton
+    gluon = None
+
+import functools
+import os
+import warnings
+
+import torch
+
+from qmoe.kernels._launch import faking
+
+GLUON_ERROR = None if gluon is not None else "triton.experimental.gluon is not available in this triton"
+BLOCK_GEMM_SWITCH = "QMOE_BLOCK_GEMM"  # "triton" turns the Gluon FP8 block GEMMs (m- and k-grouped) off
+# sm90's shared memory per block (227 KiB) and what a kernel keeps besides its buffers (barriers)
+SMEM_BYTES = 232448
+SMEM_SPARE = 1024
+
+if gluon is not None:  # the TMA copies' names since triton 3.7 (the old ones raise there)
+    tma_load = getattr(tma, "async_load", tma.async_copy_global_to_shared)
+    tma_store = getattr(tma, "async_store", tma.async_copy_shared_to_global)
+
+    @gluon.jit
+    def add(a, b):
+        """The combine function of prefix sums (gl.associative_scan)."""
+        return a + b
+
+
+_GL_DTYPES = {}
+
+
+def _gl_dtype(dtype: torch.dtype):
+    if not _GL_DTYPES:
+        _GL_DTYPES.update({torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5,
+                           torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32})
+    return _GL_DTYPES[dtype]
+
+
+def desc(t: torch.Tensor, block: list[int]):
+    """TMA descriptor of `t` in boxes of `block`, in the default MMA-ready shared layout."""
+    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t.dtype))
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def steps_major_scales(scale: torch.Tensor):
+    """[rows, steps] fp32 scales as a [steps, rows] view of a copy whose rows are padded to 16 bytes,
+    and its TMA descriptor in boxes of one step's 128 rows (rows past the end read as zeros): a
+    step's scales become one contiguous box instead of a cache line per value."""
+    rows, steps = scale.shape
+    padded = torch.empty((steps, -(-rows // 4) * 4), dtype=torch.float32, device=scale.device)
+    view = padded[:, :rows]
+    view.copy_(scale.t())
+    return view, scale_rows_desc(view)
+
+
+def scale_rows_desc(steps_major: torch.Tensor):
+    """TMA descriptor of [steps, rows] fp32 scales (16-byte row stride): boxes of one step's 128 rows."""
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return TensorDescriptor(steps_major, list(steps_major.shape), list(steps_major.stride()), [1, 128], layout)
+
+
+@functools.lru_cache(maxsize=None)
+def is_sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def tma_aligned(t: torch.Tensor) -> bool:
+    """TMA: a 16-byte aligned base, unit last stride, 16-byte aligned row stride."""
+    return (t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
+            and (t.stride(0) * t.element_size()) % 16 == 0)
+
+
+def gluon_unavailable(device: torch.device, switch: str | None = None) -> str | None:
+    """Why no sm90 Gluon kernel of qmoe runs on `device` now, whatever its operands (None: they
+    can): the environment variable `switch` set to "triton", a fake-tensor pass, a Triton without
+    Gluon, or not an sm90 GPU (TMA, warpgroup MMA)."""
+    if switch is not None and os.environ.get(switch, "").strip().lower() == "triton":
+        return f"{switch}=triton"
+    if faking():
+        return "a fake-tensor pass (shapes only)"
+    if gluon is None:
+        return GLUON_ERROR
+    if device.type != "cuda":
+        return f"{device} is not a CUDA device"
+    if not is_sm90(device.index if device.index is not None else torch.cuda.current_device()):
+        return "the kernel is written for sm90 (TMA, warpgroup MMA)"
+    return None
+
+
+def launch_once(failed: dict, key, what: str, launch):
+    """launch()'s result, or None where a launch with this key failed to compile before or fails now
+    (another Triton's Gluon; nothing was launched): the failure is recorded in `failed` and warned
+    about once, and the caller runs its Triton kernel."""
+    if key in failed:
+        return None
+    try:
+        return launch()
+    except Exception as err:  # noqa: BLE001 - a compile failure: the Triton kernel stands in
+        failed[key] = f"{type(err).__name__}: {err}"
+        warnings.warn(f"qmoe: the Gluon {what} did not compile ({failed[key][:300]}); using the Triton kernel",
+                      RuntimeWarning, stacklevel=3)
+        return None
+
