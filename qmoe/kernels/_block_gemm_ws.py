@@ -86,6 +86,13 @@ if gluon is not None:
         return g, m_start, m_end, pm, pn
 
     @gluon.jit
+    def _scales_aligned(m_start):
+        """Whether a tile of the group starting at row m_start has its step-major scale box on 16
+        bytes, as TMA needs (its first row, m_start + 128 * pm, a multiple of 4): with SCALES_TMA
+        the producer then loads the scales with the codes and the consumers read them from there."""
+        return m_start % 4 == 0
+
+    @gluon.jit
     def _producer(a_desc, b_desc, sa_desc, a_bufs, b_bufs, sa_bufs, full, empty, offs_ptr, total_rows, N, K,
                   num_groups, b_group_rows, b_group_cols,
                   BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, GP: gl.constexpr,
@@ -105,15 +112,12 @@ if gluon is not None:
             brow = gb * b_group_rows + pn * BN
             bcol = gb * b_group_cols
             nk = gl.where(g < num_groups, gl.cdiv(K, BK), 0)
-            staged = row0 % 4 == 0  # with SCALES_TMA: the scale box starts on 16 bytes, as TMA needs
+            staged = _scales_aligned(m_start)
             for ki in range(nk):
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-                if SCALES_TMA:
-                    if staged:
-                        mbarrier.expect(full.index(s), nbytes + s_nbytes)
-                    else:
-                        mbarrier.expect(full.index(s), nbytes)
+                if SCALES_TMA and staged:
+                    mbarrier.expect(full.index(s), nbytes + s_nbytes)
                 else:
                     mbarrier.expect(full.index(s), nbytes)
                 sm90.tma_load(a_desc, [row0, ki * BK], full.index(s), a_bufs.index(s))
@@ -128,11 +132,8 @@ if gluon is not None:
         """Step ki's activation scales of this half's rows: from stage s's scale row where the
         producer loaded it with the codes (SCALES_TMA and a tile starting on 16 bytes of scales:
         `staged`), else from global memory."""
-        if SCALES_TMA:
-            if staged:
-                f = sa_staged.index(s).slice(HALF * HM, HM).load(row_l)
-            else:
-                f = gl.load(sa_rows + ki * s_stride_ak, mask=row_ok, other=0.0)
+        if SCALES_TMA and staged:
+            f = sa_staged.index(s).slice(HALF * HM, HM).load(row_l)
         else:
             f = gl.load(sa_rows + ki * s_stride_ak, mask=row_ok, other=0.0)
         return f
@@ -178,7 +179,7 @@ if gluon is not None:
             row_ok = rows < m_end
             gb = gl.minimum(g, num_groups - 1).to(gl.int64)
             sa_rows = sa_ptr + rows.to(gl.int64) * s_stride_am
-            staged = m_start % 4 == 0  # the producer's rule (its tile starts m_start + pm * BM)
+            staged = _scales_aligned(m_start)
             sb_tile = sb_ptr + gb * sb_group_stride + (pn * BN // B_BR) * s_stride_bn
             nk = gl.where(g < num_groups, gl.cdiv(K, BK), 0)
             acc = zero
@@ -279,7 +280,7 @@ if gluon is not None:
             row_ok = rows < m_end
             gb = gl.minimum(g, num_groups - 1).to(gl.int64)
             sa_rows = sa_ptr + rows.to(gl.int64) * s_stride_am
-            staged = m_start % 4 == 0  # the producer's rule (its tile starts m_start + pm * BM)
+            staged = _scales_aligned(m_start)
             sb_lo = sb_ptr + gb * sb_group_stride + (pn * BN // B_BR) * s_stride_bn
             sb_hi = sb_ptr + gb * sb_group_stride + ((pn * BN + SUB) // B_BR) * s_stride_bn
             nk = gl.where(g < num_groups, gl.cdiv(K, BK), 0)
