@@ -2,7 +2,8 @@
 
 For 1x128 and 128x128 blocks, rowwise + columnwise and columnwise alone, on bf16 65536x7168 and
 grouped 32 x 2048 x 7168 (one launch): the Triton kernel (autotuned, QMOE_BLOCK_CAST=triton),
-the dispatched Gluon configuration, and Gluon variants (ring stages, warps, programs per SM).
+the dispatched Gluon configuration, and Gluon variants (ring stages, warps, programs per SM; bf16
+read as packed words or as fp32).
 Every variant's bytes are checked against the Triton kernel's (NaN sign aside); frac_copy is
 (input read once + outputs written once) / time over the device copy bandwidth.
 
@@ -21,8 +22,8 @@ from benchmarks.harness import copy_gbps, error_line, median_ms, run_header, wri
 from benchmarks.sweep_quantize_tiles import make_input, mismatches, nbytes
 
 SHAPES = {"65536x7168": (65536, 7168, 0), "32x2048x7168": (65536, 7168, 32)}
-VARIANTS = [dict(stages=s, warps=w, per_sm=p, maxnreg=r) for s, w, p, r in
-            ((3, 8, 1, None), (4, 8, 1, None), (3, 4, 2, None), (3, 16, 1, None), (3, 8, 2, 128))]
+VARIANTS = [dict(stages=s, warps=w, per_sm=p, maxnreg=None, packed=b) for s, w, p, b in
+            ((2, 8, 1, False), (2, 8, 1, True), (3, 8, 1, True), (4, 8, 1, True), (2, 4, 2, True), (2, 16, 1, True))]
 
 
 def run(x, splits, block_rows, rowwise, variant=None, outs=None):
@@ -60,7 +61,7 @@ def main(argv=None) -> int:
     print(f"device-to-device copy: {copy:.0f} GB/s", flush=True)
     rows = []
     for shape, (m, k, groups) in SHAPES.items():
-        x, splits = make_input(m, k, groups, False, "cuda")
+        x, splits = make_input(m, k, groups, False, False, "cuda")
         for block_rows in (1, 128):
             for rowwise in (True, False):
                 case = dict(block=f"{block_rows}x128", orientation="row+col" if rowwise else "col", shape=shape)
@@ -68,7 +69,8 @@ def main(argv=None) -> int:
                 outs = [torch.zeros_like(t) for t in want]  # grouped scales no group uses stay zero
                 for variant in ["triton", None] + VARIANTS:
                     name = {"triton": "triton", None: "dispatched"}.get(variant) if not isinstance(variant, dict) \
-                        else "gluon s{stages} w{warps} x{per_sm} regs{maxnreg}".format(**variant)
+                        else "gluon s{stages} w{warps} x{per_sm}{}".format(
+                        "" if variant["packed"] else " fp32 reads", **variant)
                     row = dict(case, variant=name)
                     try:
                         got = run(x, splits, block_rows, rowwise, variant, outs)

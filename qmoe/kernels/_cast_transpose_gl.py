@@ -1,6 +1,6 @@
-"""FP8 block quantization of both orientations through shared memory, in Triton's Gluon dialect
-(private helper of `qmoe/kernels/quantize.py`, whose `fp8_block_op` dispatches 1x128 blocks in
-both orientations here where `unsupported` returns None; otherwise the Triton kernel runs).
+"""FP8 block quantization with a columnwise copy, through shared memory, in Triton's Gluon dialect
+(private helper of `qmoe/kernels/quantize.py`, whose `fp8_block_op` dispatches every call with a
+columnwise copy here where `unsupported` returns None; otherwise the Triton kernel runs).
 
 Same contract and bits as `_fp8_block_kernel`: 1 x 128 blocks (a scale per 128 values of a row,
 and per 128 rows of a column for the columnwise copy) or 128 x 128 blocks (one scale per tile,
@@ -10,10 +10,14 @@ Why a second kernel: the Triton kernel transposes its 128 x 128 tile in register
 layout conversion of a tile that wide runs far below the copy bandwidth. Here a TMA load puts
 each tile in shared memory and the warps read it twice, once with a layout in which a thread
 holds a run of one row (rowwise amax, codes stored along rows) and once with one in which a
-thread holds a run of one column (columnwise amax, codes stored along the transposed rows):
-no transpose in registers and no bank conflicts (both reads take whole 128-byte lines). The
-programs are persistent and prefetch STAGES - 1 tiles ahead, so loads stay in flight while a
-tile's codes are computed and stored.
+thread holds a run of one column (columnwise amax and codes): no transpose in registers. The
+columnwise codes go back to shared memory, a row per column, and leave from there as whole
+128-byte lines (stored straight from the column layout, each warp's store would touch 32 lines
+16 bytes at a time, which holds the copy far below the bandwidth). bf16 tiles are
+read as 32-bit words of two values (amaxes over packed 16-bit magnitudes, conversions to fp32 by
+shifts), and a tile's scales are computed once per row and column rather than on every thread
+that reduced them. The programs are persistent and prefetch STAGES - 1 tiles ahead, so loads
+stay in flight while a tile's codes are computed and stored.
 
 Grouped inputs: row tiles start afresh at every group (as `tiles.tile_rows` lays them out); a
 tile's TMA box may run into the next group's rows, which the columnwise amax masks out and no
@@ -22,6 +26,7 @@ store writes.
 from __future__ import annotations
 
 import torch
+import triton
 
 from qmoe.kernels import _gluon_sm90 as sm90
 from qmoe.kernels._arith import abs_bits, bits_to_float, cast_codes, fp8_scale_from_amax, reciprocal
@@ -73,17 +78,188 @@ if gluon is not None:
         sm90.tma_load(desc, [row0, kt * BK], ready.index(slot), bufs.index(slot))
 
     @gluon.jit
-    def _store_columns(col_ptr, qc, offs, cols64, col_ok, row0, row_end, M, BM: gl.constexpr):
-        """Columnwise codes qc [BM, BK] of rows row0 + offs (a thread holds runs of rows) at
-        col[cols, rows] (col is [K, M]): 16-byte vectors where the tile is whole and starts on 16 rows, masked
-        bytes otherwise."""
+    def _write_column_runs(stage, first, step, K, col_ptr, row0, row_end, M, BM: gl.constexpr,
+                           num_warps: gl.constexpr):
+        """Store the staged columnwise codes: stage [n, BM] holds in row i the codes of column
+        first + i * step for rows row0 + [0, BM) of the tile, and col is [K, M]. A thread stores 16
+        bytes, a row of the stage leaves as one 128-byte line: 16-byte vectors where the tile is
+        whole and starts on 16 rows, masked bytes otherwise."""
+        out_l: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (BM // 16), BM // 16], [num_warps, 1], [1, 0])
+        q = stage.load(out_l)
+        cols = first + step * gl.arange(0, stage.shape[0], layout=gl.SliceLayout(1, out_l))
+        offs = gl.arange(0, BM, layout=gl.SliceLayout(0, out_l))
+        base = col_ptr + cols.to(gl.int64)[:, None] * M
         if (row0 + BM <= row_end) & (row0 % 16 == 0):
             rows = (row0 // 16) * 16 + offs  # the same rows, visibly 16-aligned
-            gl.store(col_ptr + cols64[None, :] * M + rows[:, None], qc, mask=col_ok[None, :])
+            gl.store(base + rows[None, :], q, mask=(cols < K)[:, None])
         else:
             rows = row0 + offs
-            gl.store(col_ptr + cols64[None, :] * M + rows[:, None], qc,
-                     mask=(rows < row_end)[:, None] & col_ok[None, :])
+            gl.store(base + rows[None, :], q, mask=(cols < K)[:, None] & (rows < row_end)[None, :])
+
+    @gluon.jit
+    def _max_u16x2(a, b):
+        """Per 16-bit half, the larger unsigned value: for words of two |bf16| patterns, the
+        larger magnitude of each half (NaN, whose pattern exceeds inf's, wins)."""
+        return gl.inline_asm_elementwise("max.u16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.int32, is_pure=True,
+                                         pack=1)
+
+    @gluon.jit
+    def _bf16_pairs_to_float(w):
+        """The two bf16 values packed in each int32 word, as fp32 (low half, high half)."""
+        return (w << 16).to(gl.float32, bitcast=True), (w & -65536).to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _row_codes(w, s, OUT_DTYPE: gl.constexpr):
+        """Codes of both bf16 values of each word times s, as one int16 (the low value's code in
+        the low byte): the same multiply and saturating round-to-nearest-even as cast_codes."""
+        if OUT_DTYPE == gl.float8e4nv:
+            cvt: gl.constexpr = "cvt.rn.satfinite.e4m3x2.f32 $0, h, l;"
+        else:
+            cvt: gl.constexpr = "cvt.rn.satfinite.e5m2x2.f32 $0, h, l;"
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 l, h; shl.b32 l, $1, 16; and.b32 h, $1, 0xFFFF0000; "
+            "mul.rn.f32 l, l, $2; mul.rn.f32 h, h, $2; " + cvt + " }",
+            "=h,r,f", [w, s], dtype=gl.int16, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _cast_tile(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M, K, eps,
+                   stride_rs, stride_cs, FMT_MAX: gl.constexpr, OUT_DTYPE: gl.constexpr, POW2: gl.constexpr,
+                   BLOCK_2D: gl.constexpr, ROWWISE: gl.constexpr, COLWISE: gl.constexpr, VEC: gl.constexpr,
+                   num_warps: gl.constexpr):
+        """Quantize one tile in shared memory, read once per orientation as fp32."""
+        BM: gl.constexpr = tile.shape[0]
+        BK: gl.constexpr = tile.shape[1]
+        # a thread holds VEC consecutive values of a row / BM // num_warps rows of 4 columns
+        row_l: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // (BK // VEC), BK // VEC], [num_warps, 1], [1, 0])
+        col_l: gl.constexpr = gl.BlockedLayout([BM // num_warps, 4], [1, 32], [num_warps, 1], [0, 1])
+        col0 = kt * BK
+        xr = tile.load(row_l).to(gl.float32)
+        rows_r = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, row_l))
+        cols_r = col0 + gl.arange(0, BK, layout=gl.SliceLayout(0, row_l))
+        ok_r = rows_r < row_end
+        bits_r = gl.max(abs_bits(xr), 1)  # [BM]: max|x| per row (NaN wins)
+        if BLOCK_2D:  # one scale per tile, from its rows in the group
+            s_tile = fp8_scale_from_amax(bits_to_float(gl.max(gl.where(ok_r, bits_r, 0), 0)), FMT_MAX, POW2, eps)
+            s_r = gl.where(ok_r, s_tile, s_tile)
+        else:
+            s_r = fp8_scale_from_amax(bits_to_float(bits_r), FMT_MAX, POW2, eps)
+        if ROWWISE:
+            q = cast_codes(xr * gl.expand_dims(s_r, 1), FMT_MAX, OUT_DTYPE)
+            gl.store(row_ptr + rows_r.to(gl.int64)[:, None] * K + cols_r[None, :], q,
+                     mask=ok_r[:, None] & (cols_r < K)[None, :])
+            if BLOCK_2D:
+                gl.store(row_s_ptr + sblk * stride_rs + kt, reciprocal(s_tile))
+            else:
+                gl.store(row_s_ptr + rows_r.to(gl.int64) * stride_rs + kt, reciprocal(s_r), mask=ok_r)
+
+        if COLWISE:
+            xc = tile.load(col_l).to(gl.float32)
+            offs_c = gl.arange(0, BM, layout=gl.SliceLayout(1, col_l))
+            cols_c = col0 + gl.arange(0, BK, layout=gl.SliceLayout(0, col_l))
+            ok_c = cols_c < K
+            cols64 = cols_c.to(gl.int64)
+            if BLOCK_2D:
+                s_c = gl.where(ok_c, s_tile, s_tile)
+                gl.store(col_s_ptr + kt * stride_cs + sblk, reciprocal(s_tile))
+            else:
+                bits_c = gl.where((row0 + offs_c < row_end)[:, None], abs_bits(xc), 0)
+                s_c = fp8_scale_from_amax(bits_to_float(gl.max(bits_c, 0)), FMT_MAX, POW2, eps)
+                gl.store(col_s_ptr + cols64 * stride_cs + sblk, reciprocal(s_c), mask=ok_c)
+            col_stage.permute([1, 0]).store(cast_codes(xc * gl.expand_dims(s_c, 0), FMT_MAX, OUT_DTYPE))
+            gl.thread_barrier()
+            _write_column_runs(col_stage, col0, 1, K, col_ptr, row0, row_end, M, BM, num_warps)
+
+    @triton.constexpr_function
+    def _row_scale_layout(rows, warps):
+        """For the [rows] vector of a tile's row amaxes: each row on two lanes of the warp that read
+        it (rather than on the 16 that reduced it), so a thread computes one scale, not eight."""
+        reps = [2 * warps << i for i in range((rows // (2 * warps)).bit_length() - 1)]
+        lanes = reps[:4] + [0] * (4 - len(reps[:4]))
+        return gl.DistributedLinearLayout(reg_bases=[[r] for r in reps[4:]], lane_bases=[[v] for v in lanes] + [[1]],
+                                          warp_bases=[[2 << i] for i in range(warps.bit_length() - 1)],
+                                          block_bases=[], shape=[rows])
+
+    @triton.constexpr_function
+    def _word_scale_layout(words, warps):
+        """For the [words] vectors of a tile's column amaxes: a word per thread of the first warps, so
+        a thread computes two scales, not four."""
+        bases = [[1 << i] for i in range(words.bit_length() - 1)]
+        warp_bits = warps.bit_length() - 1
+        return gl.DistributedLinearLayout(reg_bases=bases[5 + warp_bits:], lane_bases=bases[:5],
+                                          warp_bases=(bases[5:] + [[0]] * warp_bits)[:warp_bits], block_bases=[],
+                                          shape=[words])
+
+    @gluon.jit
+    def _cast_tile_bf16(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M, K, eps,
+                        stride_rs, stride_cs, FMT_MAX: gl.constexpr, OUT_DTYPE: gl.constexpr, POW2: gl.constexpr,
+                        BLOCK_2D: gl.constexpr, ROWWISE: gl.constexpr, COLWISE: gl.constexpr,
+                        num_warps: gl.constexpr):
+        """_cast_tile for bf16, which reads the tile as words of two values: the amaxes are maxima of
+        packed 16-bit magnitudes and the conversions to fp32 are shifts, half the instructions."""
+        BM: gl.constexpr = tile.shape[0]
+        BW: gl.constexpr = tile.shape[1] // 2  # words per tile row
+        # a thread holds 4 consecutive words of a row / BM // num_warps rows of 2 words
+        row_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (BW // 4), BW // 4], [num_warps, 1], [1, 0])
+        col_l: gl.constexpr = gl.BlockedLayout([BM // num_warps, 2], [1, 32], [num_warps, 1], [0, 1])
+        words = tile._reinterpret(gl.int32, [BM, BW],
+                                  gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+        w0 = kt * BW  # first word column of the tile
+
+        wr = words.load(row_l)
+        rows_r = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, row_l))
+        wcols_r = w0 + gl.arange(0, BW, layout=gl.SliceLayout(0, row_l))
+        ok_r = rows_r < row_end
+        packed_r = gl.reduce(wr & 0x7FFF7FFF, 1, _max_u16x2)
+        bits_r = gl.maximum(packed_r << 16, packed_r & -65536)  # [BM]: max|x| per row (NaN wins)
+        if BLOCK_2D:  # one scale per tile, from its rows in the group
+            s_tile = fp8_scale_from_amax(bits_to_float(gl.max(gl.where(ok_r, bits_r, 0), 0)), FMT_MAX, POW2, eps)
+            s_r = gl.where(ok_r, s_tile, s_tile)
+        else:
+            one_l: gl.constexpr = _row_scale_layout(BM, num_warps)
+            amax_1 = bits_to_float(gl.convert_layout(bits_r, one_l))
+            s_1 = fp8_scale_from_amax(amax_1, FMT_MAX, POW2, eps)
+            s_r = gl.convert_layout(s_1, gl.SliceLayout(1, row_l))
+        if ROWWISE:
+            q = _row_codes(wr, gl.expand_dims(s_r, 1), OUT_DTYPE)
+            row_pairs = row_ptr.to(gl.pointer_type(gl.int16))
+            gl.store(row_pairs + rows_r.to(gl.int64)[:, None] * (K // 2) + wcols_r[None, :], q,
+                     mask=ok_r[:, None] & (wcols_r < K // 2)[None, :])
+            if BLOCK_2D:
+                gl.store(row_s_ptr + sblk * stride_rs + kt, reciprocal(s_tile))
+            else:
+                rows_1 = row0 + gl.arange(0, BM, layout=one_l)
+                gl.store(row_s_ptr + rows_1.to(gl.int64) * stride_rs + kt, reciprocal(s_1), mask=rows_1 < row_end)
+
+        if COLWISE:
+            wc = words.load(col_l)
+            offs_c = gl.arange(0, BM, layout=gl.SliceLayout(1, col_l))
+            lo, hi = _bf16_pairs_to_float(wc)
+            if BLOCK_2D:
+                s_lo = gl.where(gl.arange(0, BW, layout=gl.SliceLayout(0, col_l)) < BW, s_tile, s_tile)
+                s_hi = s_lo
+                gl.store(col_s_ptr + kt * stride_cs + sblk, reciprocal(s_tile))
+            else:
+                magnitude = gl.where(row0 + offs_c < row_end, 0x7FFF7FFF, 0)  # rows of the group only
+                packed_c = gl.reduce(wc & gl.expand_dims(magnitude, 1), 0, _max_u16x2)
+                word_l: gl.constexpr = _word_scale_layout(BW, num_warps)
+                packed_1 = gl.convert_layout(packed_c, word_l)
+                s_lo1 = fp8_scale_from_amax(bits_to_float(packed_1 << 16), FMT_MAX, POW2, eps)
+                s_hi1 = fp8_scale_from_amax(bits_to_float(packed_1 & -65536), FMT_MAX, POW2, eps)
+                even_1 = 2 * (w0 + gl.arange(0, BW, layout=word_l)).to(gl.int64)  # column of each low half
+                gl.store(col_s_ptr + even_1 * stride_cs + sblk, reciprocal(s_lo1), mask=even_1 < K)
+                # K is even: a high half's column is in range with its low half's
+                gl.store(col_s_ptr + (even_1 + 1) * stride_cs + sblk, reciprocal(s_hi1), mask=even_1 < K)
+                s_lo = gl.convert_layout(s_lo1, gl.SliceLayout(0, col_l))
+                s_hi = gl.convert_layout(s_hi1, gl.SliceLayout(0, col_l))
+            # the codes of columns 2w (low halves) and 2w + 1 go to row w of the stage, side by side
+            col_stage.slice(0, BM, dim=1).permute([1, 0]).store(
+                cast_codes(lo * gl.expand_dims(s_lo, 0), FMT_MAX, OUT_DTYPE))
+            col_stage.slice(BM, BM, dim=1).permute([1, 0]).store(
+                cast_codes(hi * gl.expand_dims(s_hi, 0), FMT_MAX, OUT_DTYPE))
+            gl.thread_barrier()
+            for half in gl.static_range(2):
+                _write_column_runs(col_stage.slice(half * BM, BM, dim=1), 2 * w0 + half, 2, K, col_ptr, row0, row_end,
+                                   M, BM, num_warps)
 
     # M stays specialised: as the columnwise copy's row stride, its divisibility by 16 lets the
     # columnwise codes leave as 16-byte vectors
@@ -93,18 +269,22 @@ if gluon is not None:
                               FMT_MAX: gl.constexpr, OUT_DTYPE: gl.constexpr, POW2: gl.constexpr,
                               BLOCK_2D: gl.constexpr, ROWWISE: gl.constexpr, COLWISE: gl.constexpr,
                               GROUPED: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
-                              NUM_PROGRAMS: gl.constexpr, VEC: gl.constexpr, num_warps: gl.constexpr):
+                              NUM_PROGRAMS: gl.constexpr, VEC: gl.constexpr, PACKED: gl.constexpr,
+                              num_warps: gl.constexpr):
         """One 128 x 128 tile (= one 128-wide scale block each way) per trip of a persistent loop
         (see the module docstring)."""
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
-        # a thread holds VEC consecutive values of a row / BM // num_warps rows of 4 columns
-        row_l: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // (BK // VEC), BK // VEC], [num_warps, 1], [1, 0])
-        col_l: gl.constexpr = gl.BlockedLayout([BM // num_warps, 4], [1, 32], [num_warps, 1], [0, 1])
         bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
+        # the tile's columnwise codes on their way out: a row per column (bf16: per pair of columns)
+        stage_l: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, order=[1, 0])
+        if PACKED:
+            col_stage = gl.allocate_shared_memory(gl.uint8, [BK // 2, 2 * BM], stage_l)
+        else:
+            col_stage = gl.allocate_shared_memory(gl.uint8, [BK, BM], stage_l)
 
         nk = gl.cdiv(K, BK)
         gi, starts, sizes, tiles, tile_end = _group_table(splits_ptr, G, BM, GP, GROUPED, num_warps)
@@ -130,42 +310,13 @@ if gluon is not None:
             tile = bufs.index(slot)
             row0, row_end, sblk, kt = _locate(pid + i * NUM_PROGRAMS, nk, M, gi, starts, sizes, tiles, tile_end, BM,
                                               GROUPED)
-            col0 = kt * BK
-
-            xr = tile.load(row_l).to(gl.float32)
-            rows_r = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, row_l))
-            cols_r = col0 + gl.arange(0, BK, layout=gl.SliceLayout(0, row_l))
-            ok_r = rows_r < row_end
-            bits_r = gl.max(abs_bits(xr), 1)  # [BM]: max|x| per row (NaN wins)
-            if BLOCK_2D:  # one scale per tile, from its rows in the group
-                s_tile = fp8_scale_from_amax(bits_to_float(gl.max(gl.where(ok_r, bits_r, 0), 0)), FMT_MAX, POW2, eps)
-                s_r = gl.where(ok_r, s_tile, s_tile)
+            if PACKED:
+                _cast_tile_bf16(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M,
+                                K, eps, stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, POW2, BLOCK_2D, ROWWISE, COLWISE,
+                                num_warps)
             else:
-                s_r = fp8_scale_from_amax(bits_to_float(bits_r), FMT_MAX, POW2, eps)
-            if ROWWISE:
-                q = cast_codes(xr * gl.expand_dims(s_r, 1), FMT_MAX, OUT_DTYPE)
-                gl.store(row_ptr + rows_r.to(gl.int64)[:, None] * K + cols_r[None, :], q,
-                         mask=ok_r[:, None] & (cols_r < K)[None, :])
-                if BLOCK_2D:
-                    gl.store(row_s_ptr + sblk * stride_rs + kt, reciprocal(s_tile))
-                else:
-                    gl.store(row_s_ptr + rows_r.to(gl.int64) * stride_rs + kt, reciprocal(s_r), mask=ok_r)
-
-            if COLWISE:
-                xc = tile.load(col_l).to(gl.float32)
-                offs_c = gl.arange(0, BM, layout=gl.SliceLayout(1, col_l))
-                cols_c = col0 + gl.arange(0, BK, layout=gl.SliceLayout(0, col_l))
-                ok_c = cols_c < K
-                cols64 = cols_c.to(gl.int64)
-                if BLOCK_2D:
-                    s_c = gl.where(ok_c, s_tile, s_tile)
-                    gl.store(col_s_ptr + kt * stride_cs + sblk, reciprocal(s_tile))
-                else:
-                    bits_c = gl.where((row0 + offs_c < row_end)[:, None], abs_bits(xc), 0)
-                    s_c = fp8_scale_from_amax(bits_to_float(gl.max(bits_c, 0)), FMT_MAX, POW2, eps)
-                    gl.store(col_s_ptr + cols64 * stride_cs + sblk, reciprocal(s_c), mask=ok_c)
-                qc = cast_codes(xc * gl.expand_dims(s_c, 0), FMT_MAX, OUT_DTYPE)
-                _store_columns(col_ptr, qc, offs_c, cols64, ok_c, row0, row_end, M, BM)
+                _cast_tile(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M, K, eps,
+                           stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, POW2, BLOCK_2D, ROWWISE, COLWISE, VEC, num_warps)
 
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
@@ -173,7 +324,7 @@ if gluon is not None:
 
 _TILE = 128
 # What fp8_block_op dispatches to: stages of the TMA ring, warps per program, programs per SM.
-DISPATCH = dict(stages=3, warps=8, per_sm=1)
+DISPATCH = dict(stages=2, warps=8, per_sm=1)
 
 
 def unsupported(x: torch.Tensor, block_cols: int, fused_activation: bool) -> str | None:
@@ -197,28 +348,32 @@ def unsupported(x: torch.Tensor, block_cols: int, fused_activation: bool) -> str
 FAILED: dict[tuple, str] = {}
 
 
-def launch_dispatched(x: torch.Tensor, splits, num_groups: int, block_cols: int, fused_activation: bool, out_code,
-                      fmt_max: float, power_2_scale: bool, amax_epsilon: float, row, row_s, col, col_s) -> bool:
-    """Quantize x in 1 x 128 blocks, both orientations, with the dispatched configuration into
-    fp8_block_op's outputs; False, launching nothing, where `unsupported` says so or its compile
-    failed (recorded in FAILED, with a warning once): the caller then runs the Triton kernel."""
+def launch_dispatched(x: torch.Tensor, splits, num_groups: int, two_d: bool, block_cols: int, fused_activation: bool,
+                      out_code, fmt_max: float, power_2_scale: bool, amax_epsilon: float, rowwise: bool, row, row_s,
+                      col, col_s) -> bool:
+    """Quantize x in 1 x 128 (two_d: 128 x 128) blocks, columnwise and optionally rowwise, with the
+    dispatched configuration into fp8_block_op's outputs; False, launching nothing, where
+    `unsupported` says so or its compile failed (recorded in FAILED, with a warning once): the
+    caller then runs the Triton kernel."""
     if unsupported(x, block_cols, fused_activation) is not None:
         return False
 
     def go():
-        launch(x, splits, num_groups, False, out_code, fmt_max, power_2_scale, amax_epsilon, True, True,
+        launch(x, splits, num_groups, two_d, out_code, fmt_max, power_2_scale, amax_epsilon, rowwise, True,
                row, row_s, col, col_s, **DISPATCH)
         return True
 
-    return sm90.launch_once(FAILED, (x.dtype, splits is not None), "FP8 block cast", go) is True
+    key = (x.dtype, splits is not None, two_d, rowwise)
+    return sm90.launch_once(FAILED, key, "FP8 block cast", go) is True
 
 
 def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_max: float,
            power_2_scale: bool, amax_epsilon: float, rowwise: bool, columnwise: bool, row, row_s, col, col_s, *,
            stages: int = 3, warps: int = 8, per_sm: int = 1, maxnreg: int | None = None,
-           programs: int | None = None) -> None:
+           programs: int | None = None, packed: bool = True) -> None:
     """Fill fp8_block_op's outputs (allocated by it, same layouts) for an [M, K] x; out_code is
-    the codes' Triton FP8 dtype; maxnreg caps registers (two programs per SM need <= 128 at 8 warps)."""
+    the codes' Triton FP8 dtype; maxnreg caps registers (two programs per SM need <= 128 at 8 warps);
+    packed=False reads bf16 as fp32 as the other dtypes are (same bits, for comparison)."""
     m, k = x.shape
     grouped = splits is not None
     upper = -(-m // _TILE) + (num_groups if grouped else 0)
@@ -232,4 +387,5 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
         col_s.stride(0) if col_s.dim() == 2 else 0,
         FMT_MAX=fmt_max, OUT_DTYPE=out_code, POW2=power_2_scale, BLOCK_2D=two_d, ROWWISE=rowwise,
         COLWISE=columnwise, GROUPED=grouped, GP=max(32, group_pow2(num_groups)), STAGES=stages, NUM_PROGRAMS=programs,
-        VEC=16 // x.element_size(), num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}))
+        VEC=16 // x.element_size(), PACKED=packed and x.dtype == torch.bfloat16, num_warps=warps,
+        **({"maxnreg": maxnreg} if maxnreg else {}))

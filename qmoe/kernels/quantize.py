@@ -279,8 +279,9 @@ def fp8_block_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: in
                  glu_block: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(row [M, K], row_si, col [K, M], col_si); unrequested outputs are empty. Layouts: reference.
 
-    1x128 blocks in both orientations run the Gluon kernel of `_cast_transpose_gl` where it applies
-    (same bits; the Triton kernel is the faster one for the other calls, sweeps/block_cast.json).
+    Calls with a columnwise copy run the Gluon kernel of `_cast_transpose_gl` where it applies
+    (same bits; rowwise codes alone stay with the Triton kernel, which runs them near the copy
+    bandwidth: quantize.json).
     """
     m, k = x.shape[0], input_width(x, act)
     b, two_d, grouped = block_cols, block_rows > 1, splits is not None
@@ -296,10 +297,10 @@ def fp8_block_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: in
     else:
         row_s = torch.empty((m, nkb) if rowwise else (0,), dtype=f32, device=dev)
         col_s = alloc((k, width) if columnwise else (0,), dtype=f32, device=dev)
-    gluon_cast = m * k and rowwise and columnwise and not two_d and not is_forced(_fp8_block_kernel)
-    if gluon_cast and _block_cast_gl.launch_dispatched(x, splits, num_groups, b, act != NO_ACTIVATION,
+    gluon_cast = m * k and columnwise and not is_forced(_fp8_block_kernel)
+    if gluon_cast and _block_cast_gl.launch_dispatched(x, splits, num_groups, two_d, b, act != NO_ACTIVATION,
                                                        _TL_FP8[out_dtype], fmt_max, power_2_scale, amax_epsilon,
-                                                       row, row_s, col, col_s):
+                                                       rowwise, row, row_s, col, col_s):
         return row, row_s, col, col_s
     if m * k:
         small = triton.Config({"BM": b if (columnwise or two_d) else 32, "BK": b, "QUAD": 0, "K_MAJOR": 0, "BKC": b},

@@ -200,27 +200,30 @@ def test_the_gluon_cast_is_dispatched_only_where_it_applies(sm90, monkeypatch):
 
 
 def test_a_failed_compile_falls_back_with_one_warning(sm90, monkeypatch):
-    args = (_Rows(), None, 1, 128, False, None, 448.0, True, 0.0, None, None, None, None)
+    args = (_Rows(), None, 1, False, 128, False, None, 448.0, True, 0.0, True, None, None, None, None)
     assert_a_compile_failure_falls_back_once(monkeypatch, sm90, "launch", lambda: sm90.launch_dispatched(*args),
                                              False)
 
 
-def test_fp8_block_op_asks_the_gluon_cast_only_for_1x128_blocks_in_both_orientations(monkeypatch):
-    """The Triton kernel is the faster one for rowwise codes alone, a columnwise copy alone and
-    128x128 blocks; a forced Triton config (tests, sweeps) is never replaced either."""
+def test_fp8_block_op_asks_the_gluon_cast_for_every_columnwise_copy(monkeypatch):
+    """1x128 and 128x128 blocks with a columnwise copy, rowwise codes or not; the Triton kernel is
+    the faster one for rowwise codes alone, and a forced Triton config (tests, sweeps) is never
+    replaced either."""
     from qmoe.kernels import quantize as K
     from qmoe.kernels._cast_variants import BLOCK128_CONFIGS, forced_config
 
     asked = []
-    monkeypatch.setattr(K._block_cast_gl, "launch_dispatched", lambda *args: asked.append(args[0].shape) or True)
+    monkeypatch.setattr(K._block_cast_gl, "launch_dispatched",
+                        lambda *args: asked.append((args[3], args[10])) or True)  # (two_d, rowwise)
     monkeypatch.setattr(K, "launch_cast", lambda *args, **kwargs: asked.append("triton"))
     x = torch.zeros(256, 256)
     op = K.fp8_block_op
-    op(x, None, 1, 1, 128, torch.float8_e4m3fn, E4M3.max, True, 0.0, True, True)
-    assert asked == [(256, 256)]
+    for block_rows in (1, 128):
+        op(x, None, 1, block_rows, 128, torch.float8_e4m3fn, E4M3.max, True, 0.0, True, True)
+        op(x, None, 1, block_rows, 128, torch.float8_e4m3fn, E4M3.max, True, 0.0, False, True)
+    assert asked == [(False, True), (False, False), (True, True), (True, False)]
     with forced_config(K._fp8_block_kernel, BLOCK128_CONFIGS[0]):
         op(x, None, 1, 1, 128, torch.float8_e4m3fn, E4M3.max, True, 0.0, True, True)
     op(x, None, 1, 1, 128, torch.float8_e4m3fn, E4M3.max, True, 0.0, True, False)
-    op(x, None, 1, 1, 128, torch.float8_e4m3fn, E4M3.max, True, 0.0, False, True)
-    op(x, None, 1, 128, 128, torch.float8_e4m3fn, E4M3.max, True, 0.0, True, True)
-    assert asked == [(256, 256)] + ["triton"] * 4
+    op(x, None, 1, 128, 128, torch.float8_e4m3fn, E4M3.max, True, 0.0, True, False)
+    assert asked[4:] == ["triton"] * 3
