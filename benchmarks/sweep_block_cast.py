@@ -1,11 +1,11 @@
-"""The Gluon FP8 block cast (qmoe/kernels/_cast_transpose_gl.py) against the Triton kernel, same run.
+"""The Gluon block cast (qmoe/kernels/_cast_transpose_gl.py) against the Triton kernels, same run.
 
-For 1x128 and 128x128 blocks, rowwise + columnwise and columnwise alone, on bf16 65536x7168 and
-grouped 32 x 2048 x 7168 (one launch): the Triton kernel (autotuned, QMOE_BLOCK_CAST=triton),
-the dispatched Gluon configuration, and Gluon variants (ring stages, warps, programs per SM; bf16
-read as packed words or as fp32).
-Every variant's bytes are checked against the Triton kernel's (NaN sign aside); frac_copy is
-(input read once + outputs written once) / time over the device copy bandwidth.
+For 1x128 and 128x128 FP8 blocks and MXFP8 (round-up scales), rowwise + columnwise and
+columnwise alone, on bf16 65536x7168 and grouped 32 x 2048 x 7168 (one launch): the Triton
+kernels (autotuned, QMOE_BLOCK_CAST=triton), the dispatched path, and Gluon variants (ring
+stages, warps, programs per SM; bf16 read as packed words or as fp32). Every variant's bytes are
+checked against the Triton kernel's (NaN sign aside); frac_copy is (input read once + outputs
+written once) / time over the device copy bandwidth.
 
     PYTHONPATH=. python3 -m benchmarks.sweep_block_cast --out $OUT/block_cast.json
 """
@@ -26,24 +26,29 @@ VARIANTS = [dict(stages=s, warps=w, per_sm=p, maxnreg=None, packed=b) for s, w, 
             ((2, 8, 1, False), (2, 8, 1, True), (3, 8, 1, True), (4, 8, 1, True), (2, 4, 2, True), (2, 16, 1, True))]
 
 
-def run(x, splits, block_rows, rowwise, variant=None, outs=None):
-    """The public op's outputs; variant None: the dispatched path, "triton": the Triton kernel, a
-    dict: the Gluon kernel with these launch keywords into `outs` (allocated once, outside the
-    timing: the other two allocate theirs, a zero fill of the grouped scales included)."""
+def run(x, splits, block, rowwise, variant=None, outs=None):
+    """The public op's outputs for `block` ("1x128", "128x128" or "mx32": MXFP8, round-up scales);
+    variant None: the dispatched path, "triton": the Triton kernel, a dict: the Gluon kernel with
+    these launch keywords into `outs` (allocated once, outside the timing: the other two allocate
+    theirs, a zero fill of the grouped scales included)."""
     from qmoe.contracts.formats import E4M3
     from qmoe.kernels import _cast_transpose_gl as ct
     from qmoe.kernels import quantize as K
 
     groups = 1 if splits is None else splits.numel()
+    mx = block == "mx32"
     if isinstance(variant, dict):
-        ct.launch(x, splits, groups, block_rows > 1, K.fp8_meta(E4M3), E4M3.max, True, 0.0, rowwise, True, *outs,
-                  **variant)
+        ct.launch(x, splits, groups, block == "128x128", K.fp8_meta(E4M3), E4M3.max, True, 0.0, rowwise, True,
+                  *(o.view(torch.uint8) if o.dtype == torch.float8_e8m0fnu else o for o in outs),
+                  mx=(E4M3.emax, True) if mx else None, **variant)
         return outs
     if variant == "triton":
         os.environ["QMOE_BLOCK_CAST"] = "triton"
     try:
-        return K.fp8_block_op(x, splits, groups, block_rows, 128, torch.float8_e4m3fn, E4M3.max, True, 0.0,
-                              rowwise, True)
+        if mx:
+            return K.mxfp8_op(x, splits, groups, torch.float8_e4m3fn, E4M3.max, E4M3.emax, True, 32, rowwise, True)
+        return K.fp8_block_op(x, splits, groups, 128 if block == "128x128" else 1, 128, torch.float8_e4m3fn,
+                              E4M3.max, True, 0.0, rowwise, True)
     finally:
         os.environ.pop("QMOE_BLOCK_CAST", None)
 
@@ -62,20 +67,21 @@ def main(argv=None) -> int:
     rows = []
     for shape, (m, k, groups) in SHAPES.items():
         x, splits = make_input(m, k, groups, False, False, "cuda")
-        for block_rows in (1, 128):
+        for block in ("1x128", "128x128", "mx32"):
             for rowwise in (True, False):
-                case = dict(block=f"{block_rows}x128", orientation="row+col" if rowwise else "col", shape=shape)
-                want = run(x, splits, block_rows, rowwise, "triton")
+                case = dict(block=block, orientation="row+col" if rowwise else "col", shape=shape)
+                want = run(x, splits, block, rowwise, "triton")
                 outs = [torch.zeros_like(t) for t in want]  # grouped scales no group uses stay zero
-                for variant in ["triton", None] + VARIANTS:
+                variants = [v for v in VARIANTS if v["packed"] or block != "mx32"]  # MXFP8: bf16 words only
+                for variant in ["triton", None] + variants:
                     name = {"triton": "triton", None: "dispatched"}.get(variant) if not isinstance(variant, dict) \
                         else "gluon s{stages} w{warps} x{per_sm}{}".format(
                         "" if variant["packed"] else " fp32 reads", **variant)
                     row = dict(case, variant=name)
                     try:
-                        got = run(x, splits, block_rows, rowwise, variant, outs)
+                        got = run(x, splits, block, rowwise, variant, outs)
                         row["mismatches"] = mismatches(got, want)
-                        ms = median_ms(lambda: run(x, splits, block_rows, rowwise, variant, outs), 10, args.rep)
+                        ms = median_ms(lambda: run(x, splits, block, rowwise, variant, outs), 10, args.rep)
                         row.update(ms=round(ms, 4), gbps=round(nbytes(x, got) / ms / 1e6, 1),
                                    frac_copy=round(nbytes(x, got) / ms / 1e6 / copy, 3))
                         del got

@@ -29,7 +29,8 @@ import torch
 import triton
 
 from qmoe.kernels import _gluon_sm90 as sm90
-from qmoe.kernels._arith import abs_bits, bits_to_float, cast_codes, fp8_scale_from_amax, reciprocal
+from qmoe.kernels._arith import (abs_bits, bits_to_float, cast_codes, exp2_int, fp8_scale_from_amax, mx_exponent,
+                                reciprocal)
 from qmoe.kernels._launch import num_sms
 from qmoe.kernels._layout import group_pow2
 
@@ -38,11 +39,13 @@ from qmoe.kernels._gluon_sm90 import gluon
 if gluon is not None:
     from qmoe.kernels._gluon_sm90 import TensorDescriptor, gl, mbarrier
 
+    MX_BLOCK = gl.constexpr(32)  # values per MXFP8 scale block
+
     @gluon.jit
-    def _group_table(splits_ptr, G, BM: gl.constexpr, GP: gl.constexpr, GROUPED: gl.constexpr,
+    def _group_table(splits_ptr, G, BM: gl.constexpr, SB: gl.constexpr, GP: gl.constexpr, GROUPED: gl.constexpr,
                      WARPS: gl.constexpr):
-        """Per group: index, first row, rows, row tiles, cumulative row tiles (all zero ungrouped:
-        splits_ptr is then never read)."""
+        """Per group: index, first row, rows, row tiles, cumulative row tiles, first SB-row scale
+        block (all zero ungrouped: splits_ptr is then never read)."""
         SPT: gl.constexpr = GP // 32 if GP >= 32 else 1
         layout: gl.constexpr = gl.BlockedLayout([SPT], [32], [WARPS], [0])  # replicated over warps
         gi = gl.arange(0, GP, layout=layout)
@@ -50,30 +53,34 @@ if gluon is not None:
         starts = gl.associative_scan(sizes, 0, sm90.add) - sizes
         tiles = gl.cdiv(sizes, BM)
         tile_end = gl.associative_scan(tiles, 0, sm90.add)
-        return gi, starts, sizes, tiles, tile_end
+        blocks = gl.cdiv(sizes, SB)
+        return gi, starts, sizes, tiles, tile_end, gl.associative_scan(blocks, 0, sm90.add) - blocks
 
     @gluon.jit
-    def _locate(t, nk, M, gi, starts, sizes, tiles, tile_end, BM: gl.constexpr, GROUPED: gl.constexpr):
-        """Tile t (row tiles walked along K first) -> (first row, end row of its group, row tile,
-        column tile). Row tiles start afresh at every group, as the scale blocks along M do, so a
-        tile's row tile is also its scale block along M."""
+    def _locate(t, nk, M, gi, starts, sizes, tiles, tile_end, first_block, BM: gl.constexpr, SB: gl.constexpr,
+                GROUPED: gl.constexpr):
+        """Tile t (row tiles walked along K first) -> (first row, end row of its group, first SB-row
+        scale block, column tile). Row tiles and scale blocks along M start afresh at every group."""
         vt = t // nk
         kt = t % nk
         if GROUPED:
             g = gl.sum((tile_end <= vt).to(gl.int32), 0)
             sel = gi == g
             start = gl.sum(gl.where(sel, starts, 0), 0)
-            row0 = start + (vt - gl.sum(gl.where(sel, tile_end - tiles, 0), 0)) * BM
+            local = (vt - gl.sum(gl.where(sel, tile_end - tiles, 0), 0)) * BM
+            row0 = start + local
             row_end = start + gl.sum(gl.where(sel, sizes, 0), 0)
+            sblk = gl.sum(gl.where(sel, first_block, 0), 0) + local // SB
         else:
             row0 = vt * BM
             row_end = M
-        return row0, row_end, vt, kt
+            sblk = vt * (BM // SB)
+        return row0, row_end, sblk, kt
 
     @gluon.jit
     def _issue(desc, bufs, ready, t, slot, nk, M, gi, starts, sizes, tiles, tile_end, BM: gl.constexpr,
                BK: gl.constexpr, GROUPED: gl.constexpr):
-        row0, _, _, kt = _locate(t, nk, M, gi, starts, sizes, tiles, tile_end, BM, GROUPED)
+        row0, _, _, kt = _locate(t, nk, M, gi, starts, sizes, tiles, tile_end, tiles, BM, BM, GROUPED)
         mbarrier.expect(ready.index(slot), desc.block_type.nbytes)
         sm90.tma_load(desc, [row0, kt * BK], ready.index(slot), bufs.index(slot))
 
@@ -261,6 +268,76 @@ if gluon is not None:
                 _write_column_runs(col_stage.slice(half * BM, BM, dim=1), 2 * w0 + half, 2, K, col_ptr, row0, row_end,
                                    M, BM, num_warps)
 
+    @gluon.jit
+    def _mx_multiplier(amax, FMT_MAX: gl.constexpr, EMAX: gl.constexpr, ROUND_UP: gl.constexpr):
+        """(2^-b for each block amax, NaN for a NaN block; the E8M0 byte b + 127), as the Triton kernel."""
+        b = mx_exponent(amax, FMT_MAX, EMAX, ROUND_UP)
+        return gl.where(b == 128, amax, exp2_int(-b)), (b + 127).to(gl.uint8)
+
+    @gluon.jit
+    def _cast_tile_mx(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M, K,
+                      stride_rs, stride_cs, FMT_MAX: gl.constexpr, OUT_DTYPE: gl.constexpr, EMAX: gl.constexpr,
+                      ROUND_UP: gl.constexpr, ROWWISE: gl.constexpr, COLWISE: gl.constexpr, num_warps: gl.constexpr):
+        """MXFP8 of one bf16 tile: an E8M0 exponent per 32 values of a row and per 32 rows of a column,
+        from the tile read as words of two values (see _cast_tile_bf16). Rowwise, a thread holds 4
+        words of a 16-word block (4 lanes a block); columnwise, 32 rows of one word, so a column
+        block's amax never leaves the thread."""
+        BM: gl.constexpr = tile.shape[0]
+        BW: gl.constexpr = tile.shape[1] // 2  # words per tile row
+        NB: gl.constexpr = BW * 2 // MX_BLOCK  # blocks per tile row
+        WB: gl.constexpr = MX_BLOCK // 2  # words per block
+        RB: gl.constexpr = BM // MX_BLOCK  # blocks per tile column
+        plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
+        w0 = kt * BW
+        if ROWWISE:
+            # [rows, blocks, words of the block]
+            row_l: gl.constexpr = gl.BlockedLayout([1, 1, WB // 4], [32 // (NB * 4), NB, 4], [num_warps, 1, 1],
+                                                   [2, 1, 0])
+            wr = tile._reinterpret(gl.int32, [BM, NB, WB], plain).load(row_l)
+            packed_r = gl.reduce(wr & 0x7FFF7FFF, 2, _max_u16x2)
+            amax_r = bits_to_float(gl.maximum(packed_r << 16, packed_r & -65536))  # [BM, NB]
+            mult_r, e_r = _mx_multiplier(amax_r, FMT_MAX, EMAX, ROUND_UP)
+            q = _row_codes(wr, gl.expand_dims(mult_r, 2), OUT_DTYPE)
+            bl2: gl.constexpr = gl.SliceLayout(2, row_l)  # [rows, blocks]
+            wl2: gl.constexpr = gl.SliceLayout(0, row_l)  # [blocks, words of the block]
+            rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, bl2))
+            words = (w0 + gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(1, wl2)), 1) * WB
+                     + gl.expand_dims(gl.arange(0, WB, layout=gl.SliceLayout(0, wl2)), 0))
+            row_pairs = row_ptr.to(gl.pointer_type(gl.int16))
+            rows3 = gl.expand_dims(gl.expand_dims(rows.to(gl.int64), 1), 2)
+            gl.store(row_pairs + rows3 * (K // 2) + gl.expand_dims(words, 0), q,
+                     mask=(rows3 < row_end) & gl.expand_dims(words < K // 2, 0))
+            kb = kt * NB + gl.arange(0, NB, layout=gl.SliceLayout(0, bl2))
+            gl.store(row_s_ptr + gl.expand_dims(rows.to(gl.int64), 1) * stride_rs + gl.expand_dims(kb, 0), e_r,
+                     mask=gl.expand_dims(rows < row_end, 1) & gl.expand_dims(kb * MX_BLOCK < K, 0))
+        if COLWISE:
+            # [row blocks, rows of the block, words]: a thread holds a block's rows of one word
+            col_l: gl.constexpr = gl.BlockedLayout([1, MX_BLOCK, 1], [1, 1, 32], [RB, 1, num_warps // RB], [1, 2, 0])
+            wc = tile._reinterpret(gl.int32, [RB, MX_BLOCK, BW], plain).load(col_l)
+            cl2: gl.constexpr = gl.SliceLayout(1, col_l)  # [row blocks, words]
+            rl2: gl.constexpr = gl.SliceLayout(2, col_l)  # [row blocks, rows of the block]
+            rb = gl.arange(0, RB, layout=gl.SliceLayout(1, cl2))
+            rows = (row0 + gl.expand_dims(gl.arange(0, RB, layout=gl.SliceLayout(1, rl2)), 1) * MX_BLOCK
+                    + gl.expand_dims(gl.arange(0, MX_BLOCK, layout=gl.SliceLayout(0, rl2)), 0))
+            magnitude = gl.expand_dims(gl.where(rows < row_end, 0x7FFF7FFF, 0), 2)  # rows of the group only
+            packed_c = gl.reduce(wc & magnitude, 1, _max_u16x2)  # [RB, BW]
+            mult_lo, e_lo = _mx_multiplier(bits_to_float(packed_c << 16), FMT_MAX, EMAX, ROUND_UP)
+            mult_hi, e_hi = _mx_multiplier(bits_to_float(packed_c & -65536), FMT_MAX, EMAX, ROUND_UP)
+            even = 2 * (w0 + gl.arange(0, BW, layout=gl.SliceLayout(0, cl2)))  # column of each low half
+            s_ptrs = col_s_ptr + gl.expand_dims(even.to(gl.int64), 0) * stride_cs + sblk + gl.expand_dims(rb, 1)
+            s_ok = gl.expand_dims(row0 + rb * MX_BLOCK < row_end, 1) & gl.expand_dims(even < K, 0)
+            gl.store(s_ptrs, e_lo, mask=s_ok)
+            gl.store(s_ptrs + stride_cs, e_hi, mask=s_ok)  # K is even: the high half's column is in range
+            lo, hi = _bf16_pairs_to_float(wc)
+            q_lo = gl.reshape(cast_codes(lo * gl.expand_dims(mult_lo, 1), FMT_MAX, OUT_DTYPE), [BM, BW])
+            q_hi = gl.reshape(cast_codes(hi * gl.expand_dims(mult_hi, 1), FMT_MAX, OUT_DTYPE), [BM, BW])
+            col_stage.slice(0, BM, dim=1).permute([1, 0]).store(q_lo)
+            col_stage.slice(BM, BM, dim=1).permute([1, 0]).store(q_hi)
+            gl.thread_barrier()
+            for half in gl.static_range(2):
+                _write_column_runs(col_stage.slice(half * BM, BM, dim=1), 2 * w0 + half, 2, K, col_ptr, row0, row_end,
+                                   M, BM, num_warps)
+
     # M stays specialised: as the columnwise copy's row stride, its divisibility by 16 lets the
     # columnwise codes leave as 16-byte vectors
     @gluon.jit(do_not_specialize=["G"])
@@ -270,9 +347,10 @@ if gluon is not None:
                               BLOCK_2D: gl.constexpr, ROWWISE: gl.constexpr, COLWISE: gl.constexpr,
                               GROUPED: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
                               NUM_PROGRAMS: gl.constexpr, VEC: gl.constexpr, PACKED: gl.constexpr,
+                              MX: gl.constexpr, EMAX: gl.constexpr, ROUND_UP: gl.constexpr,
                               num_warps: gl.constexpr):
-        """One 128 x 128 tile (= one 128-wide scale block each way) per trip of a persistent loop
-        (see the module docstring)."""
+        """One 128 x 128 tile (FP8 block: one 128-wide scale block each way; MX: 32-wide E8M0 blocks)
+        per trip of a persistent loop (see the module docstring)."""
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
@@ -281,13 +359,14 @@ if gluon is not None:
             mbarrier.init(ready.index(i), count=1)
         # the tile's columnwise codes on their way out: a row per column (bf16: per pair of columns)
         stage_l: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, order=[1, 0])
-        if PACKED:
+        if PACKED or MX:
             col_stage = gl.allocate_shared_memory(gl.uint8, [BK // 2, 2 * BM], stage_l)
         else:
             col_stage = gl.allocate_shared_memory(gl.uint8, [BK, BM], stage_l)
 
         nk = gl.cdiv(K, BK)
-        gi, starts, sizes, tiles, tile_end = _group_table(splits_ptr, G, BM, GP, GROUPED, num_warps)
+        SB: gl.constexpr = MX_BLOCK if MX else BM  # rows per scale block along M
+        gi, starts, sizes, tiles, tile_end, first_block = _group_table(splits_ptr, G, BM, SB, GP, GROUPED, num_warps)
         if GROUPED:
             total = gl.sum(tiles, 0) * nk
         else:
@@ -308,9 +387,12 @@ if gluon is not None:
             slot = i % STAGES
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             tile = bufs.index(slot)
-            row0, row_end, sblk, kt = _locate(pid + i * NUM_PROGRAMS, nk, M, gi, starts, sizes, tiles, tile_end, BM,
-                                              GROUPED)
-            if PACKED:
+            row0, row_end, sblk, kt = _locate(pid + i * NUM_PROGRAMS, nk, M, gi, starts, sizes, tiles, tile_end,
+                                              first_block, BM, SB, GROUPED)
+            if MX:
+                _cast_tile_mx(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M, K,
+                              stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, EMAX, ROUND_UP, ROWWISE, COLWISE, num_warps)
+            elif PACKED:
                 _cast_tile_bf16(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M,
                                 K, eps, stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, POW2, BLOCK_2D, ROWWISE, COLWISE,
                                 num_warps)
@@ -323,21 +405,23 @@ if gluon is not None:
 
 
 _TILE = 128
+MX_VALUES = 32  # values per MXFP8 scale block (MX_BLOCK in the kernel)
 # What fp8_block_op dispatches to: stages of the TMA ring, warps per program, programs per SM.
 DISPATCH = dict(stages=2, warps=8, per_sm=1)
 
 
-def unsupported(x: torch.Tensor, block_cols: int, fused_activation: bool) -> str | None:
+def unsupported(x: torch.Tensor, block_cols: int, fused_activation: bool, mx: bool = False) -> str | None:
     """Why this kernel cannot quantize x (None: it can): it needs Gluon on an sm90 GPU, 128-wide
-    blocks, no fused activation, and x's rows TMA-aligned. QMOE_BLOCK_CAST=triton turns it off."""
+    FP8 blocks (mx: 32-value MXFP8 blocks of bf16), no fused activation, and x's rows TMA-aligned.
+    QMOE_BLOCK_CAST=triton turns it off."""
     why = sm90.gluon_unavailable(x.device, "QMOE_BLOCK_CAST")
     if why is not None:
         return why
-    if block_cols != _TILE:
-        return f"{block_cols}-wide blocks (128 only)"
+    if block_cols != (MX_VALUES if mx else _TILE):
+        return f"{block_cols}-wide blocks ({MX_VALUES if mx else _TILE} only)"
     if fused_activation:
         return "a fused activation (the Triton kernel applies it as it loads)"
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if x.dtype not in ((torch.bfloat16,) if mx else (torch.bfloat16, torch.float16, torch.float32)):
         return f"input dtype {x.dtype}"
     if not sm90.tma_aligned(x):
         return "x's rows are not contiguous and 16-byte aligned (TMA)"
@@ -367,13 +451,29 @@ def launch_dispatched(x: torch.Tensor, splits, num_groups: int, two_d: bool, blo
     return sm90.launch_once(FAILED, key, "FP8 block cast", go) is True
 
 
+def launch_dispatched_mx(x: torch.Tensor, splits, num_groups: int, block: int, fused_activation: bool, out_code,
+                         fmt_max: float, emax: int, round_up: bool, rowwise: bool, row, row_s, col, col_s) -> bool:
+    """launch_dispatched for mxfp8_op: MXFP8 of a bf16 x, columnwise and optionally rowwise."""
+    if unsupported(x, block, fused_activation, mx=True) is not None:
+        return False
+
+    def go():
+        launch(x, splits, num_groups, False, out_code, fmt_max, False, 0.0, rowwise, True, row, row_s, col, col_s,
+               mx=(emax, round_up), **DISPATCH)
+        return True
+
+    return sm90.launch_once(FAILED, ("mx", splits is not None, rowwise), "MXFP8 cast", go) is True
+
+
 def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_max: float,
            power_2_scale: bool, amax_epsilon: float, rowwise: bool, columnwise: bool, row, row_s, col, col_s, *,
            stages: int = 3, warps: int = 8, per_sm: int = 1, maxnreg: int | None = None,
-           programs: int | None = None, packed: bool = True) -> None:
+           programs: int | None = None, packed: bool = True, mx: tuple[int, bool] | None = None) -> None:
     """Fill fp8_block_op's outputs (allocated by it, same layouts) for an [M, K] x; out_code is
     the codes' Triton FP8 dtype; maxnreg caps registers (two programs per SM need <= 128 at 8 warps);
-    packed=False reads bf16 as fp32 as the other dtypes are (same bits, for comparison)."""
+    packed=False reads bf16 as fp32 as the other dtypes are (same bits, for comparison). With
+    mx = (emax, round_up), MXFP8 of a bf16 x into mxfp8_op's outputs instead (two_d, power_2_scale
+    and amax_epsilon unused)."""
     m, k = x.shape
     grouped = splits is not None
     upper = -(-m // _TILE) + (num_groups if grouped else 0)
@@ -387,5 +487,6 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
         col_s.stride(0) if col_s.dim() == 2 else 0,
         FMT_MAX=fmt_max, OUT_DTYPE=out_code, POW2=power_2_scale, BLOCK_2D=two_d, ROWWISE=rowwise,
         COLWISE=columnwise, GROUPED=grouped, GP=max(32, group_pow2(num_groups)), STAGES=stages, NUM_PROGRAMS=programs,
-        VEC=16 // x.element_size(), PACKED=packed and x.dtype == torch.bfloat16, num_warps=warps,
+        VEC=16 // x.element_size(), PACKED=packed and x.dtype == torch.bfloat16, MX=mx is not None,
+        EMAX=mx[0] if mx else 0, ROUND_UP=bool(mx and mx[1]), num_warps=warps,
         **({"maxnreg": maxnreg} if maxnreg else {}))

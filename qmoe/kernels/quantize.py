@@ -391,7 +391,10 @@ def mxfp8_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, o
              fmt_max: float, emax: int, round_up: bool, block: int, rowwise: bool, columnwise: bool,
              probs: Optional[torch.Tensor] = None, act: int = NO_ACTIVATION,
              glu_block: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(row [M, K], row_s [M, ceil(K/b)] e8m0, col [K, M], col_s [K, width] e8m0); unrequested: empty."""
+    """(row [M, K], row_s [M, ceil(K/b)] e8m0, col [K, M], col_s [K, width] e8m0); unrequested: empty.
+
+    Calls with a columnwise copy of bf16 run the Gluon kernel of `_cast_transpose_gl` where it
+    applies (same bits; rowwise codes alone stay with the Triton kernel)."""
     m, k = x.shape[0], input_width(x, act)
     grouped = splits is not None
     nkb, width = ceil_div(k, block), scale_width(m, block, num_groups, grouped)
@@ -400,6 +403,11 @@ def mxfp8_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, o
     col = torch.empty((k, m) if columnwise else (0,), dtype=out_dtype, device=dev)
     row_s = torch.empty((m, nkb) if rowwise else (0,), dtype=u8, device=dev)
     col_s = (torch.zeros if grouped else torch.empty)((k, width) if columnwise else (0,), dtype=u8, device=dev)
+    gluon_cast = m * k and columnwise and not is_forced(_mxfp8_kernel)
+    if gluon_cast and _block_cast_gl.launch_dispatched_mx(x, splits, num_groups, block, act != NO_ACTIVATION,
+                                                          _TL_FP8[out_dtype], fmt_max, emax, round_up, rowwise, row,
+                                                          row_s, col, col_s):
+        return row, row_s.view(torch.float8_e8m0fnu), col, col_s.view(torch.float8_e8m0fnu)
     if m * k:
         launch_cast(_mxfp8_kernel, tile_grid(m, k, num_groups, grouped),
                     (x, probs if probs is not None else x, row.view(torch.uint8), row_s, col.view(torch.uint8), col_s,

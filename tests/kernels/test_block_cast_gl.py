@@ -145,6 +145,9 @@ def _fresh_outputs(outs):
         f.view(torch.uint8).fill_(0x5A)
         if t.dtype == torch.float32 and t.numel():  # scale entries no group uses are zero there
             f.copy_(torch.where(t == 0, t, torch.full_like(t, 77.0)))
+        if t.dtype == torch.float8_e8m0fnu and t.numel():  # the same for E8M0 scale bytes
+            b = t.view(torch.uint8)
+            f.view(torch.uint8).copy_(torch.where(b == 0, b, torch.full_like(b, 0x5A)))
         fresh.append(f)
     return fresh
 
@@ -227,3 +230,81 @@ def test_fp8_block_op_asks_the_gluon_cast_for_every_columnwise_copy(monkeypatch)
     op(x, None, 1, 1, 128, torch.float8_e4m3fn, E4M3.max, True, 0.0, True, False)
     op(x, None, 1, 128, 128, torch.float8_e4m3fn, E4M3.max, True, 0.0, True, False)
     assert asked[4:] == ["triton"] * 3
+
+
+# ---------------------------------------------------------------- MXFP8 (bf16 only)
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["round_up", "floor"])
+def test_mxfp8_dispatched_bits_equal_the_reference(mode, launches):
+    """Blocks cut by K (136 = 4.25 blocks), a single row, both orientations and the columnwise copy alone."""
+    from qmoe.contracts.formats import ScaleMode
+    from qmoe.kernels import quantize as K
+    from qmoe.reference import quantize as R
+
+    mode = ScaleMode(mode)
+    cases = ((300, 384, E4M3, True), (129, 136, E5M2, True), (1, 16, E4M3, False), (257, 4096, E5M2, False))
+    for i, (m, k, fmt, rowwise) in enumerate(cases):
+        x = _input(m, k, torch.bfloat16, seed=20 + i)
+        got = K.quantize_mxfp8(x, fmt, mode, rowwise, True)
+        _same(got, R.quantize_mxfp8(x, fmt, mode, rowwise, True), f"mxfp8 {m}x{k} {fmt.name} rowwise={rowwise}")
+        assert len(launches) == i + 1, _gl().FAILED
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("rowwise", [True, False], ids=["both", "col"])
+def test_mxfp8_grouped_bits_equal_the_reference(rowwise, launches):
+    """Groups whose sizes are not multiples of 32 start their 32-row scale blocks afresh."""
+    from qmoe.contracts.formats import ScaleMode
+    from qmoe.kernels import grouped_quantize as KG
+    from qmoe.reference import grouped_quantize as RG
+
+    splits = torch.tensor(SPLITS, device="cuda")
+    x = _input(sum(SPLITS), 264, torch.bfloat16, seed=5)
+    got = KG.grouped_quantize_mxfp8(x, splits, E4M3, ScaleMode.ROUND_UP, rowwise, True)
+    _same(got, RG.grouped_quantize_mxfp8(x, splits, E4M3, ScaleMode.ROUND_UP, rowwise, True), "mxfp8 grouped")
+    assert len(launches) == 1, _gl().FAILED
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("programs,stages,warps", [(1, 2, 8), (5, 4, 4), (7, 3, 4)])
+def test_mxfp8_persistent_programs_walk_every_tile(programs, stages, warps):
+    from qmoe.contracts.formats import ScaleMode
+    from qmoe.kernels import quantize as K
+    from qmoe.kernels._layout import device_splits
+    from qmoe.reference import grouped_quantize as RG
+
+    x = _input(1100, 1000, torch.bfloat16, seed=programs)
+    splits = torch.tensor([200, 0, 517, 383], device="cuda")
+    s = device_splits(splits, x)
+    outs = _fresh_outputs(K.mxfp8_op(x, s, 4, torch.float8_e4m3fn, E4M3.max, E4M3.emax, True, 32, True, True))
+    _gl().launch(x, s, 4, False, K.fp8_meta(E4M3), E4M3.max, False, 0.0, True, True,
+                 *(o.view(torch.uint8) if o.dtype == torch.float8_e8m0fnu else o for o in outs),
+                 stages=stages, warps=warps, programs=programs, mx=(E4M3.emax, True))
+    want = RG.grouped_quantize_mxfp8(x, splits, E4M3, ScaleMode.ROUND_UP, True, True)
+    _same(tuple(outs), want, f"mxfp8: {programs} programs, {stages} stages, {warps} warps")
+
+
+def test_the_mxfp8_cast_is_dispatched_only_where_it_applies(sm90):
+    ct = sm90
+    assert ct.unsupported(_Rows(), 32, False, mx=True) is None
+    assert "32 only" in ct.unsupported(_Rows(), 128, False, mx=True)
+    assert "dtype" in ct.unsupported(_Rows(dtype=torch.float16), 32, False, mx=True)
+    assert "dtype" in ct.unsupported(_Rows(dtype=torch.float32), 32, False, mx=True)
+    assert "activation" in ct.unsupported(_Rows(), 32, True, mx=True)
+    assert "aligned" in ct.unsupported(_Rows(k=260), 32, False, mx=True)
+
+
+def test_mxfp8_op_asks_the_gluon_cast_only_for_a_columnwise_copy(monkeypatch):
+    from qmoe.kernels import quantize as K
+
+    asked = []
+    monkeypatch.setattr(K._block_cast_gl, "launch_dispatched_mx", lambda *args: asked.append(args[9]) or True)
+    monkeypatch.setattr(K, "launch_cast", lambda *args, **kwargs: asked.append("triton"))
+    x = torch.zeros(256, 256, dtype=torch.bfloat16)
+    for rowwise, columnwise in ((True, True), (False, True), (True, False)):
+        K.mxfp8_op(x, None, 1, torch.float8_e4m3fn, E4M3.max, E4M3.emax, True, 32, rowwise, columnwise)
+    assert asked == [True, False, "triton"]
