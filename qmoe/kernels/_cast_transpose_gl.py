@@ -1,10 +1,12 @@
-"""FP8 block quantization with a columnwise copy, through shared memory, in Triton's Gluon dialect
-(private helper of `qmoe/kernels/quantize.py`, whose `fp8_block_op` dispatches every call with a
-columnwise copy here where `unsupported` returns None; otherwise the Triton kernel runs).
+"""FP8 block and MXFP8 quantization with a columnwise copy, through shared memory, in Triton's
+Gluon dialect (private helper of `qmoe/kernels/quantize.py`, whose `fp8_block_op` and `mxfp8_op`
+dispatch every call with a columnwise copy here where `unsupported` returns None; otherwise the
+Triton kernels run).
 
 Same contract and bits as `_fp8_block_kernel`: 1 x 128 blocks (a scale per 128 values of a row,
 and per 128 rows of a column for the columnwise copy) or 128 x 128 blocks (one scale per tile,
-both orientations), optionally per group with device split sizes.
+both orientations), optionally per group with device split sizes; and as `_mxfp8_kernel` for
+bf16 (an E8M0 exponent per 32 values of a row and per 32 rows of a column).
 
 Why a second kernel: the Triton kernel transposes its 128 x 128 tile in registers, and Triton's
 layout conversion of a tile that wide runs far below the copy bandwidth. Here a TMA load puts
@@ -202,7 +204,7 @@ if gluon is not None:
                         BLOCK_2D: gl.constexpr, ROWWISE: gl.constexpr, COLWISE: gl.constexpr,
                         num_warps: gl.constexpr):
         """_cast_tile for bf16, which reads the tile as words of two values: the amaxes are maxima of
-        packed 16-bit magnitudes and the conversions to fp32 are shifts, half the instructions."""
+        packed 16-bit magnitudes and the conversions to fp32 are shifts."""
         BM: gl.constexpr = tile.shape[0]
         BW: gl.constexpr = tile.shape[1] // 2  # words per tile row
         # a thread holds 4 consecutive words of a row / BM // num_warps rows of 2 words

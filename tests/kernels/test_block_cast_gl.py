@@ -1,11 +1,12 @@
-"""The Gluon FP8 block cast (qmoe/kernels/_cast_transpose_gl.py) gives the reference's bits, and
-fp8_block_op dispatches it exactly where it applies.
+"""The Gluon FP8 block and MXFP8 cast (qmoe/kernels/_cast_transpose_gl.py) gives the reference's
+bits, and fp8_block_op / mxfp8_op dispatch it exactly where it applies.
 
 On the GPU: 1x128 and 128x128 blocks, both orientations and the columnwise copy alone, bf16 /
 fp16 / fp32 inputs with NaN and +-inf, rows and columns that are not tile multiples, groups that
 are empty or start off a 16-row boundary (whose columnwise codes take the masked store), and
-persistent programs that loop over many tiles through every slot of the load ring. Gluon has no
-interpreter: the dispatch decision and the fallback are checked on the CPU.
+persistent programs that loop over many tiles through every slot of the load ring; MXFP8 of
+bf16 with both scale modes, blocks cut by K and groups that are not multiples of 32 rows. Gluon
+has no interpreter: the dispatch decisions and the fallbacks are checked on the CPU.
 """
 from __future__ import annotations
 
@@ -296,6 +297,12 @@ def test_the_mxfp8_cast_is_dispatched_only_where_it_applies(sm90):
     assert "dtype" in ct.unsupported(_Rows(dtype=torch.float32), 32, False, mx=True)
     assert "activation" in ct.unsupported(_Rows(), 32, True, mx=True)
     assert "aligned" in ct.unsupported(_Rows(k=260), 32, False, mx=True)
+
+
+def test_a_failed_mxfp8_compile_falls_back_with_one_warning(sm90, monkeypatch):
+    args = (_Rows(), None, 1, 32, False, None, 448.0, 8, True, True, None, None, None, None)
+    assert_a_compile_failure_falls_back_once(monkeypatch, sm90, "launch", lambda: sm90.launch_dispatched_mx(*args),
+                                             False)
 
 
 def test_mxfp8_op_asks_the_gluon_cast_only_for_a_columnwise_copy(monkeypatch):
