@@ -63,9 +63,12 @@ def deinterleave_glu(w: torch.Tensor, block: int) -> torch.Tensor:
 class ActivatedRows(NamedTuple):
     """The rows act(h) * probs[:, None], not computed yet: a quantizer that takes it reads h and
     applies the activation as it loads (the expert MLP's activation fused into the quantization
-    of FC2's input), so the [R, F] activation never goes to memory. Its values are exactly
-    `qmoe.reference.activation.scaled_activation_forward(*rows)` (fp32 math, rounded once to
-    h's dtype); the reference quantizers compute them with `qmoe.reference.activation.rows_of`.
+    of FC2's input), so the [R, F] activation never goes to memory. Its values are exactly those
+    of the activation op on the same backend, `qmoe.ops.activation.activation_forward(*rows)`
+    (fp32 math, rounded once to h's dtype): the kernel's on the kernel path, the reference's
+    (`qmoe.reference.activation.scaled_activation_forward`) on the reference path, two formulas
+    that can differ in the last ulps. The reference quantizers compute them with
+    `qmoe.reference.activation.rows_of`.
     """
 
     h: torch.Tensor

@@ -24,7 +24,7 @@ from qmoe.quant import GroupedTensor
 from qmoe.recipes import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling,
                           NVFP4BlockScaling)
 from qmoe.contracts.carriers import RowsWithAmax
-from qmoe.reference.activation import scaled_activation_forward
+from qmoe.ops.activation import activation_forward
 from qmoe.reference.grouped_quantize import grouped_tensor_amax
 from tests.tolerances import assert_bit_identical, assert_gemm_within_contract
 
@@ -87,12 +87,14 @@ def _bounds(split_sizes) -> list[tuple[int, int]]:
 
 
 def _values(x, split_sizes):
-    """The values a quantize step received: a tensor, act(h) * probs (a fused activation), or the
-    rows of a RowsWithAmax, whose amax (reduced by the rows' producer) must be the groups' own."""
+    """The values a quantize step received: a tensor, act(h) * probs (a fused activation: what the
+    activation op computes on the same backend, which the fused quantizers match bit for bit; the
+    kernel's activation and torch's differ in the last ulps), or the rows of a RowsWithAmax, whose
+    amax (reduced by the rows' producer) must be the groups' own."""
     if isinstance(x, RowsWithAmax):
         assert_bit_identical(x.amax, grouped_tensor_amax(x.rows, split_sizes), "the producer's amax")
         return x.rows
-    return x if isinstance(x, torch.Tensor) else scaled_activation_forward(*x)
+    return x if isinstance(x, torch.Tensor) else activation_forward(*x)
 
 
 def _expected(recipe, step, inputs, path):
