@@ -18,6 +18,8 @@ import sys
 
 import torch
 
+from benchmarks.sweep_block_cast import run
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -36,42 +38,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def outputs(x: torch.Tensor, args: argparse.Namespace):
-    """One call of the public op (the dispatched kernel), returning its outputs."""
-    from qmoe.contracts.formats import E4M3
-    from qmoe.kernels import quantize as K
-
-    rowwise = not args.columnwise_only
-    if args.block == "mx32":
-        return K.mxfp8_op(x, None, 1, torch.float8_e4m3fn, E4M3.max, E4M3.emax, True, 32, rowwise, True)
-    return K.fp8_block_op(x, None, 1, 128 if args.block == "128x128" else 1, 128, torch.float8_e4m3fn, E4M3.max,
-                          True, 0.0, rowwise, True)
-
-
-def fp32_reads(x: torch.Tensor, args: argparse.Namespace, outs) -> None:
-    """The Gluon kernel reading bf16 as fp32, into `outs` (the op's outputs), dispatched config."""
-    from qmoe.contracts.formats import E4M3
-    from qmoe.kernels import _cast_transpose_gl as ct
-    from qmoe.kernels import quantize as K
-
-    ct.launch(x, None, 1, args.block == "128x128", K.fp8_meta(E4M3), E4M3.max, True, 0.0, not args.columnwise_only,
-              True, *(o.view(torch.uint8) if o.dtype == torch.float8_e8m0fnu else o for o in outs), packed=False,
-              mx=(E4M3.emax, True) if args.block == "mx32" else None, **ct.DISPATCH)
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
+    from qmoe.kernels import _cast_transpose_gl as ct
+
     x = torch.randn(args.rows, args.cols, device="cuda").to(torch.bfloat16)
-    if args.fp32_reads:
-        outs = outputs(x, args)  # one dispatched launch first: skip one more
+    rowwise = not args.columnwise_only
+    if args.fp32_reads:  # the sweep's Gluon variant: the kernel itself into the op's outputs
+        outs = run(x, None, args.block, rowwise)  # one dispatched launch first: skip one more
         for _ in range(args.calls):
-            fp32_reads(x, args, outs)
+            run(x, None, args.block, rowwise, dict(ct.DISPATCH, packed=False), outs)
     else:
         for _ in range(args.calls):
-            outputs(x, args)
+            run(x, None, args.block, rowwise)
     torch.cuda.synchronize()
     return 0
 

@@ -38,10 +38,12 @@ from qmoe.kernels._layout import group_pow2
 
 from qmoe.kernels._gluon_sm90 import gluon
 
+MX_VALUES = 32  # values per MXFP8 scale block
+
 if gluon is not None:
     from qmoe.kernels._gluon_sm90 import TensorDescriptor, gl, mbarrier
 
-    MX_BLOCK = gl.constexpr(32)  # values per MXFP8 scale block
+    MX_BLOCK = gl.constexpr(MX_VALUES)
 
     @gluon.jit
     def _group_table(splits_ptr, G, BM: gl.constexpr, SB: gl.constexpr, GP: gl.constexpr, GROUPED: gl.constexpr,
@@ -407,7 +409,6 @@ if gluon is not None:
 
 
 _TILE = 128
-MX_VALUES = 32  # values per MXFP8 scale block (MX_BLOCK in the kernel)
 # What fp8_block_op dispatches to: stages of the TMA ring, warps per program, programs per SM.
 DISPATCH = dict(stages=2, warps=8, per_sm=1)
 
@@ -475,8 +476,9 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
     the codes' Triton FP8 dtype; maxnreg caps registers (two programs per SM need <= 128 at 8 warps);
     packed=False reads bf16 as fp32 as the other dtypes are (same bits, for comparison). With
     mx = (emax, round_up), MXFP8 of a bf16 x into mxfp8_op's outputs instead (two_d, power_2_scale
-    and amax_epsilon unused)."""
+    and amax_epsilon unused; its E8M0 scales as bytes or as float8_e8m0fnu views)."""
     m, k = x.shape
+    row_s, col_s = (s.view(torch.uint8) if s.dtype == torch.float8_e8m0fnu else s for s in (row_s, col_s))
     grouped = splits is not None
     upper = -(-m // _TILE) + (num_groups if grouped else 0)
     if programs is None:

@@ -76,6 +76,11 @@ def scale_rows_desc(steps_major: torch.Tensor):
     return TensorDescriptor(steps_major, list(steps_major.shape), list(steps_major.stride()), [1, 128], layout)
 
 
+def stand_in_scale_desc(like: torch.Tensor):
+    """A scale_rows_desc for a kernel compiled without streamed scales, which never reads it."""
+    return scale_rows_desc(like.new_empty((1, 128), dtype=torch.float32))
+
+
 @functools.lru_cache(maxsize=None)
 def is_sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)

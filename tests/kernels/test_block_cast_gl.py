@@ -282,8 +282,7 @@ def test_mxfp8_persistent_programs_walk_every_tile(programs, stages, warps):
     splits = torch.tensor([200, 0, 517, 383], device="cuda")
     s = device_splits(splits, x)
     outs = _fresh_outputs(K.mxfp8_op(x, s, 4, torch.float8_e4m3fn, E4M3.max, E4M3.emax, True, 32, True, True))
-    _gl().launch(x, s, 4, False, K.fp8_meta(E4M3), E4M3.max, False, 0.0, True, True,
-                 *(o.view(torch.uint8) if o.dtype == torch.float8_e8m0fnu else o for o in outs),
+    _gl().launch(x, s, 4, False, K.fp8_meta(E4M3), E4M3.max, False, 0.0, True, True, *outs,
                  stages=stages, warps=warps, programs=programs, mx=(E4M3.emax, True))
     want = RG.grouped_quantize_mxfp8(x, splits, E4M3, ScaleMode.ROUND_UP, True, True)
     _same(tuple(outs), want, f"mxfp8: {programs} programs, {stages} stages, {warps} warps")
