@@ -4,7 +4,7 @@ of qmoe/kernels/_block_gemm_ws.py where it applies), the Gluon kernel's other sc
 tiles, and the dense F.scaled_mm peer, side by side at DeepSeek-V3 FC1 (fprop, even and uneven
 splits; dgrad), FC2 fprop and Mixtral FC1 fprop; and wgrad (k-grouped, both operands 1x128-scaled
 along the tokens) at DeepSeek-V3 FC1 / FC2 and Mixtral FC1: the Triton kernel against the
-warp-specialised Gluon kernel of qmoe/kernels/_block_wgrad_ws.py.
+warp-specialised Gluon kernel of qmoe/kernels/_block_wgrad_ws.py, and at Qwen3 FC1's 128 small groups.
 
 Every variant is checked against the current kernel's bf16 output (max abs / rel difference,
 bit equality, and NUMERICS.md's GEMM bound ||out - ref|| / ||ref|| <= 1e-3 against the same
@@ -32,13 +32,15 @@ SHAPES = {  # name: (experts, mean rows per expert, K, N) as in benchmarks/bench
     "dsv3-fc1": (32, 2048, 7168, 4096),
     "dsv3-fc2": (32, 2048, 2048, 7168),
     "mixtral-fc1": (8, 4096, 4096, 28672),
+    "qwen3-fc1": (128, 512, 2048, 1536),
 }
 CASES = [("dsv3-fc1", "fprop", "uneven"), ("dsv3-fc1", "dgrad", "uneven"), ("dsv3-fc1", "wgrad", "uneven"),
          ("dsv3-fc2", "fprop", "uneven"), ("mixtral-fc1", "fprop", "uneven"), ("dsv3-fc1", "fprop", "even"),
          ("dsv3-fc1", "wgrad", "uneven16"), ("dsv3-fc1", "wgrad", "even"), ("dsv3-fc2", "wgrad", "uneven16"),
          ("mixtral-fc1", "wgrad", "uneven16"), ("dsv3-fc1", "fprop", "uneven16"), ("dsv3-fc1", "dgrad", "uneven16"),
-         ("dsv3-fc2", "fprop", "uneven16"), ("mixtral-fc1", "fprop", "uneven16")]
-TINY = {"dsv3-fc1": (4, 100, 256, 256), "dsv3-fc2": (4, 100, 256, 256), "mixtral-fc1": (2, 150, 256, 384)}
+         ("dsv3-fc2", "fprop", "uneven16"), ("mixtral-fc1", "fprop", "uneven16"), ("qwen3-fc1", "wgrad", "uneven16")]
+TINY = {"dsv3-fc1": (4, 100, 256, 256), "dsv3-fc2": (4, 100, 256, 256), "mixtral-fc1": (2, 150, 256, 384),
+        "qwen3-fc1": (6, 60, 256, 128)}
 PAD_ROWS = 48  # rows past the last group (static buffers): written as zeros; tokens stay a multiple of 16 (TMA)
 
 
@@ -71,13 +73,13 @@ def wgrad_variants():
     "dispatched" what k_grouped_gemm runs now (the Gluon kernel of qmoe/kernels/_block_wgrad_ws.py
     where it applies), then the Gluon kernel's schedules and stage counts."""
     v = {"current": None, "dispatched": None}
-    for pipe, stages, group_m, tail_tma in ((0, 4, 8, True), (0, 4, 8, False), (1, 4, 8, False), (0, 3, 8, True),
-                                            (0, 4, 16, True)):
-        v[f"gluon-wg pipe{pipe} s{stages} gm{group_m}{' tail-tma' if tail_tma else ''}"] = dict(
-            kind="wg", pipe=pipe, stages=stages, group_m=group_m, tail_tma=tail_tma)
-    for pipe, tail_tma in ((0, True), (0, False), (1, False)):  # the step-major scales streamed by TMA
-        v[f"gluon-wg pipe{pipe} s4 gm8{' tail-tma' if tail_tma else ''} scales-tma"] = dict(
-            kind="wg", pipe=pipe, stages=4, group_m=8, tail_tma=tail_tma, scales_tma=True)
+    for pipe, stages, group_m, tail in ((0, 4, 8, "desc"), (0, 4, 8, "loads"), (1, 4, 8, "loads"), (0, 3, 8, "desc"),
+                                        (0, 4, 16, "desc")):
+        v[f"gluon-wg pipe{pipe} s{stages} gm{group_m} tail-{tail}"] = dict(
+            kind="wg", pipe=pipe, stages=stages, group_m=group_m, tail=tail)
+    for pipe, tail in ((0, "desc"), (0, "loads"), (1, "loads"), (1, "desc")):  # the step-major scales by TMA
+        v[f"gluon-wg pipe{pipe} s4 gm8 tail-{tail} scales-tma"] = dict(
+            kind="wg", pipe=pipe, stages=4, group_m=8, tail=tail, scales_tma=True)
     return v
 
 

@@ -22,14 +22,19 @@ each step's 128 row scales and 128 column scales with the step's codes into the 
 the consumers read them from shared memory straight into the MMA's row and column layouts.
 
 A group's tokens start anywhere (groups are padded to the recipe's `align_size`, not to 128), so
-its last step may be partial, and TMA cannot stop at a group's end. Two ways, the same bits:
-TAIL_TMA loads that step like the others (its box runs into the next group's tokens) and each
-consumer zeroes those tokens in its own rows of A in place and in its own copy of B; otherwise
-the consumers read that step themselves, masked loads of their A rows and of the whole B tile
-(zeros past the end, as the Triton kernel reads them) into private buffers. A TMA
-load that starts off a 16-byte boundary stops the GPU with an illegal instruction
+its last step may be partial, and a TMA box of the whole operand runs on into the next group's
+tokens there. TAIL picks how those tokens become zeros; the same bits either way:
+- "desc": the producer loads the partial step through descriptors of the group's own tokens,
+  made on the device once per group (`tma.make_tensor_descriptor`), and TMA fills the box past
+  the group's end with zeros, as it does past a tensor's end: the step costs what a full one
+  does. A program keeps two pairs and alternates between them, and before it rewrites one it
+  waits until the last load through it has landed: a load still in flight may read its
+  descriptor late.
+- "loads": the consumers read that step themselves, masked loads of their A rows and of the
+  whole B tile into private buffers.
+A TMA load that starts off a 16-byte boundary stops the GPU with an illegal instruction
 (docs/performance.md, block wgrad), so a group that starts off one (an `align_size` that is not
-a multiple of 16) takes every step that way: correct, slower.
+a multiple of 16) takes every step through masked loads: correct, slower.
 """
 from __future__ import annotations
 
@@ -57,37 +62,88 @@ if gluon is not None:
         end = gl.load(offs_ptr + g + 1).to(gl.int32)
         return g, pm, pn, start, end - start
 
+    # TAIL: how the partial last step of a group reads zeros past the group's end (module docstring)
+    TAIL_LOADS = gl.constexpr(0)
+    TAIL_DESC = gl.constexpr(1)
+
     @gluon.jit
-    def _tma_steps(start, length, BK: gl.constexpr, TAIL_TMA: gl.constexpr):
+    def _tma_steps(start, length, BK: gl.constexpr, TAIL: gl.constexpr):
         """The group's steps that go through the TMA ring (the producer loads, the consumers take):
-        its full steps, and with TAIL_TMA its partial last one; none for a group starting off 16
-        bytes, which TMA cannot load."""
+        its full steps, and under TAIL_DESC its partial last one; none for a group starting off
+        16 bytes, which TMA cannot load."""
         n = length // BK
-        if TAIL_TMA:
+        if TAIL == TAIL_DESC:
             n = gl.cdiv(length, BK)
         return gl.where(start % 16 == 0, n, 0)
 
     @gluon.jit
+    def _group_descs(a_codes, b_codes, start, length, N, K, stride_an, stride_bk, a_desc, b_desc):
+        """TMA descriptors of A's and B's tokens of one group: boxes read zeros past its end."""
+        ga = tma.make_tensor_descriptor(a_codes + start, [N, length], [stride_an, 1], a_desc.block_type.shape,
+                                        a_desc.layout)
+        gb = tma.make_tensor_descriptor(b_codes + start, [K, length], [stride_bk, 1], b_desc.block_type.shape,
+                                        b_desc.layout)
+        return ga, gb
+
+    @gluon.jit
+    def _landed(full, last, it, STAGES: gl.constexpr):
+        """Wait until load `last` has landed, unless it is no load (-1) or its stage has been
+        refilled since (the producer refills a stage only after it was consumed)."""
+        if last >= 0 and it - last < STAGES:
+            mbarrier.wait(full.index(last % STAGES), (last // STAGES) & 1)
+
+    @gluon.jit
     def _producer(a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, full, empty, offs_ptr,
-                  soffs_a_ptr, soffs_b_ptr, total_tiles, per_group, num_m, num_n,
-                  BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
-                  STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, TAIL_TMA: gl.constexpr, SCALES_TMA: gl.constexpr):
-        """One warp: TMA loads of every tile's full 128-token steps into the stage ring (with
-        SCALES_TMA, each step's row of both operands' step-major scales too)."""
+                  soffs_a_ptr, soffs_b_ptr, a_codes, b_codes, total_tiles, per_group, num_m, num_n, N, K, stride_an,
+                  stride_bk, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
+                  STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, TAIL: gl.constexpr, SCALES_TMA: gl.constexpr):
+        """One warp: TMA loads of every tile's 128-token steps into the stage ring (with
+        SCALES_TMA, each step's row of both operands' step-major scales too); under TAIL_DESC a
+        group's partial step through the group's own descriptors, two pairs in turn."""
         nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
         s_nbytes: gl.constexpr = sa_desc.block_type.nbytes + sb_desc.block_type.nbytes if SCALES_TMA else 0
         it = 0
+        ga0 = a_desc  # pair 0 and pair 1 of group descriptors (the operands' own until first made)
+        gb0 = b_desc
+        ga1 = a_desc
+        gb1 = b_desc
+        cur = -1  # the group the newer pair was made for
+        pair = 1
+        last0 = -1  # the last load through each pair
+        last1 = -1
         for t in range(gl.program_id(0), total_tiles, NUM_PROGRAMS):
             g, pm, pn, start, length = _tile_of(t, offs_ptr, per_group, num_m, num_n, GROUP_M)
             if SCALES_TMA:
                 step_a = gl.load(soffs_a_ptr + g).to(gl.int32)
                 step_b = gl.load(soffs_b_ptr + g).to(gl.int32)
-            for ki in range(_tma_steps(start, length, BK, TAIL_TMA)):
+            nk = _tma_steps(start, length, BK, TAIL)
+            if TAIL == TAIL_DESC and nk * BK > length and g != cur:  # a new group with a partial step
+                pair = 1 - pair
+                cur = g
+                if pair == 0:
+                    _landed(full, last0, it, STAGES)
+                    ga0, gb0 = _group_descs(a_codes, b_codes, start, length, N, K, stride_an, stride_bk, a_desc,
+                                            b_desc)
+                else:
+                    _landed(full, last1, it, STAGES)
+                    ga1, gb1 = _group_descs(a_codes, b_codes, start, length, N, K, stride_an, stride_bk, a_desc,
+                                            b_desc)
+            for ki in range(nk):
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
                 mbarrier.expect(full.index(s), nbytes + s_nbytes)
-                sm90.tma_load(a_desc, [pm * BM, start + ki * BK], full.index(s), a_bufs.index(s))
-                sm90.tma_load(b_desc, [pn * BN, start + ki * BK], full.index(s), b_bufs.index(s))
+                if TAIL == TAIL_DESC and (ki + 1) * BK > length:  # zeros past the group's end
+                    if pair == 0:
+                        sm90.tma_load(ga0, [pm * BM, ki * BK], full.index(s), a_bufs.index(s))
+                        sm90.tma_load(gb0, [pn * BN, ki * BK], full.index(s), b_bufs.index(s))
+                        last0 = it
+                    else:
+                        sm90.tma_load(ga1, [pm * BM, ki * BK], full.index(s), a_bufs.index(s))
+                        sm90.tma_load(gb1, [pn * BN, ki * BK], full.index(s), b_bufs.index(s))
+                        last1 = it
+                else:
+                    sm90.tma_load(a_desc, [pm * BM, start + ki * BK], full.index(s), a_bufs.index(s))
+                    sm90.tma_load(b_desc, [pn * BN, start + ki * BK], full.index(s), b_bufs.index(s))
                 if SCALES_TMA:
                     sm90.tma_load(sa_desc, [step_a + ki, pm * BM], full.index(s), sa_bufs.index(s))
                     sm90.tma_load(sb_desc, [step_b + ki, pn * BN], full.index(s), sb_bufs.index(s))
@@ -139,17 +195,6 @@ if gluon is not None:
                                                        layout, smem.dtype))
 
     @gluon.jit
-    def _mask_tokens(src, dst, valid, layout: gl.constexpr):
-        """dst = src ([R, BK] codes in shared memory) with the tokens from `valid` on zeroed, 32 rows
-        at a time; each thread writes back exactly what it read, so src may be dst."""
-        R: gl.constexpr = src.shape[0]
-        BK: gl.constexpr = src.shape[1]
-        c = gl.expand_dims(gl.arange(0, BK, layout=gl.SliceLayout(0, layout)), 0)
-        for i in gl.static_range(R // 32):
-            x = src.slice(i * 32, 32).load(layout)
-            dst.slice(i * 32, 32).store(gl.where(c < valid, x, gl.zeros_like(x)))
-
-    @gluon.jit
     def _staged_factor(sa_rows, sb_rows, s, HALF: gl.constexpr, HM: gl.constexpr, row_l: gl.constexpr,
                        col_l: gl.constexpr):
         """Stage s's promotion factors from the scale rows the producer loaded with its codes (zero
@@ -158,17 +203,14 @@ if gluon is not None:
 
     @gluon.jit
     def _own_step(acc, a_mine, b_mine, zero, sa_tile, sb_tile, n_rows, n_cols, ki, s_stride_an, s_stride_at,
-                  s_stride_bk, s_stride_bt, sa_rows, sb_rows, s, HALF: gl.constexpr, HM: gl.constexpr,
-                  BN: gl.constexpr, row_l: gl.constexpr, col_l: gl.constexpr, STAGED: gl.constexpr):
+                  s_stride_bk, s_stride_bt, HM: gl.constexpr, BN: gl.constexpr, row_l: gl.constexpr,
+                  col_l: gl.constexpr):
         """Step ki from this consumer's own buffers (just written by its threads): MMA, then
-        promotion, its factors from stage s's scale rows where STAGED."""
+        promotion."""
         fence_async_shared()
         tok = warpgroup_mma(a_mine, b_mine.permute((1, 0)), zero, use_acc=False, is_async=True)
-        if STAGED:
-            fa, fb = _staged_factor(sa_rows, sb_rows, s, HALF, HM, row_l, col_l)
-        else:
-            fa, fb = _factor(sa_tile, sb_tile, n_rows, n_cols, ki, s_stride_an, s_stride_at, s_stride_bk,
-                             s_stride_bt, HM, BN, row_l, col_l)
+        fa, fb = _factor(sa_tile, sb_tile, n_rows, n_cols, ki, s_stride_an, s_stride_at, s_stride_bk, s_stride_bt,
+                         HM, BN, row_l, col_l)
         p = warpgroup_mma_wait(0, deps=(tok, ))
         return _promote(acc, p, fa, fb)
 
@@ -178,7 +220,7 @@ if gluon is not None:
                   stride_an, stride_bk, stride_og, stride_on, s_stride_an, s_stride_at, s_stride_bk, s_stride_bt,
                   HALF: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
                   STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, PIPE: gl.constexpr, ACCUMULATE: gl.constexpr,
-                  TMA_OUT: gl.constexpr, TAIL_TMA: gl.constexpr, SCALES_TMA: gl.constexpr):
+                  TMA_OUT: gl.constexpr, TAIL: gl.constexpr, SCALES_TMA: gl.constexpr):
         """One warpgroup: rows HALF*BM/2.. of each output tile; MMA per step, promotion, epilogue."""
         HM: gl.constexpr = BM // 2
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
@@ -200,29 +242,21 @@ if gluon is not None:
             sa_tile = sa_ptr + row0.to(gl.int64) * s_stride_an + gl.load(soffs_a_ptr + g) * s_stride_at
             sb_tile = sb_ptr + col0.to(gl.int64) * s_stride_bk + gl.load(soffs_b_ptr + g) * s_stride_bt
             aligned = start % 16 == 0
-            nk = _tma_steps(start, length, BK, TAIL_TMA)
+            nk = _tma_steps(start, length, BK, TAIL)
             acc = zero
             if PIPE == 0:  # promote each step after its MMA (the two consumers overlap each other)
                 for ki in range(nk):
                     s = it % STAGES
                     mbarrier.wait(full.index(s), (it // STAGES) & 1)
-                    a_s = a_bufs.index(s).slice(HALF * HM, HM)
-                    valid = length - ki * BK
-                    if valid < BK:  # TAIL_TMA's partial step: zero the next group's tokens (B: an own copy)
-                        _mask_tokens(a_s, a_s, valid, ld)
-                        _mask_tokens(b_bufs.index(s), b_mine, valid, ld)
-                        acc = _own_step(acc, a_s, b_mine, zero, sa_tile, sb_tile, N - row0, K - col0, ki,
-                                        s_stride_an, s_stride_at, s_stride_bk, s_stride_bt, sa_rows, sb_rows, s, HALF,
-                                        HM, BN, row_l, col_l, SCALES_TMA)
+                    tok = warpgroup_mma(a_bufs.index(s).slice(HALF * HM, HM), b_bufs.index(s).permute((1, 0)), zero,
+                                        use_acc=False, is_async=True)
+                    if SCALES_TMA:
+                        fa, fb = _staged_factor(sa_rows, sb_rows, s, HALF, HM, row_l, col_l)
                     else:
-                        tok = warpgroup_mma(a_s, b_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
-                        if SCALES_TMA:
-                            fa, fb = _staged_factor(sa_rows, sb_rows, s, HALF, HM, row_l, col_l)
-                        else:
-                            fa, fb = _factor(sa_tile, sb_tile, N - row0, K - col0, ki, s_stride_an, s_stride_at,
-                                             s_stride_bk, s_stride_bt, HM, BN, row_l, col_l)
-                        p = warpgroup_mma_wait(0, deps=(tok, ))
-                        acc = _promote(acc, p, fa, fb)
+                        fa, fb = _factor(sa_tile, sb_tile, N - row0, K - col0, ki, s_stride_an, s_stride_at,
+                                         s_stride_bk, s_stride_bt, HM, BN, row_l, col_l)
+                    p = warpgroup_mma_wait(0, deps=(tok, ))
+                    acc = _promote(acc, p, fa, fb)
                     mbarrier.arrive(empty.index(s), count=1)
                     it += 1
             else:  # promote step i-1 while step i's MMA runs
@@ -245,22 +279,20 @@ if gluon is not None:
                     it += 1
                 acc = _promote(acc, p, fa, fb)
             if aligned:
-                tail = length - nk * BK  # TAIL_TMA: none left
+                tail = length - nk * BK  # none left unless TAIL_LOADS
                 if tail > 0:  # the group's partial last step: masked loads into this consumer's own buffers
                     t16 = (start // 16) * 16 + nk * BK  # visibly a multiple of 16 to the compiler: vector loads
                     _tail_to_smem(a_ptr, a_mine, row0, N, t16, tail, stride_an, ld)
                     _tail_to_smem(b_ptr, b_mine, col0, K, t16, tail, stride_bk, ld)
                     acc = _own_step(acc, a_mine, b_mine, zero, sa_tile, sb_tile, N - row0, K - col0, nk, s_stride_an,
-                                    s_stride_at, s_stride_bk, s_stride_bt, sa_rows, sb_rows, 0, HALF, HM, BN, row_l,
-                                    col_l, False)
+                                    s_stride_at, s_stride_bk, s_stride_bt, HM, BN, row_l, col_l)
             else:  # TMA cannot start off a 16-byte boundary: every step through masked byte loads
                 for ki in range(gl.cdiv(length, BK)):
                     t0 = start + ki * BK
                     _tail_to_smem(a_ptr, a_mine, row0, N, t0, length - ki * BK, stride_an, ld)
                     _tail_to_smem(b_ptr, b_mine, col0, K, t0, length - ki * BK, stride_bk, ld)
                     acc = _own_step(acc, a_mine, b_mine, zero, sa_tile, sb_tile, N - row0, K - col0, ki, s_stride_an,
-                                    s_stride_at, s_stride_bk, s_stride_bt, sa_rows, sb_rows, 0, HALF, HM, BN, row_l,
-                                    col_l, False)
+                                    s_stride_at, s_stride_bk, s_stride_bt, HM, BN, row_l, col_l)
             if ACCUMULATE:  # the Triton kernel's order: the new sum, then what out held
                 ptrs = (out_ptr + g.to(gl.int64) * stride_og + gl.expand_dims(rows.to(gl.int64) * stride_on, 1)
                         + gl.expand_dims(cols, 0))
@@ -285,13 +317,13 @@ if gluon is not None:
     _SIZES = ["total_tiles", "per_group", "num_m", "num_n", "stride_og", "s_stride_an", "s_stride_bk"]
 
     @gluon.jit(do_not_specialize=_SIZES)
-    def block_wgrad_ws_kernel(a_desc, b_desc, c_desc, sa_desc, sb_desc, a_ptr, b_ptr, out_ptr, offs_ptr, sa_ptr,
-                              sb_ptr, soffs_a_ptr, soffs_b_ptr, total_tiles, per_group, num_m, num_n, N, K,
-                              stride_an, stride_bk, stride_og, stride_on,
+    def block_wgrad_ws_kernel(a_desc, b_desc, c_desc, sa_desc, sb_desc, a_ptr, b_ptr, a_codes, b_codes, out_ptr,
+                              offs_ptr, sa_ptr, sb_ptr, soffs_a_ptr, soffs_b_ptr, total_tiles, per_group, num_m, num_n,
+                              N, K, stride_an, stride_bk, stride_og, stride_on,
                               s_stride_an, s_stride_at, s_stride_bk, s_stride_bt,
                               BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
                               STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, PIPE: gl.constexpr,
-                              ACCUMULATE: gl.constexpr, TMA_OUT: gl.constexpr, TAIL_TMA: gl.constexpr,
+                              ACCUMULATE: gl.constexpr, TMA_OUT: gl.constexpr, TAIL: gl.constexpr,
                               SCALES_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         """out[g] = A[:, tokens of g] @ B[:, tokens of g]^T (see k_grouped_gemm_kernel), FP8 block scaling.
 
@@ -321,22 +353,23 @@ if gluon is not None:
                          num_n, N, K,
                          stride_an, stride_bk, stride_og, stride_on, s_stride_an, s_stride_at, s_stride_bk,
                          s_stride_bt, 0, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, PIPE, ACCUMULATE, TMA_OUT,
-                         TAIL_TMA, SCALES_TMA)),
+                         TAIL, SCALES_TMA)),
             (_consumer, (a_bufs, b_bufs, sa_rows, sb_rows, c_bufs, a_tail, b_tail, full, empty, c_desc, a_ptr, b_ptr,
                          out_ptr, offs_ptr, sa_ptr, sb_ptr, soffs_a_ptr, soffs_b_ptr, total_tiles, per_group, num_m,
                          num_n, N, K,
                          stride_an, stride_bk, stride_og, stride_on, s_stride_an, s_stride_at, s_stride_bk,
                          s_stride_bt, 1, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, PIPE, ACCUMULATE, TMA_OUT,
-                         TAIL_TMA, SCALES_TMA)),
+                         TAIL, SCALES_TMA)),
             (_producer, (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, full, empty, offs_ptr,
-                         soffs_a_ptr, soffs_b_ptr, total_tiles, per_group, num_m, num_n,
-                         BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, TAIL_TMA, SCALES_TMA)),
+                         soffs_a_ptr, soffs_b_ptr, a_codes, b_codes, total_tiles, per_group, num_m, num_n, N, K,
+                         stride_an, stride_bk, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, TAIL, SCALES_TMA)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # What the k-grouped FP8 block GEMM dispatches to (launch_block_wgrad_ws's keywords); the benchmark
 # sweep (benchmarks/sweep_block_gemm.py --wgrad) times the other schedules against it.
-DISPATCH = dict(pipe=0, stages=4, group_m=8, tail_tma=True, scales_tma=True)
+DISPATCH = dict(pipe=0, stages=4, group_m=8, tail="desc", scales_tma=True)
+TAILS = {"loads": 0, "desc": 1}  # the kernel's TAIL values (module docstring)
 # Calls whose kernel failed to compile (a Triton without this Gluon API): they take the Triton kernel.
 FAILED: dict[tuple, str] = {}
 
@@ -395,7 +428,7 @@ def launch_dispatched(a, b, offsets, n: int, k: int, groups: int, out: torch.Ten
 
 def launch_block_wgrad_ws(a, b, offsets: torch.Tensor, n: int, k: int, groups: int, out: torch.Tensor,
                           accumulate: bool = False, *, stages: int = 4, pipe: int = 0, group_m: int = 8,
-                          tail_tma: bool = False, scales_tma: bool = False,
+                          tail: str = "loads", scales_tma: bool = False,
                           programs: int | None = None, consumer_regs: int = 232, producer_regs: int = 40,
                           info: dict | None = None) -> torch.Tensor:
     """out [groups, n, k] (+= with accumulate) of the FP8 block k-grouped GEMM; a [n, T], b [k, T]:
@@ -406,8 +439,9 @@ def launch_block_wgrad_ws(a, b, offsets: torch.Tensor, n: int, k: int, groups: i
     if a.block != (1, 128) or b.block != (1, 128) or a.stride_k != 1 or b.stride_k != 1:
         raise ValueError(f"the TMA block wgrad needs 1x128 token blocks and contiguous tokens "
                          f"(blocks {a.block} x {b.block}, token strides {a.stride_k}, {b.stride_k})")
-    if pipe not in (0, 1) or (tail_tma and pipe != 0):
-        raise ValueError(f"pipe={pipe}, tail_tma={tail_tma}: the wgrad kernel takes pipe 0 or 1, tail_tma with 0")
+    if pipe not in (0, 1) or tail not in TAILS:
+        raise ValueError(f"pipe={pipe}, tail={tail!r}: the wgrad kernel takes pipe 0 or 1 and a tail in "
+                         f"{sorted(TAILS)}")
     tma_out = _tma_out(out, n, k, accumulate)
     if fit_stages(stages, out.dtype, tma_out) < stages:
         raise ValueError(f"{stages} stages with {out.dtype} results exceed shared memory: take fit_stages(...)")
@@ -425,13 +459,13 @@ def launch_block_wgrad_ws(a, b, offsets: torch.Tensor, n: int, k: int, groups: i
         sa, sb = a.scale, b.scale
         sa_desc = sb_desc = sm90.stand_in_scale_desc(out)
         s_strides = (a.s_stride_r, a.s_stride_k, b.s_stride_r, b.s_stride_k)
-    compiled = block_wgrad_ws_kernel[(programs,)](
+    compiled = sm90.with_scratch(a.data.device, lambda: block_wgrad_ws_kernel[(programs,)](
         sm90.desc(a.data, [128, 128]), sm90.desc(b.data, [128, 128]), sm90.desc(flat, [64, 128]), sa_desc, sb_desc,
-        a.data.view(torch.uint8), b.data.view(torch.uint8), out,
+        a.data.view(torch.uint8), b.data.view(torch.uint8), a.data, b.data, out,
         offsets, sa, sb, a.soffs, b.soffs, groups * per_group, per_group, num_m, num_n, n, k,
         a.stride_r, b.stride_r, out.stride(0), out.stride(1), *s_strides,
         BM=128, BN=128, BK=128, GROUP_M=group_m, STAGES=stages, NUM_PROGRAMS=programs, PIPE=pipe,
-        ACCUMULATE=accumulate, TMA_OUT=tma_out, TAIL_TMA=tail_tma, SCALES_TMA=scales_tma, CONSUMER_REGS=consumer_regs,
-        PRODUCER_REGS=producer_regs, num_warps=4)
+        ACCUMULATE=accumulate, TMA_OUT=tma_out, TAIL=TAILS[tail], SCALES_TMA=scales_tma, CONSUMER_REGS=consumer_regs,
+        PRODUCER_REGS=producer_regs, num_warps=4))  # the device-made descriptors (tail="desc") live in its scratch
     kernel_info(compiled, info)
     return out

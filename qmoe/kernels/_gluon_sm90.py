@@ -19,6 +19,7 @@ try:  # Gluon ships with triton >= 3.5; qmoe never needs it (the Triton kernels 
 except (ImportError, AttributeError):  # pragma: no cover - older triton
     gluon = None
 
+import contextvars
 import functools
 import os
 import warnings
@@ -79,6 +80,19 @@ def scale_rows_desc(steps_major: torch.Tensor):
 def stand_in_scale_desc(like: torch.Tensor):
     """A scale_rows_desc for a kernel compiled without streamed scales, which never reads it."""
     return scale_rows_desc(like.new_empty((1, 128), dtype=torch.float32))
+
+
+def with_scratch(device: torch.device, launch):
+    """launch()'s result, with Triton's allocator for the global scratch of kernels that make TMA
+    descriptors on the device: torch's caching allocator (stream-ordered, so CUDA-graph capturable),
+    set in a copy of the caller's context, so an allocator the caller set stays untouched."""
+    import triton
+
+    def run():
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
+        return launch()
+
+    return contextvars.copy_context().run(run)
 
 
 @functools.lru_cache(maxsize=None)
