@@ -10,6 +10,10 @@ For each recipe and role, on bf16 inputs of 65536x7168, 16384x2048 and 32 groups
 - torch_compile_gbps: `torch.compile` of the reference (`qmoe.reference`) doing the same work
   (grouped rows: the compiled per-tensor reference called once per group: the split path).
 
+"current-amax" is current scaling as the MoE layer runs it where the kernel that produced the
+rows reduced their amax (`qmoe.contracts.carriers.RowsWithAmax`): the quantizer only casts.
+The amax is computed before timing, and a dense shape is quantized as one group.
+
 Quantizers whose computation is identical (e.g. delayed-scaling input and weight) are measured
 once. Writes benchmarks/results/quantize.json and prints a table.
 
@@ -29,7 +33,7 @@ import torch
 from benchmarks.harness import copy_gbps, median_ms, run_header, write_results
 
 SHAPES = {"65536x7168": (65536, 7168, None), "16384x2048": (16384, 2048, None), "32x2048x7168": (65536, 7168, 32)}
-RECIPES = ("delayed", "current", "block", "mxfp8", "nvfp4")
+RECIPES = ("delayed", "current", "current-amax", "block", "mxfp8", "nvfp4")
 ROLES = ("input", "weight", "grad_output")
 RESULT = Path(__file__).resolve().parent / "results" / "quantize.json"
 
@@ -37,14 +41,14 @@ RESULT = Path(__file__).resolve().parent / "results" / "quantize.json"
 def make_recipe(name):
     from qmoe.recipes import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling,
                               NVFP4BlockScaling)
-    return {"delayed": DelayedScaling, "current": Float8CurrentScaling, "block": Float8BlockScaling,
-            "mxfp8": MXFP8BlockScaling, "nvfp4": NVFP4BlockScaling}[name]()
+    return {"delayed": DelayedScaling, "current": Float8CurrentScaling, "current-amax": Float8CurrentScaling,
+            "block": Float8BlockScaling, "mxfp8": MXFP8BlockScaling, "nvfp4": NVFP4BlockScaling}[name]()
 
 
-def signature(q) -> tuple:
+def signature(q, recipe: str) -> tuple:
     """What a quantizer computes (two quantizers with one signature run the same kernels)."""
     keys = ("fmt", "block", "power_2_scale", "amax_epsilon", "scale_mode", "block_2d", "rht", "stochastic")
-    return (type(q).__name__,) + tuple(str(getattr(q, k, None)) for k in keys)
+    return (type(q).__name__, recipe == "current-amax") + tuple(str(getattr(q, k, None)) for k in keys)
 
 
 def plan(args):
@@ -63,8 +67,17 @@ def inputs(shape_name, device="cuda"):
     return x, splits
 
 
-def qmoe_call(q, x, splits, both):
+def qmoe_call(q, x, splits, both, recipe: str = ""):
     from qmoe import GroupedTensor
+    if recipe == "current-amax":  # the producer's amax handed over: the call only casts
+        from qmoe.contracts.carriers import RowsWithAmax
+        from qmoe.reference.quantize import group_amax
+
+        if splits is None:
+            splits = torch.tensor([x.shape[0]], device=x.device)
+        offsets = torch.cat([splits.new_zeros(1), splits.cumsum(0)])
+        rows = RowsWithAmax(x, group_amax(x, offsets))
+        return lambda: GroupedTensor.quantize(rows, splits, q, rowwise=True, columnwise=both, validate=False)
     if splits is None:
         return lambda: q.quantize(x, rowwise=True, columnwise=both)
     return lambda: GroupedTensor.quantize(x, splits, q, rowwise=True, columnwise=both, validate=False)
@@ -148,13 +161,13 @@ def warm(args, part: str) -> int:
     jobs = {}
     for shape, recipe, role, both in plan(args):
         q = make_recipe(recipe).quantizer(role)
-        jobs.setdefault((signature(q), both), (recipe, role, both))
+        jobs.setdefault((signature(q, recipe), both), (recipe, role, both))
     for recipe, role, both in list(jobs.values())[i::n]:
         for shape in args.shapes:
             x, splits = inputs(shape)
             with region(recipe):
-                qmoe_call(make_recipe(recipe).quantizer(role), x, splits, both)()
-            if not args.no_peer:
+                qmoe_call(make_recipe(recipe).quantizer(role), x, splits, both, recipe)()
+            if not args.no_peer and recipe != "current-amax":
                 try:
                     peer_call(make_recipe(recipe).quantizer(role), x, splits, both)()
                 except Exception as e:  # measured (and reported) by the main process
@@ -196,7 +209,7 @@ def measure(args) -> list[dict]:
     rows, cache, tensors = [], {}, {}
     for shape, recipe, role, both in plan(args):
         q = make_recipe(recipe).quantizer(role)
-        key = (signature(q), shape, both)
+        key = (signature(q, recipe), shape, both)
         if key not in cache:
             if shape not in tensors:
                 tensors = {shape: inputs(shape)}
@@ -204,13 +217,13 @@ def measure(args) -> list[dict]:
             x, splits = tensors[shape]
             gbps = peer = err = None
             try:
-                call = qmoe_call(q, x, splits, both)
+                call = qmoe_call(q, x, splits, both, recipe)
                 with region(recipe):
                     nbytes = x.numel() * x.element_size() + output_bytes(call())
                     gbps = nbytes / bench_ms(call, args.rep) / 1e6
             except Exception as e:  # keep measuring the rest; the row says what failed
                 err = f"{type(e).__name__}: {e}"[:300]
-            if gbps is not None and not args.no_peer:
+            if gbps is not None and not args.no_peer and recipe != "current-amax":  # the peer measures its amax
                 try:
                     peer = nbytes / bench_ms(peer_call(q, x, splits, both), args.rep) / 1e6
                 except Exception as e:
