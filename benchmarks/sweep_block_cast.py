@@ -3,7 +3,8 @@
 For 1x128 and 128x128 FP8 blocks and MXFP8 (round-up scales), rowwise + columnwise and
 columnwise alone, on bf16 65536x7168 and grouped 32 x 2048 x 7168 (one launch): the Triton
 kernels (autotuned, QMOE_BLOCK_CAST=triton), the dispatched path, and Gluon variants (ring
-stages, warps, programs per SM; bf16 read as packed words or as fp32). Every variant's bytes are
+stages, warps, programs per SM; bf16 read as packed words or as fp32; the columnwise stage's swizzle
+phase). Every variant's bytes are
 checked against the Triton kernel's (NaN sign aside); frac_copy is (input read once + outputs
 written once) / time over the device copy bandwidth.
 
@@ -22,8 +23,9 @@ from benchmarks.harness import copy_gbps, error_line, median_ms, run_header, wri
 from benchmarks.sweep_quantize_tiles import make_input, mismatches, nbytes
 
 SHAPES = {"65536x7168": (65536, 7168, 0), "32x2048x7168": (65536, 7168, 32)}
-VARIANTS = [dict(stages=s, warps=w, per_sm=p, packed=b) for s, w, p, b in
-            ((2, 8, 1, False), (2, 8, 1, True), (3, 8, 1, True), (4, 8, 1, True), (2, 4, 2, True), (2, 16, 1, True))]
+VARIANTS = [dict(stages=s, warps=w, per_sm=p, packed=b, stage_phase=f) for s, w, p, b, f in
+            ((2, 8, 1, False, None), (2, 8, 1, True, None), (2, 8, 1, False, 1), (2, 8, 1, True, 1),
+             (3, 8, 1, True, None))]
 
 
 def run(x, splits, block, rowwise, variant=None, outs=None):
@@ -74,8 +76,9 @@ def main(argv=None) -> int:
                 variants = [v for v in VARIANTS if v["packed"] or block != "mx32"]  # MXFP8: bf16 words only
                 for variant in ["triton", None] + variants:
                     name = {"triton": "triton", None: "dispatched"}.get(variant) if not isinstance(variant, dict) \
-                        else "gluon s{stages} w{warps} x{per_sm}{}".format(
-                        "" if variant["packed"] else " fp32 reads", **variant)
+                        else "gluon s{stages} w{warps} x{per_sm}{}{}".format(
+                        "" if variant["packed"] else " fp32 reads",
+                        "" if variant["stage_phase"] is None else f" stage phase {variant['stage_phase']}", **variant)
                     row = dict(case, variant=name)
                     try:
                         got = run(x, splits, block, rowwise, variant, outs)

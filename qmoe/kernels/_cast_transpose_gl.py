@@ -352,7 +352,7 @@ if gluon is not None:
                               GROUPED: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
                               NUM_PROGRAMS: gl.constexpr, VEC: gl.constexpr, PACKED: gl.constexpr,
                               MX: gl.constexpr, EMAX: gl.constexpr, ROUND_UP: gl.constexpr,
-                              num_warps: gl.constexpr):
+                              STAGE_PHASE: gl.constexpr, num_warps: gl.constexpr):
         """One 128 x 128 tile (FP8 block: one 128-wide scale block each way; MX: 32-wide E8M0 blocks)
         per trip of a persistent loop (see the module docstring)."""
         BM: gl.constexpr = x_desc.block_type.shape[0]
@@ -361,8 +361,10 @@ if gluon is not None:
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-        # the tile's columnwise codes on their way out: a row per column (bf16: per pair of columns)
-        stage_l: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, order=[1, 0])
+        # the tile's columnwise codes on their way out: a row per column (bf16: per pair of columns),
+        # 16-byte chunks swizzled per STAGE_PHASE rows so that the rows one store instruction writes
+        # (every second row from words, every fourth from fp32 reads) fall on distinct banks
+        stage_l: gl.constexpr = gl.SwizzledSharedLayout(16, STAGE_PHASE, 8, order=[1, 0])
         if PACKED or MX:
             col_stage = gl.allocate_shared_memory(gl.uint8, [BK // 2, 2 * BM], stage_l)
         else:
@@ -471,18 +473,23 @@ def launch_dispatched_mx(x: torch.Tensor, splits, num_groups: int, block: int, f
 def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_max: float,
            power_2_scale: bool, amax_epsilon: float, rowwise: bool, columnwise: bool, row, row_s, col, col_s, *,
            stages: int = 3, warps: int = 8, per_sm: int = 1, maxnreg: int | None = None,
-           programs: int | None = None, packed: bool = True, mx: tuple[int, bool] | None = None) -> None:
+           programs: int | None = None, packed: bool = True, mx: tuple[int, bool] | None = None,
+           stage_phase: int | None = None) -> None:
     """Fill fp8_block_op's outputs (allocated by it, same layouts) for an [M, K] x; out_code is
     the codes' Triton FP8 dtype; maxnreg caps registers (two programs per SM need <= 128 at 8 warps);
     packed=False reads bf16 as fp32 as the other dtypes are (same bits, for comparison). With
     mx = (emax, round_up), MXFP8 of a bf16 x into mxfp8_op's outputs instead (two_d, power_2_scale
-    and amax_epsilon unused; its E8M0 scales as bytes or as float8_e8m0fnu views)."""
+    and amax_epsilon unused; its E8M0 scales as bytes or as float8_e8m0fnu views). stage_phase:
+    rows of the columnwise stage per swizzle phase (None: the read path's conflict-free one)."""
     m, k = x.shape
     row_s, col_s = (s.view(torch.uint8) if s.dtype == torch.float8_e8m0fnu else s for s in (row_s, col_s))
     grouped = splits is not None
     upper = -(-m // _TILE) + (num_groups if grouped else 0)
     if programs is None:
         programs = min(upper * -(-k // _TILE), num_sms(x.device) * per_sm)
+    words = packed and x.dtype == torch.bfloat16
+    if stage_phase is None:  # a store instruction writes rows 2 apart (words of bf16), 4 apart (fp32 reads)
+        stage_phase = 2 if words or mx is not None else 4
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=torch.finfo(x.dtype).bits, rank=2)
     desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [_TILE, _TILE], layout)
     fp8_block_cast_kernel[(programs,)](
@@ -491,6 +498,6 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
         col_s.stride(0) if col_s.dim() == 2 else 0,
         FMT_MAX=fmt_max, OUT_DTYPE=out_code, POW2=power_2_scale, BLOCK_2D=two_d, ROWWISE=rowwise,
         COLWISE=columnwise, GROUPED=grouped, GP=max(32, group_pow2(num_groups)), STAGES=stages, NUM_PROGRAMS=programs,
-        VEC=16 // x.element_size(), PACKED=packed and x.dtype == torch.bfloat16, MX=mx is not None,
-        EMAX=mx[0] if mx else 0, ROUND_UP=bool(mx and mx[1]), num_warps=warps,
+        VEC=16 // x.element_size(), PACKED=words, MX=mx is not None,
+        EMAX=mx[0] if mx else 0, ROUND_UP=bool(mx and mx[1]), STAGE_PHASE=stage_phase, num_warps=warps,
         **({"maxnreg": maxnreg} if maxnreg else {}))
