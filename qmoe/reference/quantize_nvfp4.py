@@ -70,7 +70,10 @@ def hadamard_matrix(n: int = RHT_SIZE, dtype=torch.float64, device=None) -> torc
 def random_hadamard_transform(x: torch.Tensor) -> torch.Tensor:
     """Each run of 16 consecutive values along the last dim becomes v @ (diag(s) H16) / 4.
 
-    Computed in float64 and rounded once to fp32, so it is the exactly rounded transform.
+    Computed in float64 and rounded to fp32: the exactly rounded transform wherever a run's exact
+    sums fit float64's 53 bits, that is, its nonzero magnitudes lie within about 2^41 of each
+    other for bf16 / fp16 input and 2^25 for fp32. A run mixing wider magnitudes (1e-30 beside 6)
+    is rounded twice and may differ from the exact transform in its last bit.
     """
     m, k = x.shape
     if k % RHT_SIZE:
