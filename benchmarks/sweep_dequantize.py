@@ -25,6 +25,9 @@ from benchmarks.harness import copy_gbps, error_line, median_ms, run_header, wri
 TILES = [(64, 256, 8), (32, 64, 4), (32, 128, 4), (64, 128, 4), (32, 256, 4), (128, 128, 8), (64, 512, 8),
          (16, 512, 4)]
 SHAPE = dict(experts=32, tokens=2048, k=7168, n=4096)
+# which of grouped_gemm.DEQUANT_TILES each pass dispatches
+KINDS = {"activations rowwise": "rows", "weights rowwise": "rows", "weights columnwise": "transposed",
+         "activations tokens": "tokens"}
 TINY = dict(experts=3, tokens=96, k=256, n=128)
 
 
@@ -98,9 +101,9 @@ def run(args, header) -> list[dict]:
     for recipe_name in args.recipes:
         scaling = Scaling.MX if recipe_name == "mxfp8" else Scaling.NVFP4
         xq, wq = operands(recipe_name, TINY if args.tiny else SHAPE, device)
-        dispatched = tuple(DEQUANT_TILES[scaling])
-        tiles = [dispatched] + [t for t in TILES if t != dispatched]
         for name, (call, elements) in passes(xq, wq, scaling).items():
+            dispatched = tuple(DEQUANT_TILES[KINDS[name]])
+            tiles = [dispatched] + [t for t in TILES if t != dispatched]
             want = call(dispatched)
             for tile in tiles:
                 row = dict(recipe=recipe_name, dequantize=name, tile=list(tile), dispatched=tile == dispatched)

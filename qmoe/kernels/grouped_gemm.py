@@ -64,9 +64,10 @@ class TileConfig:
     tile_scale: bool = True  # BLOCK: one weight scale per tile and step where a weight block spans the tile
 
 
-# Dequantize-pass tiles (rows, columns, warps), picked by the sweep in benchmarks/results/gemm.json:
-# MXFP8 streams best in wide tiles; NVFP4's nibble unpacking in small ones.
-DEQUANT_TILES = {Scaling.MX: (64, 256, 8), Scaling.NVFP4: (32, 64, 4)}
+# Dequantize-pass tiles (rows, columns, warps), by what the pass writes: rows as it reads them,
+# rows written transposed (the weights' columnwise copy, for dgrad), or token-grouped columns
+# (wgrad's operands). The same for MXFP8 and NVFP4 (benchmarks/results/sweeps/dequantize.json).
+DEQUANT_TILES = {"rows": (16, 512, 4), "transposed": (32, 256, 4), "tokens": (32, 256, 4)}
 
 
 def tile_configs(scaling: Scaling, small_m: bool, rows_per_group: int = 64) -> list[TileConfig]:
@@ -315,8 +316,9 @@ def _dequantized(op: _Operand, scaling: Scaling, rows: int, cols: int, row_group
     Rows come in groups of `row_group` rows, columns in groups of `col_group` (weights: one
     expert each). Token-grouped operands take `_dequantized_tokens`.
     """
+    kind = "transposed" if out_strides[0] == 1 and out_strides[1] != 1 else "rows"
     return _dequantize_op(*_flat(op), scaling.value, [rows, cols, row_group, col_group], list(out_shape),
-                          list(out_strides), list(tile or DEQUANT_TILES[scaling]))
+                          list(out_strides), list(tile or DEQUANT_TILES[kind]))
 
 
 @kernel_op("qmoe::grouped_gemm_dequantize")
@@ -478,7 +480,7 @@ def _dequantized_tokens(x, op: _Operand, scaling: Scaling, tile: tuple[int, int,
     tokens contiguous, or with `token_major` features contiguous (the transpose of a contiguous
     [tokens, features]: the layout torch._grouped_mm takes at any group sizes)."""
     out = _dequantize_tokens_op(*_flat(op), x.offsets, scaling.value, [x.shape[1], x.shape[0], x.num_groups],
-                                list(tile or DEQUANT_TILES[scaling]), token_major)
+                                list(tile or DEQUANT_TILES["tokens"]), token_major)
     return out.t() if token_major else out
 
 
