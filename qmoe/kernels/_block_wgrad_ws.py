@@ -87,9 +87,10 @@ if gluon is not None:
 
     @gluon.jit
     def _landed(full, last, it, STAGES: gl.constexpr):
-        """Wait until load `last` has landed, unless it is no load (-1) or its stage has been
-        refilled since (the producer refills a stage only after it was consumed)."""
-        if last >= 0 and it - last < STAGES:
+        """Wait until load `last` has landed, unless it is no load (-1) or a later load into its
+        stage was issued (`it`: the next load): the producer issues one only after the consumers
+        released the stage, so `last` landed. Until then its barrier still holds `last`'s phase."""
+        if last >= 0 and it - last <= STAGES:
             mbarrier.wait(full.index(last % STAGES), (last // STAGES) & 1)
 
     @gluon.jit
