@@ -3,10 +3,9 @@
 For 1x128 and 128x128 FP8 blocks and MXFP8 (round-up scales), rowwise + columnwise and
 columnwise alone, on bf16 65536x7168 and grouped 32 x 2048 x 7168 (one launch): the Triton
 kernels (autotuned, QMOE_BLOCK_CAST=triton), the dispatched path, and Gluon variants (ring
-stages, warps, programs per SM; bf16 read as packed words or as fp32; the columnwise stage's swizzle
-phase). Every variant's bytes are
-checked against the Triton kernel's (NaN sign aside); frac_copy is (input read once + outputs
-written once) / time over the device copy bandwidth.
+stages, warps, programs per SM; bf16 read as packed words or as fp32; the columnwise stage's
+swizzle phase). Every variant's bytes are checked against the Triton kernel's (NaN sign aside);
+frac_copy is (input read once + outputs written once) / time over the device copy bandwidth.
 
     PYTHONPATH=. python3 -m benchmarks.sweep_block_cast --out $OUT/block_cast.json
 """

@@ -1,8 +1,8 @@
 """What qmoe's Gluon kernels for sm90 share (private helper of `_block_gemm_ws.py`,
 `_block_wgrad_ws.py` and `_cast_transpose_gl.py`): Gluon's Hopper API, imported only where this
-Triton has it, the TMA copies under either Triton's names, tensor descriptors, shared-memory
-bounds, whether a Gluon kernel can run on a device, and the fallback to a Triton kernel when a
-Gluon compile fails.
+Triton has it, the TMA copies under either Triton's names, tensor descriptors (and the scratch
+memory of those a kernel makes on the device), shared-memory bounds, whether a Gluon kernel can
+run on a device, and the fallback to a Triton kernel when a Gluon compile fails.
 
 Nothing here picks a kernel: each kernel module decides which calls it takes and falls back to
 its Triton kernel through `gluon_unavailable` and `launch_once`.
