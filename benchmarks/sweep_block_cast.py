@@ -8,6 +8,10 @@ swizzle phase). Every variant's bytes are checked against the Triton kernel's (N
 frac_copy is (input read once + outputs written once) / time over the device copy bandwidth.
 
     PYTHONPATH=. python3 -m benchmarks.sweep_block_cast --out $OUT/block_cast.json
+    TRITON_INTERPRET=1 PYTHONPATH=. python3 -m benchmarks.sweep_block_cast --tiny --out /tmp/block_cast.json
+
+--tiny runs tiny shapes on the CPU under the interpreter, bits only: the Triton kernels and the
+dispatched path (which is Triton's there); the Gluon variants need the GPU and record the error.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from benchmarks.harness import copy_gbps, error_line, median_ms, run_header, wri
 from benchmarks.sweep_quantize_tiles import make_input, mismatches, nbytes
 
 SHAPES = {"65536x7168": (65536, 7168, 0), "32x2048x7168": (65536, 7168, 32)}
+TINY = {"256x384": (256, 384, 0), "3x128x384": (384, 384, 3)}
 VARIANTS = [dict(stages=s, warps=w, per_sm=p, packed=b, stage_phase=f) for s, w, p, b, f in
             ((2, 8, 1, False, None), (2, 8, 1, True, None), (2, 8, 1, False, 1), (2, 8, 1, True, 1),
              (3, 8, 1, True, None))]
@@ -57,16 +62,18 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("block_cast.json"))
     p.add_argument("--rep", type=int, default=40, help="do_bench budget per variant (ms)")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes, bits only (CPU: TRITON_INTERPRET=1)")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    if not torch.cuda.is_available() and not args.tiny:
+        print("needs a CUDA GPU (or --tiny under TRITON_INTERPRET=1)", file=sys.stderr)
         return 2
+    on_gpu = torch.cuda.is_available() and not args.tiny
     header = run_header("benchmarks.sweep_block_cast", argv)
-    copy = copy_gbps(args.rep)
-    print(f"device-to-device copy: {copy:.0f} GB/s", flush=True)
+    copy = copy_gbps(args.rep) if on_gpu else None
+    print(f"device-to-device copy: {copy:.0f} GB/s" if copy else "tiny shapes: bits only", flush=True)
     rows = []
-    for shape, (m, k, groups) in SHAPES.items():
-        x, splits = make_input(m, k, groups, False, False, "cuda")
+    for shape, (m, k, groups) in (TINY if args.tiny else SHAPES).items():
+        x, splits = make_input(m, k, groups, False, False, "cuda" if on_gpu else "cpu")
         for block in ("1x128", "128x128", "mx32"):
             for rowwise in (True, False):
                 case = dict(block=block, orientation="row+col" if rowwise else "col", shape=shape)
@@ -82,16 +89,17 @@ def main(argv=None) -> int:
                     try:
                         got = run(x, splits, block, rowwise, variant, outs)
                         row["mismatches"] = mismatches(got, want)
-                        ms = median_ms(lambda: run(x, splits, block, rowwise, variant, outs), 10, args.rep)
-                        row.update(ms=round(ms, 4), gbps=round(nbytes(x, got) / ms / 1e6, 1),
-                                   frac_copy=round(nbytes(x, got) / ms / 1e6 / copy, 3))
+                        if on_gpu:
+                            ms = median_ms(lambda: run(x, splits, block, rowwise, variant, outs), 10, args.rep)
+                            row.update(ms=round(ms, 4), gbps=round(nbytes(x, got) / ms / 1e6, 1),
+                                       frac_copy=round(nbytes(x, got) / ms / 1e6 / copy, 3))
                         del got
                     except Exception as err:  # a variant that fails is a result too
                         row["error"] = error_line(err, 300)
                     rows.append(row)
                     print(row, flush=True)
                 del want
-    write_results(args.out, header, {"suite": "block_cast", "copy_gbps": round(copy, 1), "rows": rows})
+    write_results(args.out, header, {"suite": "block_cast", "copy_gbps": copy and round(copy, 1), "rows": rows})
     bad = [r for r in rows if r.get("mismatches") or "error" in r]
     print(f"{len(rows)} rows, {len(bad)} not exact or failed")
     return 0
