@@ -37,17 +37,29 @@ def assert_a_compile_failure_falls_back_once(monkeypatch, module, launcher: str,
     assert len(calls) == 1 and len(module.FAILED) == 1
 
 
-def grouped_operands(recipe, layout: str, k: int, n: int, device, splits, pad: int, seed: int):
+def _exact_values(shape, g):
+    """+-(1 + j/8) * 2^e, e in {0, 1}: quantized in any block, every value's code lies within 2^3 of
+    its block's largest, so a 128-term dot product of codes needs at most 21 bits and fp32 holds it
+    exactly, whatever the order of its sums."""
+    mant = 1 + torch.randint(0, 8, shape, generator=g).float() / 8
+    sign = torch.where(torch.rand(shape, generator=g) < 0.5, -1.0, 1.0)
+    return sign * mant * torch.exp2(torch.randint(0, 2, shape, generator=g).float())
+
+
+def grouped_operands(recipe, layout: str, k: int, n: int, device, splits, pad: int, seed: int, exact: bool = False):
     """A grouped GEMM's quantized operands: activations (fprop: x [rows, k]; dgrad: dy [rows, n]) with
     `pad` zero rows past the last group, and the weights [E, n, k] in both orientations. Seeded: the
-    same arguments give the same values."""
+    same arguments give the same values. `exact`: values whose products of codes sum exactly in
+    fp32 in any order (Triton's interpreter computes a dot as a BLAS matmul, whose order of sums
+    depends on the matrix shape and the CPU), instead of normal ones."""
     from qmoe.ops.grouped_gemm import quantize_weights
     from qmoe.quant import GroupedTensor
 
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(sum(splits) + pad, k if layout == "fprop" else n, generator=g)
+    rows, cols = sum(splits) + pad, k if layout == "fprop" else n
+    x = _exact_values((rows, cols), g) if exact else torch.randn(rows, cols, generator=g)
     x[sum(splits):] = 0
-    w = torch.randn(len(splits), n, k, generator=g) / k ** 0.5
+    w = _exact_values((len(splits), n, k), g) if exact else torch.randn(len(splits), n, k, generator=g) / k ** 0.5
     role = "input" if layout == "fprop" else "grad_output"
     a = GroupedTensor.quantize(x.to(device), torch.tensor(splits), recipe.quantizer(role), columnwise=False,
                                validate=False)
