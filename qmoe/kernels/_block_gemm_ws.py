@@ -348,7 +348,7 @@ if gluon is not None:
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         # each stage's activation-scale row (a [1, BM] TMA box), read back as a 1-d row
         sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES if SCALES_TMA else 1, 1, BM], sa_desc.layout)
-        sa_staged = sa_bufs._reinterpret(gl.float32, [STAGES if SCALES_TMA else 1, BM],
+        sa_staged = sm90.reinterpret(sa_bufs, gl.float32, [STAGES if SCALES_TMA else 1, BM],
                                          gl.SwizzledSharedLayout(1, 1, 1, order=[0]))  # rank 1: .index() keeps it
         mbarrier.init(turn.index(0), count=1)
         mbarrier.init(turn.index(1), count=1)

@@ -341,8 +341,8 @@ if gluon is not None:
         sa_bufs = gl.allocate_shared_memory(gl.float32, [SR, 1, BM], sa_desc.layout)
         sb_bufs = gl.allocate_shared_memory(gl.float32, [SR, 1, BN], sb_desc.layout)
         rows_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # rank 1: .index() keeps it
-        sa_rows = sa_bufs._reinterpret(gl.float32, [SR, BM], rows_l)
-        sb_rows = sb_bufs._reinterpret(gl.float32, [SR, BN], rows_l)
+        sa_rows = sm90.reinterpret(sa_bufs, gl.float32, [SR, BM], rows_l)
+        sb_rows = sm90.reinterpret(sb_bufs, gl.float32, [SR, BN], rows_l)
         full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):

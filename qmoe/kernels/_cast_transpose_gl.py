@@ -177,7 +177,7 @@ if gluon is not None:
                 s_c = fp8_scale_from_amax(bits_to_float(gl.max(bits_c, 0)), FMT_MAX, POW2, eps)
                 gl.store(col_s_ptr + cols64 * stride_cs + sblk, reciprocal(s_c), mask=ok_c)
             col_stage.permute([1, 0]).store(cast_codes(xc * gl.expand_dims(s_c, 0), FMT_MAX, OUT_DTYPE))
-            gl.thread_barrier()
+            sm90.thread_barrier()
             _write_column_runs(col_stage, col0, 1, K, col_ptr, row0, row_end, M, BM, num_warps)
 
     @triton.constexpr_function
@@ -212,7 +212,7 @@ if gluon is not None:
         # a thread holds 4 consecutive words of a row / BM // num_warps rows of 2 words
         row_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (BW // 4), BW // 4], [num_warps, 1], [1, 0])
         col_l: gl.constexpr = gl.BlockedLayout([BM // num_warps, 2], [1, 32], [num_warps, 1], [0, 1])
-        words = tile._reinterpret(gl.int32, [BM, BW],
+        words = sm90.reinterpret(tile, gl.int32, [BM, BW],
                                   gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
         w0 = kt * BW  # first word column of the tile
 
@@ -267,7 +267,7 @@ if gluon is not None:
                 cast_codes(lo * gl.expand_dims(s_lo, 0), FMT_MAX, OUT_DTYPE))
             col_stage.slice(BM, BM, dim=1).permute([1, 0]).store(
                 cast_codes(hi * gl.expand_dims(s_hi, 0), FMT_MAX, OUT_DTYPE))
-            gl.thread_barrier()
+            sm90.thread_barrier()
             for half in gl.static_range(2):
                 _write_column_runs(col_stage.slice(half * BM, BM, dim=1), 2 * w0 + half, 2, K, col_ptr, row0, row_end,
                                    M, BM, num_warps)
@@ -297,7 +297,7 @@ if gluon is not None:
             # [rows, blocks, words of the block]
             row_l: gl.constexpr = gl.BlockedLayout([1, 1, WB // 4], [32 // (NB * 4), NB, 4], [num_warps, 1, 1],
                                                    [2, 1, 0])
-            wr = tile._reinterpret(gl.int32, [BM, NB, WB], plain).load(row_l)
+            wr = sm90.reinterpret(tile, gl.int32, [BM, NB, WB], plain).load(row_l)
             packed_r = gl.reduce(wr & 0x7FFF7FFF, 2, _max_u16x2)
             amax_r = bits_to_float(gl.maximum(packed_r << 16, packed_r & -65536))  # [BM, NB]
             mult_r, e_r = _mx_multiplier(amax_r, FMT_MAX, EMAX, ROUND_UP)
@@ -317,7 +317,7 @@ if gluon is not None:
         if COLWISE:
             # [row blocks, rows of the block, words]: a thread holds a block's rows of one word
             col_l: gl.constexpr = gl.BlockedLayout([1, MX_BLOCK, 1], [1, 1, 32], [RB, 1, num_warps // RB], [1, 2, 0])
-            wc = tile._reinterpret(gl.int32, [RB, MX_BLOCK, BW], plain).load(col_l)
+            wc = sm90.reinterpret(tile, gl.int32, [RB, MX_BLOCK, BW], plain).load(col_l)
             cl2: gl.constexpr = gl.SliceLayout(1, col_l)  # [row blocks, words]
             rl2: gl.constexpr = gl.SliceLayout(2, col_l)  # [row blocks, rows of the block]
             rb = gl.arange(0, RB, layout=gl.SliceLayout(1, cl2))
@@ -337,7 +337,7 @@ if gluon is not None:
             q_hi = gl.reshape(cast_codes(hi * gl.expand_dims(mult_hi, 1), FMT_MAX, OUT_DTYPE), [BM, BW])
             col_stage.slice(0, BM, dim=1).permute([1, 0]).store(q_lo)
             col_stage.slice(BM, BM, dim=1).permute([1, 0]).store(q_hi)
-            gl.thread_barrier()
+            sm90.thread_barrier()
             for half in gl.static_range(2):
                 _write_column_runs(col_stage.slice(half * BM, BM, dim=1), 2 * w0 + half, 2, K, col_ptr, row0, row_end,
                                    M, BM, num_warps)
@@ -385,7 +385,7 @@ if gluon is not None:
                        BM, BK, GROUPED)
 
         for i in range(mine):
-            gl.thread_barrier()  # every warp is done with the slot the next load overwrites
+            sm90.thread_barrier()  # every warp is done with the slot the next load overwrites
             nxt = i + STAGES - 1
             if nxt < mine:
                 _issue(x_desc, bufs, ready, pid + nxt * NUM_PROGRAMS, nxt % STAGES, nk, M, gi, starts, sizes,

@@ -34,9 +34,21 @@ BLOCK_GEMM_SWITCH = "QMOE_BLOCK_GEMM"  # "triton" turns the Gluon FP8 block GEMM
 SMEM_BYTES = 232448
 SMEM_SPARE = 1024
 
-if gluon is not None:  # the TMA copies' names since triton 3.7 (the old ones raise there)
+if gluon is not None:  # names that moved between triton 3.6 (the GPU image's) and 3.9
     tma_load = getattr(tma, "async_load", tma.async_copy_global_to_shared)
     tma_store = getattr(tma, "async_store", tma.async_copy_shared_to_global)
+    thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # 3.9: gl.barrier
+
+    if hasattr(gl.shared_memory_descriptor, "reinterpret"):
+        @gluon.jit
+        def reinterpret(smem, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+            """smem viewed as `dtype` values of `shape` in `layout` (the same bytes)."""
+            return smem.reinterpret(dtype, shape, layout)
+    else:  # triton 3.6 names it _reinterpret
+        @gluon.jit
+        def reinterpret(smem, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+            """smem viewed as `dtype` values of `shape` in `layout` (the same bytes)."""
+            return smem._reinterpret(dtype, shape, layout)
 
     @gluon.jit
     def add(a, b):
