@@ -7,6 +7,7 @@ number cited in the docs can be traced to the code that produced it and run agai
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -24,6 +25,34 @@ RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 HEADER_KEYS = ("date", "command", "commit", "device", "torch", "triton")
 # environment variables that change what a suite measures, recorded in front of its command line
 RECORDED_ENV = ("QMOE_BACKEND", "TRITON_INTERPRET", "NCCL_NVLS_ENABLE")
+
+
+@contextlib.contextmanager
+def environ_set(name: str, value: str):
+    """os.environ[name] = value inside the block; afterwards what it was, or unset again."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
+
+
+def add_tiny_flag(parser) -> None:
+    """--tiny, for the sweeps that also run on the CPU: tiny shapes, bits only, no timing."""
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes, bits only (CPU: TRITON_INTERPRET=1)")
+
+
+def gpu_or_tiny(tiny: bool) -> bool | None:
+    """Whether a sweep measures on the GPU (True) or checks bits on tiny shapes (False: --tiny, on
+    the CPU under TRITON_INTERPRET=1 where there is no GPU); None, having said why, with neither."""
+    if not torch.cuda.is_available() and not tiny:
+        print("needs a CUDA GPU (or --tiny under TRITON_INTERPRET=1)", file=sys.stderr)
+        return None
+    return torch.cuda.is_available() and not tiny
 
 
 # ---------------------------------------------------------------- timing

@@ -16,13 +16,13 @@ dispatched path (which is Triton's there); the Gluon variants need the GPU and r
 from __future__ import annotations
 
 import argparse
-import os
-import sys
+import contextlib
 from pathlib import Path
 
 import torch
 
-from benchmarks.harness import copy_gbps, error_line, median_ms, run_header, write_results
+from benchmarks.harness import (add_tiny_flag, copy_gbps, environ_set, error_line, gpu_or_tiny, median_ms, run_header,
+                                write_results)
 from benchmarks.sweep_quantize_tiles import make_input, mismatches, nbytes
 
 SHAPES = {"65536x7168": (65536, 7168, 0), "32x2048x7168": (65536, 7168, 32)}
@@ -47,27 +47,22 @@ def run(x, splits, block, rowwise, variant=None, outs=None):
         ct.launch(x, splits, groups, block == "128x128", K.fp8_meta(E4M3), E4M3.max, True, 0.0, rowwise, True,
                   *outs, mx=(E4M3.emax, True) if mx else None, **variant)
         return outs
-    if variant == "triton":
-        os.environ["QMOE_BLOCK_CAST"] = "triton"
-    try:
+    with environ_set("QMOE_BLOCK_CAST", "triton") if variant == "triton" else contextlib.nullcontext():
         if mx:
             return K.mxfp8_op(x, splits, groups, torch.float8_e4m3fn, E4M3.max, E4M3.emax, True, 32, rowwise, True)
         return K.fp8_block_op(x, splits, groups, 128 if block == "128x128" else 1, 128, torch.float8_e4m3fn,
                               E4M3.max, True, 0.0, rowwise, True)
-    finally:
-        os.environ.pop("QMOE_BLOCK_CAST", None)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("block_cast.json"))
     p.add_argument("--rep", type=int, default=40, help="do_bench budget per variant (ms)")
-    p.add_argument("--tiny", action="store_true", help="tiny shapes, bits only (CPU: TRITON_INTERPRET=1)")
+    add_tiny_flag(p)
     args = p.parse_args(argv)
-    if not torch.cuda.is_available() and not args.tiny:
-        print("needs a CUDA GPU (or --tiny under TRITON_INTERPRET=1)", file=sys.stderr)
+    on_gpu = gpu_or_tiny(args.tiny)
+    if on_gpu is None:
         return 2
-    on_gpu = torch.cuda.is_available() and not args.tiny
     header = run_header("benchmarks.sweep_block_cast", argv)
     copy = copy_gbps(args.rep) if on_gpu else None
     print(f"device-to-device copy: {copy:.0f} GB/s" if copy else "tiny shapes: bits only", flush=True)

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import os
 import sys
 import time
 
 import torch
 
-from benchmarks.harness import median_ms, run_header, write_results
+from benchmarks.harness import environ_set, median_ms, run_header, write_results
 
 SHAPES = {  # name: (experts, mean rows per expert, K, N) as in benchmarks/bench_gemm.py
     "dsv3-fc1": (32, 2048, 7168, 4096),
@@ -103,23 +102,17 @@ def _operands(e, splits, k, n, layout, device, seed):
     recipe = Float8BlockScaling()
     g = torch.Generator(device=device).manual_seed(seed)  # drawn on the device: GB of operands
     t = sum(splits) + PAD_ROWS
-    before = os.environ.get("QMOE_BACKEND")
-    os.environ["QMOE_BACKEND"] = "reference"  # the same bits as the kernels, without their compiles and autotuning
-    try:
-        if layout == "wgrad":  # dW = dy^T x: both operands' columnwise copies, 1x128 blocks along tokens
-            ops = []
-            for cols, role in ((n, "grad_output"), (k, "input")):
-                x = torch.randn(t, cols, generator=g, device=device).to(torch.bfloat16)
-                x[sum(splits):] = 0
+    # quantized by the reference backend: the same bits as the kernels, without their compiles and autotuning
+    if layout == "wgrad":  # dW = dy^T x: both operands' columnwise copies, 1x128 blocks along tokens
+        ops = []
+        for cols, role in ((n, "grad_output"), (k, "input")):
+            x = torch.randn(t, cols, generator=g, device=device).to(torch.bfloat16)
+            x[sum(splits):] = 0
+            with environ_set("QMOE_BACKEND", "reference"):
                 ops.append(GroupedTensor.quantize(x, torch.tensor(splits), recipe.quantizer(role), rowwise=False,
                                                   validate=False))
-                del x
-            return tuple(ops)
-    finally:
-        if before is None:
-            del os.environ["QMOE_BACKEND"]
-        else:
-            os.environ["QMOE_BACKEND"] = before
+            del x
+        return tuple(ops)
     w = (torch.randn(e, n, k, generator=g, device=device) / k ** 0.5).to(torch.bfloat16)
     if layout == "fprop":
         x = torch.randn(t, k, generator=g, device=device).to(torch.bfloat16)
@@ -128,16 +121,9 @@ def _operands(e, splits, k, n, layout, device, seed):
         x = torch.randn(t, n, generator=g, device=device).to(torch.bfloat16)
         role = "grad_output"
     x[sum(splits):] = 0
-    before = os.environ.get("QMOE_BACKEND")
-    os.environ["QMOE_BACKEND"] = "reference"  # the same bits as the kernels, without their compiles and autotuning
-    try:
+    with environ_set("QMOE_BACKEND", "reference"):
         a = GroupedTensor.quantize(x, torch.tensor(splits), recipe.quantizer(role), columnwise=False, validate=False)
         b = quantize_weights(w, recipe.quantizer("weight"), rowwise=layout == "fprop", columnwise=layout == "dgrad")
-    finally:
-        if before is None:
-            del os.environ["QMOE_BACKEND"]
-        else:
-            os.environ["QMOE_BACKEND"] = before
     return a, b
 
 

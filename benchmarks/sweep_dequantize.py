@@ -14,13 +14,13 @@ bit; frac_copy is (codes + scales read + bf16 written) over the time, against th
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 import torch
 
-from benchmarks.harness import copy_gbps, error_line, median_ms, run_header, write_results
+from benchmarks.harness import (add_tiny_flag, copy_gbps, environ_set, error_line, gpu_or_tiny, median_ms, run_header,
+                                write_results)
 
 TILES = [(64, 256, 8), (32, 64, 4), (32, 128, 4), (64, 128, 4), (32, 256, 4), (128, 128, 8), (64, 512, 8),
          (16, 512, 4)]
@@ -42,16 +42,9 @@ def operands(recipe_name: str, shape: dict, device: str):
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(e * t, k, generator=g, device=device).to(torch.bfloat16)
     w = (torch.randn(e, n, k, generator=g, device=device) / k ** 0.5).to(torch.bfloat16)
-    before = os.environ.get("QMOE_BACKEND")
-    os.environ["QMOE_BACKEND"] = "reference"  # the same bits as the kernels, without their compiles
-    try:
+    with environ_set("QMOE_BACKEND", "reference"):  # the same bits as the kernels, without their compiles
         xq = GroupedTensor.quantize(x, torch.full((e,), t), recipe.quantizer("input"), validate=False)
         wq = quantize_weights(w, recipe.quantizer("weight"), rowwise=True, columnwise=True)
-    finally:
-        if before is None:
-            del os.environ["QMOE_BACKEND"]
-        else:
-            os.environ["QMOE_BACKEND"] = before
     return xq, wq
 
 
@@ -85,11 +78,10 @@ def moved_bytes(elements: int, recipe_name: str) -> int:
     return elements // 2 + elements // 16 + 2 * elements
 
 
-def run(args, header) -> list[dict]:
+def run(args, on_gpu: bool, header) -> list[dict]:
     from qmoe.contracts.enums import Scaling
     from qmoe.kernels.grouped_gemm import DEQUANT_TILES
 
-    on_gpu = torch.cuda.is_available() and not args.tiny
     device = "cuda" if on_gpu else "cpu"
     copy = copy_gbps(args.rep) if on_gpu else None
     rows = []
@@ -132,12 +124,12 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--recipes", nargs="+", default=["mxfp8", "nvfp4"], choices=["mxfp8", "nvfp4"])
     p.add_argument("--rep", type=int, default=40, help="do_bench budget per tile (ms)")
-    p.add_argument("--tiny", action="store_true", help="tiny shapes, bits only (CPU: TRITON_INTERPRET=1)")
+    add_tiny_flag(p)
     args = p.parse_args(argv)
-    if not torch.cuda.is_available() and not args.tiny:
-        print("needs a CUDA GPU (or --tiny under TRITON_INTERPRET=1)", file=sys.stderr)
+    on_gpu = gpu_or_tiny(args.tiny)
+    if on_gpu is None:
         return 2
-    rows = run(args, run_header("benchmarks.sweep_dequantize", argv))
+    rows = run(args, on_gpu, run_header("benchmarks.sweep_dequantize", argv))
     bad = [r for r in rows if not r.get("exact") or "error" in r]
     print(f"{len(rows)} rows, {len(bad)} not exact or failed; wrote {args.out}")
     return 0

@@ -77,8 +77,11 @@ if gluon is not None:
         return gl.where(start % 16 == 0, n, 0)
 
     @gluon.jit
-    def _group_descs(a_codes, b_codes, start, length, N, K, stride_an, stride_bk, a_desc, b_desc):
-        """TMA descriptors of A's and B's tokens of one group: boxes read zeros past its end."""
+    def _group_descs(a_ptr, b_ptr, start, length, N, K, stride_an, stride_bk, a_desc, b_desc):
+        """TMA descriptors of A's and B's tokens of one group (a_ptr, b_ptr: the codes as bytes):
+        boxes read zeros past its end."""
+        a_codes = a_ptr.to(gl.pointer_type(a_desc.dtype), bitcast=True)
+        b_codes = b_ptr.to(gl.pointer_type(b_desc.dtype), bitcast=True)
         ga = tma.make_tensor_descriptor(a_codes + start, [N, length], [stride_an, 1], a_desc.block_type.shape,
                                         a_desc.layout)
         gb = tma.make_tensor_descriptor(b_codes + start, [K, length], [stride_bk, 1], b_desc.block_type.shape,
@@ -95,7 +98,7 @@ if gluon is not None:
 
     @gluon.jit
     def _producer(a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, full, empty, offs_ptr,
-                  soffs_a_ptr, soffs_b_ptr, a_codes, b_codes, total_tiles, per_group, num_m, num_n, N, K, stride_an,
+                  soffs_a_ptr, soffs_b_ptr, a_ptr, b_ptr, total_tiles, per_group, num_m, num_n, N, K, stride_an,
                   stride_bk, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
                   STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, TAIL: gl.constexpr, SCALES_TMA: gl.constexpr):
         """One warp: TMA loads of every tile's 128-token steps into the stage ring (with
@@ -123,11 +126,11 @@ if gluon is not None:
                 cur = g
                 if pair == 0:
                     _landed(full, last0, it, STAGES)
-                    ga0, gb0 = _group_descs(a_codes, b_codes, start, length, N, K, stride_an, stride_bk, a_desc,
+                    ga0, gb0 = _group_descs(a_ptr, b_ptr, start, length, N, K, stride_an, stride_bk, a_desc,
                                             b_desc)
                 else:
                     _landed(full, last1, it, STAGES)
-                    ga1, gb1 = _group_descs(a_codes, b_codes, start, length, N, K, stride_an, stride_bk, a_desc,
+                    ga1, gb1 = _group_descs(a_ptr, b_ptr, start, length, N, K, stride_an, stride_bk, a_desc,
                                             b_desc)
             for ki in range(nk):
                 s = it % STAGES
@@ -318,7 +321,7 @@ if gluon is not None:
     _SIZES = ["total_tiles", "per_group", "num_m", "num_n", "stride_og", "s_stride_an", "s_stride_bk"]
 
     @gluon.jit(do_not_specialize=_SIZES)
-    def block_wgrad_ws_kernel(a_desc, b_desc, c_desc, sa_desc, sb_desc, a_ptr, b_ptr, a_codes, b_codes, out_ptr,
+    def block_wgrad_ws_kernel(a_desc, b_desc, c_desc, sa_desc, sb_desc, a_ptr, b_ptr, out_ptr,
                               offs_ptr, sa_ptr, sb_ptr, soffs_a_ptr, soffs_b_ptr, total_tiles, per_group, num_m, num_n,
                               N, K, stride_an, stride_bk, stride_og, stride_on,
                               s_stride_an, s_stride_at, s_stride_bk, s_stride_bt,
@@ -362,7 +365,7 @@ if gluon is not None:
                          s_stride_bt, 1, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, PIPE, ACCUMULATE, TMA_OUT,
                          TAIL, SCALES_TMA)),
             (_producer, (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, full, empty, offs_ptr,
-                         soffs_a_ptr, soffs_b_ptr, a_codes, b_codes, total_tiles, per_group, num_m, num_n, N, K,
+                         soffs_a_ptr, soffs_b_ptr, a_ptr, b_ptr, total_tiles, per_group, num_m, num_n, N, K,
                          stride_an, stride_bk, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, TAIL, SCALES_TMA)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -462,7 +465,7 @@ def launch_block_wgrad_ws(a, b, offsets: torch.Tensor, n: int, k: int, groups: i
         s_strides = (a.s_stride_r, a.s_stride_k, b.s_stride_r, b.s_stride_k)
     compiled = sm90.with_scratch(a.data.device, lambda: block_wgrad_ws_kernel[(programs,)](
         sm90.desc(a.data, [128, 128]), sm90.desc(b.data, [128, 128]), sm90.desc(flat, [64, 128]), sa_desc, sb_desc,
-        a.data.view(torch.uint8), b.data.view(torch.uint8), a.data, b.data, out,
+        a.data.view(torch.uint8), b.data.view(torch.uint8), out,
         offsets, sa, sb, a.soffs, b.soffs, groups * per_group, per_group, num_m, num_n, n, k,
         a.stride_r, b.stride_r, out.stride(0), out.stride(1), *s_strides,
         BM=128, BN=128, BK=128, GROUP_M=group_m, STAGES=stages, NUM_PROGRAMS=programs, PIPE=pipe,
