@@ -72,26 +72,26 @@ def desc(t: torch.Tensor, block: list[int]):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
-def steps_major_scales(scale: torch.Tensor):
+def steps_major_scales(scale: torch.Tensor, box: int = 128):
     """[rows, steps] fp32 scales as a [steps, rows] view of a copy whose rows are padded to 16 bytes,
-    and its TMA descriptor in boxes of one step's 128 rows (rows past the end read as zeros): a
+    and its TMA descriptor in boxes of one step's `box` rows (rows past the end read as zeros): a
     step's scales become one contiguous box instead of a cache line per value."""
     rows, steps = scale.shape
     padded = torch.empty((steps, -(-rows // 4) * 4), dtype=torch.float32, device=scale.device)
     view = padded[:, :rows]
     view.copy_(scale.t())
-    return view, scale_rows_desc(view)
+    return view, scale_rows_desc(view, box)
 
 
-def scale_rows_desc(steps_major: torch.Tensor):
-    """TMA descriptor of [steps, rows] fp32 scales (16-byte row stride): boxes of one step's 128 rows."""
+def scale_rows_desc(steps_major: torch.Tensor, box: int = 128):
+    """TMA descriptor of [steps, rows] fp32 scales (16-byte row stride): boxes of one step's `box` rows."""
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    return TensorDescriptor(steps_major, list(steps_major.shape), list(steps_major.stride()), [1, 128], layout)
+    return TensorDescriptor(steps_major, list(steps_major.shape), list(steps_major.stride()), [1, box], layout)
 
 
-def stand_in_scale_desc(like: torch.Tensor):
+def stand_in_scale_desc(like: torch.Tensor, box: int = 128):
     """A scale_rows_desc for a kernel compiled without streamed scales, which never reads it."""
-    return scale_rows_desc(like.new_empty((1, 128), dtype=torch.float32))
+    return scale_rows_desc(like.new_empty((1, box), dtype=torch.float32), box)
 
 
 def with_scratch(device: torch.device, launch):

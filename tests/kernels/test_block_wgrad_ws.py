@@ -47,6 +47,13 @@ def _triton(dyq, xq, **kw):
     return gg.k_grouped_gemm_with(dyq, xq, config=gg.k_tile_config(Scaling.BLOCK), **kw)
 
 
+def _wide(pipe=3):
+    """The 128 x 256 tiles' configuration (the dispatched one where the output's columns allow)."""
+    from qmoe.kernels import _block_wgrad_ws as wg
+
+    return dict(wg.DISPATCH_WIDE, pipe=pipe)
+
+
 def _gluon(dyq, xq, out, accumulate=False, **kw):
     from qmoe.contracts.enums import Scaling
     from qmoe.kernels import _block_wgrad_ws as wg
@@ -54,7 +61,8 @@ def _gluon(dyq, xq, out, accumulate=False, **kw):
 
     a, b = gg.tokens_operand(dyq, Scaling.BLOCK), gg.tokens_operand(xq, Scaling.BLOCK)
     assert wg.unsupported(a, b, out) is None, wg.unsupported(a, b, out)
-    kw.setdefault("stages", wg.fit_stages(4, out.dtype, wg._tma_out(out, out.shape[1], out.shape[2], accumulate)))
+    kw.setdefault("stages", wg.fit_stages(4, out.dtype, wg._tma_out(out, out.shape[1], out.shape[2], accumulate),
+                                          kw.get("bn", 128)))
     return wg.launch_block_wgrad_ws(a, b, dyq.offsets, out.shape[1], out.shape[2], dyq.num_groups, out, accumulate,
                                     **kw)
 
@@ -71,13 +79,14 @@ def test_gluon_wgrad_gives_the_triton_kernels_bits(splits, n, k):
     oracle = reference.k_grouped_gemm(dyq, xq, out_dtype=torch.float32)
     for out_dtype in (torch.bfloat16, torch.float16, torch.float32):
         want = _triton(dyq, xq, out_dtype=out_dtype)
-        every = [(pipe, tail, scales_tma) for pipe in (0, 1) for tail in ("loads", "desc") for scales_tma in (0, 1)]
-        # each configuration is a compile per shape: the other output dtypes take the dispatched one and another
-        for pipe, tail, scales_tma in every if out_dtype == torch.bfloat16 else [(0, "desc", 1), (0, "loads", 0)]:
+        every = [dict(pipe=pipe, tail=tail, scales_tma=scales_tma) for pipe in (0, 1) for tail in ("loads", "desc")
+                 for scales_tma in (0, 1)] + [_wide(3), _wide(0)]
+        # each configuration is a compile per shape: the other output dtypes take the dispatched ones and another
+        others = [dict(pipe=0, tail="desc", scales_tma=1), dict(pipe=0, tail="loads", scales_tma=0), _wide()]
+        for cfg in every if out_dtype == torch.bfloat16 else others:
             out = torch.full((len(splits), n, k), float("nan"), dtype=out_dtype, device="cuda")
-            got = _gluon(dyq, xq, out, pipe=pipe, tail=tail, scales_tma=scales_tma, programs=5)
-            assert torch.equal(got, want), (out_dtype, pipe, tail, scales_tma,
-                                            (got.float() - want.float()).abs().max())
+            got = _gluon(dyq, xq, out, programs=5, **cfg)
+            assert torch.equal(got, want), (out_dtype, cfg, (got.float() - want.float()).abs().max())
         assert (want[1 if splits[1] == 0 else 2] == 0).all()  # the empty group writes zeros
     rel = (want.float() - oracle).norm() / oracle.norm()
     assert rel <= 1e-3, rel  # fp32 output against the reference (NUMERICS.md)
@@ -97,11 +106,11 @@ def test_group_descriptors_survive_a_new_group_every_tile(programs):
     splits[19:21] = [80, 96]
     dyq, xq = _operands(splits, 256, 128, seed=programs, nan_at=[sum(splits[:i]) for i in (7, 20)])
     want = _triton(dyq, xq, out_dtype=torch.float32)
-    for scales_tma in (False, True):
+    for cfg in (dict(tail="desc", scales_tma=False), dict(tail="desc", scales_tma=True), _wide()):
         out = torch.full((len(splits), 256, 128), float("nan"), device="cuda")
-        got = _gluon(dyq, xq, out, tail="desc", scales_tma=scales_tma, programs=programs)
-        assert torch.equal(got.isnan(), want.isnan()), scales_tma
-        assert torch.equal(got.nan_to_num(), want.nan_to_num()), scales_tma
+        got = _gluon(dyq, xq, out, programs=programs, **cfg)
+        assert torch.equal(got.isnan(), want.isnan()), cfg
+        assert torch.equal(got.nan_to_num(), want.nan_to_num()), cfg
     assert want[6].isfinite().all() and want[19].isfinite().all() and want[7].isnan().any() and want[20].isnan().any()
 
 
@@ -111,14 +120,15 @@ def test_gluon_wgrad_accumulates_like_the_triton_kernel():
     dyq, xq = _operands(SPLITS, 256, 384, seed=9)
     start = torch.randn(len(SPLITS), 256, 384, device="cuda")
     want = _triton(dyq, xq, out=start.clone(), accumulate=True)
-    for tail in ("loads", "desc"):
-        for scales_tma in (False, True):
-            got = _gluon(dyq, xq, start.clone(), accumulate=True, tail=tail, scales_tma=scales_tma)
-            assert torch.equal(got, want), (tail, scales_tma)
+    configs = [dict(tail=tail, scales_tma=scales_tma) for tail in ("loads", "desc") for scales_tma in (False, True)]
+    for cfg in configs + [_wide()]:
+        got = _gluon(dyq, xq, start.clone(), accumulate=True, **cfg)
+        assert torch.equal(got, want), cfg
     strided = torch.randn(len(SPLITS), 256, 512, device="cuda")[:, :, :384]  # rows not contiguous: masked stores
     want = _triton(dyq, xq, out=strided.clone(), accumulate=True)
-    got = _gluon(dyq, xq, strided.clone(), accumulate=True)
-    assert torch.equal(got, want)
+    for cfg in ({}, _wide()):
+        got = _gluon(dyq, xq, strided.clone(), accumulate=True, **cfg)
+        assert torch.equal(got, want), cfg
 
 
 @on_gpu
@@ -198,6 +208,24 @@ def test_wgrad_dispatch_takes_the_gluon_kernel_only_where_it_applies(sm90, monke
     monkeypatch.delenv("QMOE_BLOCK_GEMM")
     monkeypatch.setattr(_gluon_sm90, "is_sm90", lambda index: False)
     assert "sm90" in wg.unsupported(_op(), _op(), out)
+
+
+def test_wgrad_dispatch_takes_wide_tiles_where_the_columns_allow(sm90, monkeypatch):
+    """128 x 256 tiles where the output's K is a multiple of 256, else 128 x 128; the stages fit in
+    shared memory either way, for every output dtype."""
+    wg = sm90
+    taken = []
+    monkeypatch.setattr(wg, "launch_block_wgrad_ws", lambda *args, **cfg: taken.append(cfg) or args[6])
+    for k, bn in ((512, 256), (7168, 256), (384, 128), (2304, 256), (330, 128)):
+        for dtype in (torch.bfloat16, torch.float32):
+            out = torch.empty(2, 256, k, dtype=dtype)
+            assert wg.launch_dispatched(_op(), _op(), None, 256, k, 2, out, False) is out
+            cfg = taken.pop()
+            assert cfg["bn"] == bn, (k, cfg)
+            smem = wg._smem(cfg["stages"], dtype, wg._tma_out(out, 256, k, False), bn)
+            assert smem <= wg.sm90.SMEM_BYTES - wg.sm90.SMEM_SPARE, (k, dtype, cfg)
+            # wide tiles keep their 3 stages whatever the output dtype: the results share the tail buffers
+            assert cfg["stages"] == 3 if bn == 256 else cfg["stages"] >= 3, (k, dtype, cfg)
 
 
 def test_a_failed_compile_falls_back_to_the_triton_kernel_with_one_warning(sm90, monkeypatch):

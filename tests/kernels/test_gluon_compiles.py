@@ -100,9 +100,12 @@ def test_block_wgrad_compiles(compile_only):
     dyq, xq = (GroupedTensor.quantize(torch.randn(256, c, generator=g), sizes, recipe.quantizer(role), rowwise=False,
                                       validate=False) for c, role in ((256, "grad_output"), (384, "input")))
     a, b = gg.tokens_operand(dyq, Scaling.BLOCK), gg.tokens_operand(xq, Scaling.BLOCK)
-    out = torch.empty(3, 256, 384, dtype=torch.bfloat16)
-    wg.launch_block_wgrad_ws(a, b, dyq.offsets, 256, 384, 3, out, programs=4, **wg.DISPATCH)
+    for cfg, dtype in ((wg.DISPATCH, torch.bfloat16), (wg.DISPATCH_WIDE, torch.bfloat16),
+                       (wg.DISPATCH_WIDE, torch.float32)):  # wide tiles hold 16-bit results in two slots, fp32 in one
+        out = torch.empty(3, 256, 384, dtype=dtype)
+        wg.launch_block_wgrad_ws(a, b, dyq.offsets, 256, 384, 3, out, programs=4, **cfg)
     _fits(kernels)
+    assert len(kernels) == 3
 
 
 @pytest.mark.parametrize("dtype,mx", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, False)],
