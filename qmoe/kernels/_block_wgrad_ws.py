@@ -161,6 +161,13 @@ if gluon is not None:
                 it += 1
 
     @gluon.jit
+    def _half_rows(pm, N, HALF: gl.constexpr, BM: gl.constexpr, row_l: gl.constexpr):
+        """A consumer's output rows in row tile pm: the first, all of them, which lie inside N."""
+        row0 = pm * BM + HALF * (BM // 2)
+        rows = row0 + gl.arange(0, BM // 2, layout=row_l)
+        return row0, rows, rows < N
+
+    @gluon.jit
     def _factor(sa_tile, sb_tile, n_rows, n_cols, ki, s_stride_an, s_stride_at, s_stride_bk, s_stride_bt,
                 HM: gl.constexpr, BN: gl.constexpr, row_l: gl.constexpr, col_l: gl.constexpr):
         """Step ki's promotion factors: a_scale[row, ki] and b_scale[col, ki] (zero past N, K).
@@ -281,9 +288,7 @@ if gluon is not None:
         it = 0
         for t in range(gl.program_id(0), total_tiles, NUM_PROGRAMS):
             g, pm, pn, start, length = _tile_of(t, offs_ptr, per_group, num_m, num_n, GROUP_M)
-            row0 = pm * BM + HALF * HM
-            rows = row0 + gl.arange(0, HM, layout=row_l)
-            row_ok = rows < N
+            row0, rows, row_ok = _half_rows(pm, N, HALF, BM, row_l)
             col0 = pn * BN
             sa_tile = sa_ptr + row0.to(gl.int64) * s_stride_an + gl.load(soffs_a_ptr + g) * s_stride_at
             sb_tile = sb_ptr + col0.to(gl.int64) * s_stride_bk + gl.load(soffs_b_ptr + g) * s_stride_bt
@@ -375,9 +380,7 @@ if gluon is not None:
         u = 0  # products started (two per step): the ping-pong's turn count
         for t in range(gl.program_id(0), total_tiles, NUM_PROGRAMS):
             g, pm, pn, start, length = _tile_of(t, offs_ptr, per_group, num_m, num_n, GROUP_M)
-            row0 = pm * BM + HALF * HM
-            rows = row0 + gl.arange(0, HM, layout=row_l)
-            row_ok = rows < N
+            row0, rows, row_ok = _half_rows(pm, N, HALF, BM, row_l)
             col0 = pn * BN
             if start % 16 == 0:
                 acc0 = zero
