@@ -6,6 +6,8 @@ shared-memory reinterpret and the thread barrier did from 3.6 to 3.9) would othe
 unnoticed until someone reads the warnings. Each kernel is compiled the way its launcher calls
 it, through `warmup` with Triton's driver pointed at an sm90 target; nothing runs.
 """
+import contextlib
+
 import pytest
 import torch
 
@@ -16,47 +18,21 @@ if gluon_sm90.gluon is None:
     pytest.skip("this Triton has no Gluon", allow_module_level=True)
 
 
-class _Sm90Target:
-    """The parts of Triton's active driver that compiling needs: an sm90 target."""
-
-    def __init__(self):
-        from triton.backends.compiler import GPUTarget
-
-        self.target = GPUTarget("cuda", 90, 32)
-
-    def get_current_target(self):
-        return self.target
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-
 @pytest.fixture
-def compile_only(monkeypatch):
-    """compile_only(module, name): the module's kernel `name` compiles on launch instead of running;
-    returns the list the compiled kernels are appended to."""
-    from triton.runtime import driver
+def compile_only():
+    """compile_only(module, name): the module's kernel `name` compiles on launch instead of running,
+    for an sm90 target (benchmarks.kernel_sass); returns the list the compiled kernels are appended to."""
+    from benchmarks.kernel_sass import compiling, sm90_target
 
-    monkeypatch.setattr(driver, "_active", _Sm90Target())  # put back after the test (no GPU driver here)
     compiled = []
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(sm90_target())
 
-    def patch(module, name):
-        kernel = getattr(module, name)
+        def patch(module, name):
+            stack.enter_context(compiling(module, name, compiled))
+            return compiled
 
-        class Compile:
-            def __getitem__(self, grid):
-                def warm(*args, **kwargs):
-                    compiled.append(kernel.warmup(*args, grid=grid, **kwargs))
-                    return compiled[-1]
-                return warm
-
-        monkeypatch.setattr(module, name, Compile())
-        return compiled
-
-    return patch
+        yield patch
 
 
 def _fits(kernels):
@@ -87,23 +63,15 @@ def test_block_gemm_compiles(compile_only):
 
 
 def test_block_wgrad_compiles(compile_only):
-    from qmoe.contracts.enums import Scaling
+    from benchmarks.kernel_sass import wgrad_operands
     from qmoe.kernels import _block_wgrad_ws as wg
-    from qmoe.kernels import grouped_gemm as gg
-    from qmoe.quant import GroupedTensor
-    from qmoe.recipes import Float8BlockScaling
 
     kernels = compile_only(wg, "block_wgrad_ws_kernel")
-    recipe = Float8BlockScaling()
-    sizes = torch.tensor([160, 0, 96])
-    g = torch.Generator().manual_seed(2)
-    dyq, xq = (GroupedTensor.quantize(torch.randn(256, c, generator=g), sizes, recipe.quantizer(role), rowwise=False,
-                                      validate=False) for c, role in ((256, "grad_output"), (384, "input")))
-    a, b = gg.tokens_operand(dyq, Scaling.BLOCK), gg.tokens_operand(xq, Scaling.BLOCK)
+    a, b, offsets = wgrad_operands(384, seed=2)
     for cfg, dtype in ((wg.DISPATCH, torch.bfloat16), (wg.DISPATCH_WIDE, torch.bfloat16),
                        (wg.DISPATCH_WIDE, torch.float32)):  # wide tiles hold 16-bit results in two slots, fp32 in one
         out = torch.empty(3, 256, 384, dtype=dtype)
-        wg.launch_block_wgrad_ws(a, b, dyq.offsets, 256, 384, 3, out, programs=4, **cfg)
+        wg.launch_block_wgrad_ws(a, b, offsets, 256, 384, 3, out, programs=4, **cfg)
     _fits(kernels)
     assert len(kernels) == 3
 
