@@ -8,6 +8,7 @@ shows here before it costs a device call.
         "scales_tma": true, "consumer_regs": 240, "producer_regs": 24}'
     python -m benchmarks.kernel_sass wgrad --dispatched --sass /tmp/wgrad.sass
     python -m benchmarks.kernel_sass gemm --dispatched
+    python -m benchmarks.kernel_sass cast --config '{"dtype": "float16", "mx": true}'
 
 Triton's driver is pointed at an sm90 target while the kernel compiles (`sm90_target`), and the
 launcher's kernel is swapped for its `warmup` (`compile_launch`): nothing runs. ptxas and cuobjdump
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-KERNELS = ("wgrad", "gemm")
+KERNELS = ("wgrad", "gemm", "cast")
 
 
 class Sm90Target:
@@ -128,8 +129,37 @@ def _gemm_launch(config: dict):
                                                                       w.num_groups, programs=132, **config)
 
 
+def cast_launch(dtype: torch.dtype = torch.bfloat16, mx: bool = False, **config):
+    """A launch of the Gluon block cast (both orientations, FP8 E4M3) of a 256 x 384 tensor of
+    `dtype` on the CPU: 1x128 blocks, or MXFP8's 1x32 with `mx`; config: the launcher's keywords
+    (default: its dispatched ones)."""
+    from qmoe.contracts.formats import E4M3
+    from qmoe.kernels import _cast_transpose_gl as ct
+    from qmoe.kernels import quantize as K
+
+    m, k = 256, 384
+    x = torch.randn(m, k).to(dtype)
+    row, col = torch.empty(m, k, dtype=torch.float8_e4m3fn), torch.empty(k, m, dtype=torch.float8_e4m3fn)
+    block, scale_dtype = (32, torch.uint8) if mx else (128, torch.float32)
+    row_s, col_s = torch.empty(m, k // block, dtype=scale_dtype), torch.empty(k, m // block, dtype=scale_dtype)
+    config = {**{key: v for key, v in ct.DISPATCH.items() if key != "per_sm"}, **config}
+    return lambda: ct.launch(x, None, 1, False, K.fp8_meta(E4M3), E4M3.max, True, 0.0, True, True, row, row_s, col,
+                             col_s, programs=4, mx=(E4M3.emax, True) if mx else None, **config)
+
+
+def _cast_launch(config: dict):
+    from qmoe.kernels import _cast_transpose_gl as ct
+
+    config = dict(config)
+    dtype = getattr(torch, config.pop("dtype", "bfloat16"))
+    return ct, "fp8_block_cast_kernel", cast_launch(dtype, config.pop("mx", False), **config)
+
+
 def dispatched_config(kernel: str) -> dict:
-    """The configuration qmoe dispatches at the benchmark shapes (every K a multiple of 256)."""
+    """The configuration qmoe dispatches at the benchmark shapes (every K a multiple of 256; the
+    cast of bf16 into 1x128 blocks)."""
+    if kernel == "cast":
+        return dict(dtype="bfloat16", mx=False)
     if kernel == "wgrad":
         from qmoe.kernels import _block_wgrad_ws as wg
 
@@ -141,7 +171,7 @@ def dispatched_config(kernel: str) -> dict:
 
 def compile_kernel(kernel: str, config: dict):
     """The compiled sm_90a kernel (Triton's CompiledKernel) of one of KERNELS in `config`."""
-    module, name, launch = {"wgrad": _wgrad_launch, "gemm": _gemm_launch}[kernel](config)
+    module, name, launch = {"wgrad": _wgrad_launch, "gemm": _gemm_launch, "cast": _cast_launch}[kernel](config)
     compiled = []
     with sm90_target(), compiling(module, name, compiled):
         launch()

@@ -79,17 +79,9 @@ def test_block_wgrad_compiles(compile_only):
 @pytest.mark.parametrize("dtype,mx", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, False)],
                          ids=["bf16-words", "mxfp8", "fp32-reads"])
 def test_block_cast_compiles(compile_only, dtype, mx):
-    from qmoe.contracts.formats import E4M3
+    from benchmarks.kernel_sass import cast_launch
     from qmoe.kernels import _cast_transpose_gl as ct
-    from qmoe.kernels import quantize as K
 
     kernels = compile_only(ct, "fp8_block_cast_kernel")
-    m, k = 256, 384
-    x = torch.randn(m, k).to(dtype)
-    row, col = torch.empty(m, k, dtype=torch.float8_e4m3fn), torch.empty(k, m, dtype=torch.float8_e4m3fn)
-    block, scale_dtype = (32, torch.uint8) if mx else (128, torch.float32)
-    row_s, col_s = torch.empty(m, k // block, dtype=scale_dtype), torch.empty(k, m // block, dtype=scale_dtype)
-    cfg = {key: v for key, v in ct.DISPATCH.items() if key != "per_sm"}
-    ct.launch(x, None, 1, False, K.fp8_meta(E4M3), E4M3.max, True, 0.0, True, True, row, row_s, col, col_s,
-              programs=4, mx=(E4M3.emax, True) if mx else None, **cfg)
+    cast_launch(dtype, mx)()
     _fits(kernels)
