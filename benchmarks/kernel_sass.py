@@ -108,7 +108,10 @@ def _wgrad_launch(config: dict):
                                                                         programs=132, **config)
 
 
-def _gemm_launch(config: dict):
+def gemm_launch(**config):
+    """A launch of the Gluon block fprop on the CPU: 1x128-scaled activations [256, 512] in groups
+    of 150, 0 and 106 rows against three 128x128-scaled [512, 512] weights; config: the
+    launcher's keywords."""
     from qmoe.contracts.enums import Scaling
     from qmoe.kernels import _block_gemm_ws as ws
     from qmoe.kernels import grouped_gemm as gg
@@ -118,15 +121,20 @@ def _gemm_launch(config: dict):
 
     recipe = Float8BlockScaling()
     g = torch.Generator().manual_seed(0)
-    splits = [150, 0, 106]
-    a = GroupedTensor.quantize(torch.randn(256, 512, generator=g), torch.tensor(splits), recipe.quantizer("input"),
-                               columnwise=False, validate=False)
+    a = GroupedTensor.quantize(torch.randn(256, 512, generator=g), torch.tensor([150, 0, 106]),
+                               recipe.quantizer("input"), columnwise=False, validate=False)
     w = quantize_weights(torch.randn(3, 512, 512, generator=g), recipe.quantizer("weight"), rowwise=True,
                          columnwise=False)
     a_op = gg.activation_operand(a, Scaling.BLOCK)
     b_op, n_out, k = gg.weight_operand(w, Scaling.BLOCK, False)
-    return ws, "block_gemm_ws_kernel", lambda: ws.launch_block_gemm_ws(a_op, b_op, a.offsets, a.shape[0], n_out, k,
-                                                                      w.num_groups, programs=132, **config)
+    return lambda: ws.launch_block_gemm_ws(a_op, b_op, a.offsets, a.shape[0], n_out, k, w.num_groups, programs=132,
+                                           **config)
+
+
+def _gemm_launch(config: dict):
+    from qmoe.kernels import _block_gemm_ws as ws
+
+    return ws, "block_gemm_ws_kernel", gemm_launch(**config)
 
 
 def cast_launch(dtype: torch.dtype = torch.bfloat16, mx: bool = False, **config):

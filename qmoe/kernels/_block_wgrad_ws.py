@@ -20,7 +20,7 @@ codes for twice the products of a 128 x 128 tile's 32 KB. A consumer's 64 x 256 
 registers per thread, so it computes a step as two 64 x 128 products, each promoted before the
 next starts, and in the ping-pong (PIPE 3) the two consumers take turns at the tensor cores.
 These tiles need TAIL "desc" and SCALES_TMA; their results leave through the same shared buffer
-that holds a group's steps when it starts off 16 bytes (below).
+that holds a group's steps when it starts off 16 bytes (`_block_wgrad_tails`).
 
 The promotion factors: stored as quantized, a step's scales lie one per row of a [rows, steps]
 tensor, so each consumer's per-step loads touch a cache line per value. With SCALES_TMA the launch
@@ -28,20 +28,8 @@ stores them steps-major (one small copy per call, rows padded to 16 bytes), the 
 each step's 128 row scales and 128 column scales with the step's codes into the same stage, and
 the consumers read them from shared memory straight into the MMA's row and column layouts.
 
-A group's tokens start anywhere (groups are padded to the recipe's `align_size`, not to 128), so
-its last step may be partial, and a TMA box of the whole operand runs on into the next group's
-tokens there. TAIL picks how those tokens become zeros; the same bits either way:
-- "desc": the producer loads the partial step through descriptors of the group's own tokens,
-  made on the device once per group (`tma.make_tensor_descriptor`), and TMA fills the box past
-  the group's end with zeros, as it does past a tensor's end: the step costs what a full one
-  does. A program keeps two pairs and alternates between them, and before it rewrites one it
-  waits until the last load through it has landed: a load still in flight may read its
-  descriptor late.
-- "loads": the consumers read that step themselves, masked loads of their A rows and of the
-  whole B tile into private buffers.
-A TMA load that starts off a 16-byte boundary stops the GPU with an illegal instruction
-(docs/performance.md, block wgrad), so a group that starts off one (an `align_size` that is not
-a multiple of 16) takes every step through masked loads: correct, slower.
+A group's last step may be partial, and a group may start off 16 bytes: TAIL picks how such
+steps read zeros past the group's end (`_block_wgrad_tails`).
 """
 from __future__ import annotations
 
@@ -49,10 +37,13 @@ import torch
 
 from qmoe.kernels import _gluon_sm90 as sm90
 from qmoe.kernels._block_gemm_tl import kernel_info
+from qmoe.kernels._block_wgrad_tails import TAILS
 from qmoe.kernels._gluon_sm90 import gluon
 from qmoe.kernels._launch import faking, num_sms
 
 if gluon is not None:
+    from qmoe.kernels._block_wgrad_tails import (TAIL_DESC, group_descs, landed, tail_to_smem,
+                                                  tma_steps)
     from qmoe.kernels._gluon_sm90 import fence_async_shared, gl, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
     @gluon.jit
@@ -68,40 +59,6 @@ if gluon is not None:
         start = gl.load(offs_ptr + g).to(gl.int32)
         end = gl.load(offs_ptr + g + 1).to(gl.int32)
         return g, pm, pn, start, end - start
-
-    # TAIL: how the partial last step of a group reads zeros past the group's end (module docstring)
-    TAIL_LOADS = gl.constexpr(0)
-    TAIL_DESC = gl.constexpr(1)
-
-    @gluon.jit
-    def _tma_steps(start, length, BK: gl.constexpr, TAIL: gl.constexpr):
-        """The group's steps that go through the TMA ring (the producer loads, the consumers take):
-        its full steps, and under TAIL_DESC its partial last one; none for a group starting off
-        16 bytes, which TMA cannot load."""
-        n = length // BK
-        if TAIL == TAIL_DESC:
-            n = gl.cdiv(length, BK)
-        return gl.where(start % 16 == 0, n, 0)
-
-    @gluon.jit
-    def _group_descs(a_ptr, b_ptr, start, length, N, K, stride_an, stride_bk, a_desc, b_desc):
-        """TMA descriptors of A's and B's tokens of one group (a_ptr, b_ptr: the codes as bytes):
-        boxes read zeros past its end."""
-        a_codes = a_ptr.to(gl.pointer_type(a_desc.dtype), bitcast=True)
-        b_codes = b_ptr.to(gl.pointer_type(b_desc.dtype), bitcast=True)
-        ga = tma.make_tensor_descriptor(a_codes + start, [N, length], [stride_an, 1], a_desc.block_type.shape,
-                                        a_desc.layout)
-        gb = tma.make_tensor_descriptor(b_codes + start, [K, length], [stride_bk, 1], b_desc.block_type.shape,
-                                        b_desc.layout)
-        return ga, gb
-
-    @gluon.jit
-    def _landed(full, last, it, STAGES: gl.constexpr):
-        """Wait until load `last` has landed, unless it is no load (-1) or a later load into its
-        stage was issued (`it`: the next load): the producer issues one only after the consumers
-        released the stage, so `last` landed. Until then its barrier still holds `last`'s phase."""
-        if last >= 0 and it - last <= STAGES:
-            mbarrier.wait(full.index(last % STAGES), (last // STAGES) & 1)
 
     @gluon.jit
     def _producer(a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, full, empty, offs_ptr,
@@ -127,17 +84,17 @@ if gluon is not None:
             if SCALES_TMA:
                 step_a = gl.load(soffs_a_ptr + g).to(gl.int32)
                 step_b = gl.load(soffs_b_ptr + g).to(gl.int32)
-            nk = _tma_steps(start, length, BK, TAIL)
+            nk = tma_steps(start, length, BK, TAIL)
             if TAIL == TAIL_DESC and nk * BK > length and g != cur:  # a new group with a partial step
                 pair = 1 - pair
                 cur = g
                 if pair == 0:
-                    _landed(full, last0, it, STAGES)
-                    ga0, gb0 = _group_descs(a_ptr, b_ptr, start, length, N, K, stride_an, stride_bk, a_desc,
+                    landed(full, last0, it, STAGES)
+                    ga0, gb0 = group_descs(a_ptr, b_ptr, start, length, N, K, stride_an, stride_bk, a_desc,
                                             b_desc)
                 else:
-                    _landed(full, last1, it, STAGES)
-                    ga1, gb1 = _group_descs(a_ptr, b_ptr, start, length, N, K, stride_an, stride_bk, a_desc,
+                    landed(full, last1, it, STAGES)
+                    ga1, gb1 = group_descs(a_ptr, b_ptr, start, length, N, K, stride_an, stride_bk, a_desc,
                                             b_desc)
             for ki in range(nk):
                 s = it % STAGES
@@ -185,32 +142,6 @@ if gluon is not None:
     @gluon.jit
     def _promote(acc, p, fa, fb):
         return acc + p * (gl.expand_dims(fa, 1) * gl.expand_dims(fb, 0))
-
-    @gluon.jit
-    def _tail_operand(ptr, rows, n_rows, t0, tail, stride_r, R: gl.constexpr, BK: gl.constexpr,
-                      layout: gl.constexpr, DTYPE: gl.constexpr):
-        """[R, BK] codes of rows `rows..` at tokens t0.., zero past `tail` tokens or n_rows rows.
-
-        ptr: the codes as bytes. Loads whole 16-token chunks (one vector each; the chunk holding
-        the group's end stays inside the data, whose token count is a multiple of 16), zeroes the
-        tokens past the end as integers, then reinterprets the bytes as DTYPE.
-        """
-        r = rows + gl.arange(0, R, layout=gl.SliceLayout(1, layout))
-        c = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
-        ptrs = ptr + gl.expand_dims(r.to(gl.int64) * stride_r, 1) + gl.expand_dims(t0 + c, 0)
-        row_ok = gl.expand_dims(r < n_rows, 1)
-        x = gl.load(ptrs, mask=row_ok & gl.expand_dims((c // 16) * 16 < tail, 0), other=0)
-        x = gl.where(row_ok & gl.expand_dims(c < tail, 0), x, 0)
-        return x.to(DTYPE, bitcast=True)
-
-    @gluon.jit
-    def _tail_to_smem(ptr, smem, rows, n_rows, t0, tail, stride_r, layout: gl.constexpr):
-        """The tail step's [R, BK] operand rows into `smem`, 32 rows at a time (few registers)."""
-        R: gl.constexpr = smem.shape[0]
-        BK: gl.constexpr = smem.shape[1]
-        for i in gl.static_range(R // 32):
-            smem.slice(i * 32, 32).store(_tail_operand(ptr, rows + i * 32, n_rows, t0, tail, stride_r, 32, BK,
-                                                       layout, smem.dtype))
 
     @gluon.jit
     def _staged_factor(sa_rows, sb_rows, s, HALF: gl.constexpr, HM: gl.constexpr, row_l: gl.constexpr,
@@ -293,7 +224,7 @@ if gluon is not None:
             sa_tile = sa_ptr + row0.to(gl.int64) * s_stride_an + gl.load(soffs_a_ptr + g) * s_stride_at
             sb_tile = sb_ptr + col0.to(gl.int64) * s_stride_bk + gl.load(soffs_b_ptr + g) * s_stride_bt
             aligned = start % 16 == 0
-            nk = _tma_steps(start, length, BK, TAIL)
+            nk = tma_steps(start, length, BK, TAIL)
             acc = zero
             if PIPE == 0:  # promote each step after its MMA (the two consumers overlap each other)
                 for ki in range(nk):
@@ -333,16 +264,16 @@ if gluon is not None:
                 tail = length - nk * BK  # none left unless TAIL_LOADS
                 if tail > 0:  # the group's partial last step: masked loads into this consumer's own buffers
                     t16 = (start // 16) * 16 + nk * BK  # visibly a multiple of 16 to the compiler: vector loads
-                    _tail_to_smem(a_ptr, a_mine, row0, N, t16, tail, stride_an, ld)
-                    _tail_to_smem(b_ptr, b_mine, col0, K, t16, tail, stride_bk, ld)
+                    tail_to_smem(a_ptr, a_mine, row0, N, t16, tail, stride_an, ld)
+                    tail_to_smem(b_ptr, b_mine, col0, K, t16, tail, stride_bk, ld)
                     acc = _own_step(acc, a_mine, b_mine, zero, turn, 0, sa_tile, sb_tile, N - row0, K - col0, nk,
                                     s_stride_an, s_stride_at, s_stride_bk, s_stride_bt, HALF, False, HM, BN, row_l,
                                     col_l)
             else:  # TMA cannot start off a 16-byte boundary: every step through masked byte loads
                 for ki in range(gl.cdiv(length, BK)):
                     t0 = start + ki * BK
-                    _tail_to_smem(a_ptr, a_mine, row0, N, t0, length - ki * BK, stride_an, ld)
-                    _tail_to_smem(b_ptr, b_mine, col0, K, t0, length - ki * BK, stride_bk, ld)
+                    tail_to_smem(a_ptr, a_mine, row0, N, t0, length - ki * BK, stride_an, ld)
+                    tail_to_smem(b_ptr, b_mine, col0, K, t0, length - ki * BK, stride_bk, ld)
                     acc = _own_step(acc, a_mine, b_mine, zero, turn, 0, sa_tile, sb_tile, N - row0, K - col0, ki,
                                     s_stride_an, s_stride_at, s_stride_bk, s_stride_bt, HALF, False, HM, BN, row_l,
                                     col_l)
@@ -385,7 +316,7 @@ if gluon is not None:
             if start % 16 == 0:
                 acc0 = zero
                 acc1 = zero
-                for ki in range(_tma_steps(start, length, BK, TAIL_DESC)):
+                for ki in range(tma_steps(start, length, BK, TAIL_DESC)):
                     s = it % STAGES
                     mbarrier.wait(full.index(s), (it // STAGES) & 1)
                     a_s = a_bufs.index(s).slice(HALF * HM, HM)
@@ -415,8 +346,8 @@ if gluon is not None:
                     acc = zero
                     for ki in range(gl.cdiv(length, BK)):
                         t0 = start + ki * BK
-                        _tail_to_smem(a_ptr, a_mine, row0, N, t0, length - ki * BK, stride_an, ld)
-                        _tail_to_smem(b_ptr, b_mine, col0 + h * SUB, K, t0, length - ki * BK, stride_bk, ld)
+                        tail_to_smem(a_ptr, a_mine, row0, N, t0, length - ki * BK, stride_an, ld)
+                        tail_to_smem(b_ptr, b_mine, col0 + h * SUB, K, t0, length - ki * BK, stride_bk, ld)
                         acc = _own_step(acc, a_mine, b_mine, zero, turn, u, sa_tile, sb_tile, N - row0,
                                         K - col0 - h * SUB, ki, s_stride_an, s_stride_at, s_stride_bk, s_stride_bt,
                                         HALF, PINGPONG, HM, SUB, row_l, col_l)
@@ -513,7 +444,6 @@ if gluon is not None:
 DISPATCH_WIDE = dict(bn=256, pipe=3, stages=3, group_m=8, tail="desc", scales_tma=True, consumer_regs=240,
                      producer_regs=24)  # the registers: 240 for each consumer's two sums and product
 DISPATCH = dict(bn=128, pipe=0, stages=4, group_m=8, tail="desc", scales_tma=True)
-TAILS = {"loads": 0, "desc": 1}  # the kernel's TAIL values (module docstring)
 # Calls whose kernel failed to compile (a Triton without this Gluon API): they take the Triton kernel.
 FAILED: dict[tuple, str] = {}
 

@@ -11,8 +11,6 @@ import contextlib
 import pytest
 import torch
 
-from tests.kernels.gluon import grouped_operands
-
 gluon_sm90 = pytest.importorskip("qmoe.kernels._gluon_sm90")
 if gluon_sm90.gluon is None:
     pytest.skip("this Triton has no Gluon", allow_module_level=True)
@@ -42,23 +40,13 @@ def _fits(kernels):
         assert k.metadata.shared <= gluon_sm90.SMEM_BYTES, k.metadata.shared
 
 
-def _block_operands(layout):
-    from qmoe.recipes import Float8BlockScaling
-
-    return grouped_operands(Float8BlockScaling(), layout, 256, 256, "cpu", [150, 0, 106], 0, seed=1)
-
-
 def test_block_gemm_compiles(compile_only):
-    from qmoe.contracts.enums import Scaling
+    from benchmarks.kernel_sass import gemm_launch
     from qmoe.kernels import _block_gemm_ws as ws
-    from qmoe.kernels import grouped_gemm as gg
 
     kernels = compile_only(ws, "block_gemm_ws_kernel")
-    a, b = _block_operands("fprop")
-    a_op = gg.activation_operand(a, Scaling.BLOCK)
-    b_op, n_out, k = gg.weight_operand(b, Scaling.BLOCK, False)
     for cfg in (dict(ws.DISPATCH, scales_tma=True), ws.DISPATCH_WIDE):
-        ws.launch_block_gemm_ws(a_op, b_op, a.offsets, a.shape[0], n_out, k, b.num_groups, programs=4, **cfg)
+        gemm_launch(**cfg)()
     _fits(kernels)
 
 
