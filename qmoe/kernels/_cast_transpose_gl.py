@@ -144,17 +144,18 @@ if gluon is not None:
         row_l: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // (BK // VEC), BK // VEC], [num_warps, 1], [1, 0])
         col_l: gl.constexpr = gl.BlockedLayout([BM // num_warps, 4], [1, 32], [num_warps, 1], [0, 1])
         col0 = kt * BK
-        xr = tile.load(row_l).to(gl.float32)
-        rows_r = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, row_l))
-        cols_r = col0 + gl.arange(0, BK, layout=gl.SliceLayout(0, row_l))
-        ok_r = rows_r < row_end
-        bits_r = gl.max(abs_bits(xr), 1)  # [BM]: max|x| per row (NaN wins)
-        if BLOCK_2D:  # one scale per tile, from its rows in the group
-            s_tile = fp8_scale_from_amax(bits_to_float(gl.max(gl.where(ok_r, bits_r, 0), 0)), FMT_MAX, POW2, eps)
-            s_r = gl.where(ok_r, s_tile, s_tile)
-        else:
-            s_r = fp8_scale_from_amax(bits_to_float(bits_r), FMT_MAX, POW2, eps)
         if ROWWISE:
+            xr = tile.load(row_l).to(gl.float32)
+            rows_r = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, row_l))
+            cols_r = col0 + gl.arange(0, BK, layout=gl.SliceLayout(0, row_l))
+            ok_r = rows_r < row_end
+            bits_r = gl.max(abs_bits(xr), 1)  # [BM]: max|x| per row (NaN wins)
+            if BLOCK_2D:  # one scale per tile, from its rows in the group
+                s_tile = fp8_scale_from_amax(bits_to_float(gl.max(gl.where(ok_r, bits_r, 0), 0)), FMT_MAX, POW2,
+                                             eps)
+                s_r = gl.where(ok_r, s_tile, s_tile)
+            else:
+                s_r = fp8_scale_from_amax(bits_to_float(bits_r), FMT_MAX, POW2, eps)
             q = cast_codes(xr * gl.expand_dims(s_r, 1), FMT_MAX, OUT_DTYPE)
             gl.store(row_ptr + rows_r.to(gl.int64)[:, None] * K + cols_r[None, :], q,
                      mask=ok_r[:, None] & (cols_r < K)[None, :])
@@ -169,11 +170,13 @@ if gluon is not None:
             cols_c = col0 + gl.arange(0, BK, layout=gl.SliceLayout(0, col_l))
             ok_c = cols_c < K
             cols64 = cols_c.to(gl.int64)
+            bits_c = gl.where((row0 + offs_c < row_end)[:, None], abs_bits(xc), 0)  # rows of the group only
             if BLOCK_2D:
+                if not ROWWISE:  # the tile's scale from the columns' maxima: the same maximum
+                    s_tile = fp8_scale_from_amax(bits_to_float(gl.max(gl.max(bits_c, 0), 0)), FMT_MAX, POW2, eps)
                 s_c = gl.where(ok_c, s_tile, s_tile)
                 gl.store(col_s_ptr + kt * stride_cs + sblk, reciprocal(s_tile))
             else:
-                bits_c = gl.where((row0 + offs_c < row_end)[:, None], abs_bits(xc), 0)
                 s_c = fp8_scale_from_amax(bits_to_float(gl.max(bits_c, 0)), FMT_MAX, POW2, eps)
                 gl.store(col_s_ptr + cols64 * stride_cs + sblk, reciprocal(s_c), mask=ok_c)
             col_stage.permute([1, 0]).store(cast_codes(xc * gl.expand_dims(s_c, 0), FMT_MAX, OUT_DTYPE))
@@ -216,21 +219,22 @@ if gluon is not None:
                                   gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
         w0 = kt * BW  # first word column of the tile
 
-        wr = words.load(row_l)
-        rows_r = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, row_l))
-        wcols_r = w0 + gl.arange(0, BW, layout=gl.SliceLayout(0, row_l))
-        ok_r = rows_r < row_end
-        packed_r = gl.reduce(wr & 0x7FFF7FFF, 1, _max_u16x2)
-        bits_r = gl.maximum(packed_r << 16, packed_r & -65536)  # [BM]: max|x| per row (NaN wins)
-        if BLOCK_2D:  # one scale per tile, from its rows in the group
-            s_tile = fp8_scale_from_amax(bits_to_float(gl.max(gl.where(ok_r, bits_r, 0), 0)), FMT_MAX, POW2, eps)
-            s_r = gl.where(ok_r, s_tile, s_tile)
-        else:
-            one_l: gl.constexpr = _row_scale_layout(BM, num_warps)
-            amax_1 = bits_to_float(gl.convert_layout(bits_r, one_l))
-            s_1 = fp8_scale_from_amax(amax_1, FMT_MAX, POW2, eps)
-            s_r = gl.convert_layout(s_1, gl.SliceLayout(1, row_l))
         if ROWWISE:
+            wr = words.load(row_l)
+            rows_r = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, row_l))
+            wcols_r = w0 + gl.arange(0, BW, layout=gl.SliceLayout(0, row_l))
+            ok_r = rows_r < row_end
+            packed_r = gl.reduce(wr & 0x7FFF7FFF, 1, _max_u16x2)
+            bits_r = gl.maximum(packed_r << 16, packed_r & -65536)  # [BM]: max|x| per row (NaN wins)
+            if BLOCK_2D:  # one scale per tile, from its rows in the group
+                s_tile = fp8_scale_from_amax(bits_to_float(gl.max(gl.where(ok_r, bits_r, 0), 0)), FMT_MAX, POW2,
+                                             eps)
+                s_r = gl.where(ok_r, s_tile, s_tile)
+            else:
+                one_l: gl.constexpr = _row_scale_layout(BM, num_warps)
+                amax_1 = bits_to_float(gl.convert_layout(bits_r, one_l))
+                s_1 = fp8_scale_from_amax(amax_1, FMT_MAX, POW2, eps)
+                s_r = gl.convert_layout(s_1, gl.SliceLayout(1, row_l))
             q = _row_codes(wr, gl.expand_dims(s_r, 1), OUT_DTYPE)
             row_pairs = row_ptr.to(gl.pointer_type(gl.int16))
             gl.store(row_pairs + rows_r.to(gl.int64)[:, None] * (K // 2) + wcols_r[None, :], q,
@@ -245,13 +249,17 @@ if gluon is not None:
             wc = words.load(col_l)
             offs_c = gl.arange(0, BM, layout=gl.SliceLayout(1, col_l))
             lo, hi = _bf16_pairs_to_float(wc)
+            magnitude = gl.where(row0 + offs_c < row_end, 0x7FFF7FFF, 0)  # rows of the group only
+            packed_c = gl.reduce(wc & gl.expand_dims(magnitude, 1), 0, _max_u16x2)
             if BLOCK_2D:
+                if not ROWWISE:  # the tile's scale from the columns' maxima: the same maximum
+                    packed_t = gl.reduce(packed_c, 0, _max_u16x2)
+                    s_tile = fp8_scale_from_amax(bits_to_float(gl.maximum(packed_t << 16, packed_t & -65536)),
+                                                 FMT_MAX, POW2, eps)
                 s_lo = gl.where(gl.arange(0, BW, layout=gl.SliceLayout(0, col_l)) < BW, s_tile, s_tile)
                 s_hi = s_lo
                 gl.store(col_s_ptr + kt * stride_cs + sblk, reciprocal(s_tile))
             else:
-                magnitude = gl.where(row0 + offs_c < row_end, 0x7FFF7FFF, 0)  # rows of the group only
-                packed_c = gl.reduce(wc & gl.expand_dims(magnitude, 1), 0, _max_u16x2)
                 word_l: gl.constexpr = _word_scale_layout(BW, num_warps)
                 packed_1 = gl.convert_layout(packed_c, word_l)
                 s_lo1 = fp8_scale_from_amax(bits_to_float(packed_1 << 16), FMT_MAX, POW2, eps)
@@ -342,6 +350,50 @@ if gluon is not None:
                 _write_column_runs(col_stage.slice(half * BM, BM, dim=1), 2 * w0 + half, 2, K, col_ptr, row0, row_end,
                                    M, BM, num_warps)
 
+    @gluon.jit
+    def _schedule(splits_ptr, M, K, G, BM: gl.constexpr, BK: gl.constexpr, SB: gl.constexpr, GP: gl.constexpr,
+                  GROUPED: gl.constexpr, NUM_PROGRAMS: gl.constexpr, WARPS: gl.constexpr):
+        """This program's share of the tiles: the group table (_group_table), tiles along K, and how
+        many tiles it takes (tile pid + i * NUM_PROGRAMS for i below that)."""
+        gi, starts, sizes, tiles, tile_end, first_block = _group_table(splits_ptr, G, BM, SB, GP, GROUPED, WARPS)
+        nk = gl.cdiv(K, BK)
+        if GROUPED:
+            total = gl.sum(tiles, 0) * nk
+        else:
+            total = gl.cdiv(M, BM) * nk
+        mine = gl.cdiv(gl.maximum(total - gl.program_id(0), 0), NUM_PROGRAMS)
+        return gi, starts, sizes, tiles, tile_end, first_block, nk, mine
+
+    @gluon.jit
+    def _cast_one(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M, K, eps,
+                  stride_rs, stride_cs, FMT_MAX: gl.constexpr, OUT_DTYPE: gl.constexpr, POW2: gl.constexpr,
+                  BLOCK_2D: gl.constexpr, ROWWISE: gl.constexpr, COLWISE: gl.constexpr, VEC: gl.constexpr,
+                  PACKED: gl.constexpr, MX: gl.constexpr, EMAX: gl.constexpr, ROUND_UP: gl.constexpr,
+                  WARPS: gl.constexpr):
+        """Quantize one tile in shared memory, in the orientations asked for, by WARPS warps."""
+        if MX:
+            _cast_tile_mx(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M, K,
+                          stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, EMAX, ROUND_UP, ROWWISE, COLWISE, WARPS)
+        elif PACKED:
+            _cast_tile_bf16(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M,
+                            K, eps, stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, POW2, BLOCK_2D, ROWWISE, COLWISE,
+                            WARPS)
+        else:
+            _cast_tile(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M, K, eps,
+                       stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, POW2, BLOCK_2D, ROWWISE, COLWISE, VEC, WARPS)
+
+    @gluon.jit
+    def _column_stage(BM: gl.constexpr, BK: gl.constexpr, STAGE_PHASE: gl.constexpr, PAIRS: gl.constexpr):
+        """The tile's columnwise codes on their way out: a row per column (PAIRS, bf16 read as words:
+        per pair of columns), 16-byte chunks swizzled per STAGE_PHASE rows so that the rows one
+        store instruction writes (every second row from words, every fourth from fp32 reads) fall
+        on distinct banks."""
+        stage_l: gl.constexpr = gl.SwizzledSharedLayout(16, STAGE_PHASE, 8, order=[1, 0])
+        if PAIRS:
+            return gl.allocate_shared_memory(gl.uint8, [BK // 2, 2 * BM], stage_l)
+        else:
+            return gl.allocate_shared_memory(gl.uint8, [BK, BM], stage_l)
+
     # M stays specialised: as the columnwise copy's row stride, its divisibility by 16 lets the
     # columnwise codes leave as 16-byte vectors
     @gluon.jit(do_not_specialize=["G"])
@@ -354,31 +406,18 @@ if gluon is not None:
                               MX: gl.constexpr, EMAX: gl.constexpr, ROUND_UP: gl.constexpr,
                               STAGE_PHASE: gl.constexpr, num_warps: gl.constexpr):
         """One 128 x 128 tile (FP8 block: one 128-wide scale block each way; MX: 32-wide E8M0 blocks)
-        per trip of a persistent loop (see the module docstring)."""
+        per trip of a persistent loop, every warp on both orientations (see the module docstring)."""
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-        # the tile's columnwise codes on their way out: a row per column (bf16: per pair of columns),
-        # 16-byte chunks swizzled per STAGE_PHASE rows so that the rows one store instruction writes
-        # (every second row from words, every fourth from fp32 reads) fall on distinct banks
-        stage_l: gl.constexpr = gl.SwizzledSharedLayout(16, STAGE_PHASE, 8, order=[1, 0])
-        if PACKED or MX:
-            col_stage = gl.allocate_shared_memory(gl.uint8, [BK // 2, 2 * BM], stage_l)
-        else:
-            col_stage = gl.allocate_shared_memory(gl.uint8, [BK, BM], stage_l)
-
-        nk = gl.cdiv(K, BK)
+        col_stage = _column_stage(BM, BK, STAGE_PHASE, PACKED or MX)
         SB: gl.constexpr = MX_BLOCK if MX else BM  # rows per scale block along M
-        gi, starts, sizes, tiles, tile_end, first_block = _group_table(splits_ptr, G, BM, SB, GP, GROUPED, num_warps)
-        if GROUPED:
-            total = gl.sum(tiles, 0) * nk
-        else:
-            total = gl.cdiv(M, BM) * nk
+        gi, starts, sizes, tiles, tile_end, first_block, nk, mine = _schedule(
+            splits_ptr, M, K, G, BM, BK, SB, GP, GROUPED, NUM_PROGRAMS, num_warps)
         pid = gl.program_id(0)
-        mine = gl.cdiv(gl.maximum(total - pid, 0), NUM_PROGRAMS)
         for j in gl.static_range(STAGES - 1):
             if j < mine:
                 _issue(x_desc, bufs, ready, pid + j * NUM_PROGRAMS, j, nk, M, gi, starts, sizes, tiles, tile_end,
@@ -392,23 +431,88 @@ if gluon is not None:
                        tiles, tile_end, BM, BK, GROUPED)
             slot = i % STAGES
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-            tile = bufs.index(slot)
             row0, row_end, sblk, kt = _locate(pid + i * NUM_PROGRAMS, nk, M, gi, starts, sizes, tiles, tile_end,
                                               first_block, BM, SB, GROUPED)
-            if MX:
-                _cast_tile_mx(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M, K,
-                              stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, EMAX, ROUND_UP, ROWWISE, COLWISE, num_warps)
-            elif PACKED:
-                _cast_tile_bf16(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M,
-                                K, eps, stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, POW2, BLOCK_2D, ROWWISE, COLWISE,
-                                num_warps)
-            else:
-                _cast_tile(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M, K, eps,
-                           stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, POW2, BLOCK_2D, ROWWISE, COLWISE, VEC, num_warps)
+            _cast_one(bufs.index(slot), col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt,
+                      M, K, eps, stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, POW2, BLOCK_2D, ROWWISE, COLWISE, VEC,
+                      PACKED, MX, EMAX, ROUND_UP, num_warps)
 
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
 
+    @gluon.jit
+    def _load_tiles(x_desc, bufs, ready, empty, splits_ptr, M, K, G, SB: gl.constexpr, GROUPED: gl.constexpr,
+                    GP: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr):
+        """The loading warp: the program's tiles into the ring, each once both orientations freed its slot."""
+        BM: gl.constexpr = x_desc.block_type.shape[0]
+        BK: gl.constexpr = x_desc.block_type.shape[1]
+        gi, starts, sizes, tiles, tile_end, first_block, nk, mine = _schedule(
+            splits_ptr, M, K, G, BM, BK, SB, GP, GROUPED, NUM_PROGRAMS, 1)
+        pid = gl.program_id(0)
+        for i in range(mine):
+            slot = i % STAGES
+            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+            _issue(x_desc, bufs, ready, pid + i * NUM_PROGRAMS, slot, nk, M, gi, starts, sizes, tiles, tile_end,
+                   BM, BK, GROUPED)
+
+    @gluon.jit
+    def _cast_tiles(bufs, ready, empty, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr, M, K, G, eps,
+                    stride_rs, stride_cs, FMT_MAX: gl.constexpr, OUT_DTYPE: gl.constexpr, POW2: gl.constexpr,
+                    BLOCK_2D: gl.constexpr, ROWWISE: gl.constexpr, COLWISE: gl.constexpr, GROUPED: gl.constexpr,
+                    GP: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, VEC: gl.constexpr,
+                    PACKED: gl.constexpr, MX: gl.constexpr, EMAX: gl.constexpr, ROUND_UP: gl.constexpr,
+                    WARPS: gl.constexpr):
+        """A casting partition: one orientation of every tile of the program, freeing each slot once
+        its WARPS warps are done with it."""
+        BM: gl.constexpr = bufs.shape[1]
+        BK: gl.constexpr = bufs.shape[2]
+        SB: gl.constexpr = MX_BLOCK if MX else BM
+        gi, starts, sizes, tiles, tile_end, first_block, nk, mine = _schedule(
+            splits_ptr, M, K, G, BM, BK, SB, GP, GROUPED, NUM_PROGRAMS, WARPS)
+        pid = gl.program_id(0)
+        for i in range(mine):
+            slot = i % STAGES
+            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+            row0, row_end, sblk, kt = _locate(pid + i * NUM_PROGRAMS, nk, M, gi, starts, sizes, tiles, tile_end,
+                                              first_block, BM, SB, GROUPED)
+            _cast_one(bufs.index(slot), col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt,
+                      M, K, eps, stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, POW2, BLOCK_2D, ROWWISE, COLWISE, VEC,
+                      PACKED, MX, EMAX, ROUND_UP, WARPS)
+            sm90.thread_barrier()  # the partition's warps are done with the slot (and the column stage)
+            mbarrier.arrive(empty.index(slot), count=1)
+
+    @gluon.jit(do_not_specialize=["G"])
+    def fp8_block_cast_ws_kernel(x_desc, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr,
+                                 M, K, G, eps, stride_rs, stride_cs,
+                                 FMT_MAX: gl.constexpr, OUT_DTYPE: gl.constexpr, POW2: gl.constexpr,
+                                 BLOCK_2D: gl.constexpr, GROUPED: gl.constexpr, GP: gl.constexpr,
+                                 STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, VEC: gl.constexpr,
+                                 PACKED: gl.constexpr, MX: gl.constexpr, EMAX: gl.constexpr, ROUND_UP: gl.constexpr,
+                                 STAGE_PHASE: gl.constexpr, COL_WARPS: gl.constexpr, COL_REGS: gl.constexpr,
+                                 LOAD_REGS: gl.constexpr, num_warps: gl.constexpr):
+        """fp8_block_cast_kernel's tiles, both orientations, with the orientations on their own warps:
+        the default partition (num_warps) casts every tile rowwise, a COL_WARPS worker columnwise, and
+        a one-warp worker loads the ring. Each orientation's barriers then hold only its own warps,
+        and one orientation's latencies overlap the other's work. `empty` counts both releases."""
+        BM: gl.constexpr = x_desc.block_type.shape[0]
+        BK: gl.constexpr = x_desc.block_type.shape[1]
+        bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)
+        col_stage = _column_stage(BM, BK, STAGE_PHASE, PACKED or MX)
+        SB: gl.constexpr = MX_BLOCK if MX else BM
+        gl.warp_specialize([
+            (_cast_tiles, (bufs, ready, empty, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr, M, K,
+                           G, eps, stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, POW2, BLOCK_2D, True, False, GROUPED, GP,
+                           STAGES, NUM_PROGRAMS, VEC, PACKED, MX, EMAX, ROUND_UP, num_warps)),
+            (_cast_tiles, (bufs, ready, empty, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr, M, K,
+                           G, eps, stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, POW2, BLOCK_2D, False, True, GROUPED, GP,
+                           STAGES, NUM_PROGRAMS, VEC, PACKED, MX, EMAX, ROUND_UP, COL_WARPS)),
+            (_load_tiles, (x_desc, bufs, ready, empty, splits_ptr, M, K, G, SB, GROUPED, GP, STAGES, NUM_PROGRAMS)),
+        ], [COL_WARPS, 1], [COL_REGS, LOAD_REGS])
 
 _TILE = 128
 # What fp8_block_op dispatches to: stages of the TMA ring, warps per program, programs per SM.
@@ -474,13 +578,16 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
            power_2_scale: bool, amax_epsilon: float, rowwise: bool, columnwise: bool, row, row_s, col, col_s, *,
            stages: int = 3, warps: int = 8, per_sm: int = 1, maxnreg: int | None = None,
            programs: int | None = None, packed: bool = True, mx: tuple[int, bool] | None = None,
-           stage_phase: int | None = None) -> None:
+           stage_phase: int | None = None, col_warps: int | None = None, col_regs: int = 160,
+           load_regs: int = 24) -> None:
     """Fill fp8_block_op's outputs (allocated by it, same layouts) for an [M, K] x; out_code is
     the codes' Triton FP8 dtype; maxnreg caps registers (two programs per SM need <= 128 at 8 warps);
     packed=False reads bf16 as fp32 as the other dtypes are (same bits, for comparison). With
     mx = (emax, round_up), MXFP8 of a bf16 x into mxfp8_op's outputs instead (two_d, power_2_scale
     and amax_epsilon unused; its E8M0 scales as bytes or as float8_e8m0fnu views). stage_phase:
-    rows of the columnwise stage per swizzle phase (None: the read path's conflict-free one)."""
+    rows of the columnwise stage per swizzle phase (None: the read path's conflict-free one).
+    col_warps: both orientations in fp8_block_cast_ws_kernel, `warps` warps rowwise and col_warps
+    columnwise (col_regs registers per thread there, load_regs in the loading warp)."""
     m, k = x.shape
     row_s, col_s = (s.view(torch.uint8) if s.dtype == torch.float8_e8m0fnu else s for s in (row_s, col_s))
     grouped = splits is not None
@@ -492,12 +599,15 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
         stage_phase = 2 if words or mx is not None else 4
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=torch.finfo(x.dtype).bits, rank=2)
     desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [_TILE, _TILE], layout)
-    fp8_block_cast_kernel[(programs,)](
-        desc, row.view(torch.uint8), row_s, col.view(torch.uint8), col_s, splits if grouped else row_s,
-        m, k, num_groups, amax_epsilon, row_s.stride(0) if row_s.dim() == 2 else 0,
-        col_s.stride(0) if col_s.dim() == 2 else 0,
-        FMT_MAX=fmt_max, OUT_DTYPE=out_code, POW2=power_2_scale, BLOCK_2D=two_d, ROWWISE=rowwise,
-        COLWISE=columnwise, GROUPED=grouped, GP=max(32, group_pow2(num_groups)), STAGES=stages, NUM_PROGRAMS=programs,
-        VEC=16 // x.element_size(), PACKED=words, MX=mx is not None,
-        EMAX=mx[0] if mx else 0, ROUND_UP=bool(mx and mx[1]), STAGE_PHASE=stage_phase, num_warps=warps,
-        **({"maxnreg": maxnreg} if maxnreg else {}))
+    args = (desc, row.view(torch.uint8), row_s, col.view(torch.uint8), col_s, splits if grouped else row_s,
+            m, k, num_groups, amax_epsilon, row_s.stride(0) if row_s.dim() == 2 else 0,
+            col_s.stride(0) if col_s.dim() == 2 else 0)
+    common = dict(FMT_MAX=fmt_max, OUT_DTYPE=out_code, POW2=power_2_scale, BLOCK_2D=two_d, GROUPED=grouped,
+                  GP=max(32, group_pow2(num_groups)), STAGES=stages, NUM_PROGRAMS=programs, VEC=16 // x.element_size(),
+                  PACKED=words, MX=mx is not None, EMAX=mx[0] if mx else 0, ROUND_UP=bool(mx and mx[1]),
+                  STAGE_PHASE=stage_phase, num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}))
+    if col_warps is not None and rowwise and columnwise:
+        fp8_block_cast_ws_kernel[(programs,)](*args, COL_WARPS=col_warps, COL_REGS=col_regs, LOAD_REGS=load_regs,
+                                              **common)
+    else:
+        fp8_block_cast_kernel[(programs,)](*args, ROWWISE=rowwise, COLWISE=columnwise, **common)

@@ -19,6 +19,9 @@ from tests.kernels.interpret import INTERPRETING
 
 on_gpu = pytest.mark.skipif(INTERPRETING or not torch.cuda.is_available(), reason="needs a CUDA GPU")
 SPLITS = [0, 37, 1, 0, 130, 64, 0, 29, 300]  # empty groups, starts off 16 rows, partial tiles
+# both orientations on the same warps (fp8_block_cast_kernel), or on warps of their own (the ws kernel)
+KERNELS = {"shared": {}, "split": dict(warps=4, col_warps=4, stages=3), "split8": dict(warps=8, col_warps=8,
+                                                                                        col_regs=112, stages=3)}
 
 
 def _gl():
@@ -62,11 +65,12 @@ def test_dispatched_bits_equal_the_reference(dtype, launches):
 
 @on_gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize("block_rows", [1, 128])
 @pytest.mark.parametrize("rowwise", [True, False], ids=["both", "col"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-def test_every_mode_bits_equal_the_reference(block_rows, rowwise, dtype):
-    """Modes the dispatch leaves to the Triton kernel still give the reference's bits (sweeps time them)."""
+def test_every_mode_bits_equal_the_reference(block_rows, rowwise, dtype, kernel):
+    """Modes and kernels the dispatch leaves aside still give the reference's bits (sweeps time them)."""
     from qmoe.kernels import quantize as K
     from qmoe.reference import quantize as R
 
@@ -75,7 +79,8 @@ def test_every_mode_bits_equal_the_reference(block_rows, rowwise, dtype):
         x = _input(m, k, dtype, seed=10 + i)
         outs = _fresh_outputs(K.fp8_block_op(x, None, 1, block_rows, 128, fmt.dtype, fmt.max, p2, eps, rowwise,
                                              True))
-        _gl().launch(x, None, 1, block_rows > 1, K.fp8_meta(fmt), fmt.max, p2, eps, rowwise, True, *outs)
+        _gl().launch(x, None, 1, block_rows > 1, K.fp8_meta(fmt), fmt.max, p2, eps, rowwise, True, *outs,
+                     **KERNELS[kernel])
         want = R.quantize_fp8_block(x, block_rows, 128, fmt, p2, eps, rowwise, True)
         _same(tuple(o if w is not None else None for o, w in zip(outs, want)), want, f"{m}x{k} {dtype}")
 
@@ -95,9 +100,10 @@ def test_grouped_bits_equal_the_reference(launches):
 
 @on_gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize("block_rows", [1, 128])
 @pytest.mark.parametrize("rowwise", [True, False], ids=["both", "col"])
-def test_grouped_every_mode_bits_equal_the_reference(block_rows, rowwise):
+def test_grouped_every_mode_bits_equal_the_reference(block_rows, rowwise, kernel):
     from qmoe.kernels import quantize as K
     from qmoe.kernels._layout import device_splits
     from qmoe.reference import grouped_quantize as RG
@@ -107,16 +113,19 @@ def test_grouped_every_mode_bits_equal_the_reference(block_rows, rowwise):
     s = device_splits(splits, x)
     outs = _fresh_outputs(K.fp8_block_op(x, s, len(SPLITS), block_rows, 128, torch.float8_e4m3fn, E4M3.max, True,
                                          0.0, rowwise, True))
-    _gl().launch(x, s, len(SPLITS), block_rows > 1, K.fp8_meta(E4M3), E4M3.max, True, 0.0, rowwise, True, *outs)
+    _gl().launch(x, s, len(SPLITS), block_rows > 1, K.fp8_meta(E4M3), E4M3.max, True, 0.0, rowwise, True, *outs,
+                 **KERNELS[kernel])
     want = RG.grouped_quantize_fp8_block(x, splits, block_rows, 128, E4M3, True, 0.0, rowwise, True)
     _same(tuple(o if w is not None else None for o, w in zip(outs, want)), want, "grouped")
 
 
 @on_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("programs,stages,warps", [(1, 2, 8), (3, 3, 8), (5, 4, 4), (7, 3, 4)])
+@pytest.mark.parametrize("programs,stages,warps,col_warps", [(1, 2, 8, None), (3, 3, 8, None), (5, 4, 4, None),
+                                                              (7, 3, 4, None), (1, 2, 4, 4), (5, 3, 4, 4),
+                                                              (3, 4, 8, 4)])
 @pytest.mark.parametrize("grouped", [False, True])
-def test_persistent_programs_walk_every_tile(programs, stages, warps, grouped):
+def test_persistent_programs_walk_every_tile(programs, stages, warps, col_warps, grouped):
     """Few programs, many tiles each: every slot of the ring is reused with its barrier phases."""
     from qmoe.kernels import quantize as K
     from qmoe.kernels._layout import device_splits
@@ -132,7 +141,7 @@ def test_persistent_programs_walk_every_tile(programs, stages, warps, grouped):
         outs = _fresh_outputs(got)
         _gl().launch(x, None if splits is None else device_splits(splits, x), 4 if grouped else 1, block_rows > 1,
                      K.fp8_meta(E4M3), E4M3.max, True, 0.0, True, True, *outs, stages=stages, warps=warps,
-                     programs=programs)
+                     programs=programs, col_warps=col_warps)
         want = (RG.grouped_quantize_fp8_block(x, splits, block_rows, 128, E4M3, True, 0.0, True, True) if grouped
                 else R.quantize_fp8_block(x, block_rows, 128, E4M3, True, 0.0, True, True))
         _same(tuple(outs), want, f"{programs} programs, {stages} stages, {block_rows}x128")
@@ -271,8 +280,9 @@ def test_mxfp8_grouped_bits_equal_the_reference(rowwise, launches):
 
 @on_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("programs,stages,warps", [(1, 2, 8), (5, 4, 4), (7, 3, 4)])
-def test_mxfp8_persistent_programs_walk_every_tile(programs, stages, warps):
+@pytest.mark.parametrize("programs,stages,warps,col_warps", [(1, 2, 8, None), (5, 4, 4, None), (7, 3, 4, None),
+                                                              (1, 2, 4, 4), (5, 4, 4, 4), (3, 3, 8, 8)])
+def test_mxfp8_persistent_programs_walk_every_tile(programs, stages, warps, col_warps):
     from qmoe.contracts.formats import ScaleMode
     from qmoe.kernels import quantize as K
     from qmoe.kernels._layout import device_splits
@@ -283,7 +293,8 @@ def test_mxfp8_persistent_programs_walk_every_tile(programs, stages, warps):
     s = device_splits(splits, x)
     outs = _fresh_outputs(K.mxfp8_op(x, s, 4, torch.float8_e4m3fn, E4M3.max, E4M3.emax, True, 32, True, True))
     _gl().launch(x, s, 4, False, K.fp8_meta(E4M3), E4M3.max, False, 0.0, True, True, *outs,
-                 stages=stages, warps=warps, programs=programs, mx=(E4M3.emax, True))
+                 stages=stages, warps=warps, programs=programs, mx=(E4M3.emax, True), col_warps=col_warps,
+                 col_regs=112 if warps == 8 else 160)
     want = RG.grouped_quantize_mxfp8(x, splits, E4M3, ScaleMode.ROUND_UP, True, True)
     _same(tuple(outs), want, f"mxfp8: {programs} programs, {stages} stages, {warps} warps")
 
