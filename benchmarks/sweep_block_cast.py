@@ -4,9 +4,10 @@ For 1x128 and 128x128 FP8 blocks and MXFP8 (round-up scales), rowwise + columnwi
 columnwise alone, on bf16 65536x7168 and grouped 32 x 2048 x 7168 (one launch): the Triton
 kernels (autotuned, QMOE_BLOCK_CAST=triton), the dispatched path, and Gluon variants (ring
 stages, warps, programs per SM; bf16 read as packed words or as fp32; the columnwise stage's
-swizzle phase; both orientations on the same warps or each on warps of its own). Every variant's
-bytes are checked against the Triton kernel's (NaN sign aside); frac_copy is (input read once +
-outputs written once) / time over the device copy bandwidth.
+swizzle phase; both orientations on the same warps or each on warps of its own; the tile order's
+bands of row tiles). Every variant's bytes are checked against the Triton kernel's (NaN sign
+aside); frac_copy is (input read once + outputs written once) / time over the device copy
+bandwidth.
 
     PYTHONPATH=. python3 -m benchmarks.sweep_block_cast --out $OUT/block_cast.json
     TRITON_INTERPRET=1 PYTHONPATH=. python3 -m benchmarks.sweep_block_cast --tiny --out /tmp/block_cast.json
@@ -28,22 +29,22 @@ from benchmarks.sweep_quantize_tiles import make_input, mismatches, nbytes
 
 SHAPES = {"65536x7168": (65536, 7168, 0), "32x2048x7168": (65536, 7168, 32)}
 TINY = {"256x384": (256, 384, 0), "3x128x384": (384, 384, 3)}
-# (stages, warps, programs per SM, bf16 as words, stage phase, columnwise warps: both orientations on
-# warps of their own, registers of each columnwise thread)
-VARIANTS = [dict(stages=s, warps=w, per_sm=p, packed=b, stage_phase=f, **({} if c is None else
-                                                                          dict(col_warps=c, col_regs=r)))
-            for s, w, p, b, f, c, r in
-            ((2, 8, 1, False, None, None, 0), (2, 8, 1, True, None, None, 0), (3, 8, 1, True, None, None, 0),
-             (2, 4, 1, True, None, 4, 160), (3, 4, 1, True, None, 4, 160), (4, 4, 1, True, None, 4, 160),
-             (4, 8, 1, True, None, 4, 160), (3, 4, 1, True, None, 8, 112), (3, 8, 1, True, None, 8, 112),
-             (4, 8, 1, True, None, 8, 112))]
+# (stages, warps, row tiles per band of the tile order, columnwise warps: both orientations on warps
+# of their own, registers of each columnwise thread); one program per SM, bf16 read as words
+VARIANTS = [dict(stages=s, warps=w, per_sm=1, packed=True, stage_phase=None, tile_group=g,
+                 **({} if c is None else dict(col_warps=c, col_regs=r)))
+            for s, w, g, c, r in
+            ((2, 8, 1, None, 0), (3, 8, 1, None, 0), (2, 8, 2, None, 0), (2, 8, 4, None, 0), (2, 8, 8, None, 0),
+             (2, 8, 16, None, 0), (2, 8, 32, None, 0), (3, 8, 8, None, 0), (3, 8, 16, None, 0),
+             (2, 4, 1, 4, 160), (2, 4, 8, 4, 160), (3, 4, 8, 4, 160), (4, 4, 16, 4, 160))]
 
 
 def variant_name(variant: dict) -> str:
-    return "gluon s{stages} w{warps} x{per_sm}{}{}{}".format(
+    return "gluon s{stages} w{warps} x{per_sm}{}{}{}{}".format(
         "" if variant["packed"] else " fp32 reads",
         "" if variant["stage_phase"] is None else f" stage phase {variant['stage_phase']}",
-        f" split c{variant['col_warps']}" if "col_warps" in variant else "", **variant)
+        f" split c{variant['col_warps']}" if "col_warps" in variant else "",
+        f" band {variant['tile_group']}" if variant.get("tile_group", 1) > 1 else "", **variant)
 
 
 def run(x, splits, block, rowwise, variant=None, outs=None):

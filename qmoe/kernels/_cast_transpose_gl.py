@@ -61,12 +61,29 @@ if gluon is not None:
         return gi, starts, sizes, tiles, tile_end, gl.associative_scan(blocks, 0, sm90.add) - blocks
 
     @gluon.jit
-    def _locate(t, nk, M, gi, starts, sizes, tiles, tile_end, first_block, BM: gl.constexpr, SB: gl.constexpr,
-                GROUPED: gl.constexpr):
-        """Tile t (row tiles walked along K first) -> (first row, end row of its group, first SB-row
-        scale block, column tile). Row tiles and scale blocks along M start afresh at every group."""
-        vt = t // nk
-        kt = t % nk
+    def _tile_order(t, nk, nm, TILE_GROUP: gl.constexpr):
+        """Tile t -> (row tile, column tile) of nm x nk: bands of TILE_GROUP row tiles, each walked
+        down its rows first, then along K (TILE_GROUP 1: every row tile along K). The tiles that run
+        at once then cover a few kilobytes of each row they read and of each columnwise row they
+        write, rather than whole input rows and 128 bytes of each columnwise row."""
+        if TILE_GROUP == 1:
+            vt = t // nk
+            kt = t % nk
+        else:
+            band = t // (TILE_GROUP * nk)
+            first = band * TILE_GROUP
+            height = gl.minimum(nm - first, TILE_GROUP)
+            inner = t - band * (TILE_GROUP * nk)
+            vt = first + inner % height
+            kt = inner // height
+        return vt, kt
+
+    @gluon.jit
+    def _locate(t, nk, nm, M, gi, starts, sizes, tiles, tile_end, first_block, BM: gl.constexpr, SB: gl.constexpr,
+                GROUPED: gl.constexpr, TILE_GROUP: gl.constexpr):
+        """Tile t (in _tile_order) -> (first row, end row of its group, first SB-row scale block,
+        column tile). Row tiles and scale blocks along M start afresh at every group."""
+        vt, kt = _tile_order(t, nk, nm, TILE_GROUP)
         if GROUPED:
             g = gl.sum((tile_end <= vt).to(gl.int32), 0)
             sel = gi == g
@@ -82,9 +99,9 @@ if gluon is not None:
         return row0, row_end, sblk, kt
 
     @gluon.jit
-    def _issue(desc, bufs, ready, t, slot, nk, M, gi, starts, sizes, tiles, tile_end, BM: gl.constexpr,
-               BK: gl.constexpr, GROUPED: gl.constexpr):
-        row0, _, _, kt = _locate(t, nk, M, gi, starts, sizes, tiles, tile_end, tiles, BM, BM, GROUPED)
+    def _issue(desc, bufs, ready, t, slot, nk, nm, M, gi, starts, sizes, tiles, tile_end, BM: gl.constexpr,
+               BK: gl.constexpr, GROUPED: gl.constexpr, TILE_GROUP: gl.constexpr):
+        row0, _, _, kt = _locate(t, nk, nm, M, gi, starts, sizes, tiles, tile_end, tiles, BM, BM, GROUPED, TILE_GROUP)
         mbarrier.expect(ready.index(slot), desc.block_type.nbytes)
         sm90.tma_load(desc, [row0, kt * BK], ready.index(slot), bufs.index(slot))
 
@@ -353,16 +370,16 @@ if gluon is not None:
     @gluon.jit
     def _schedule(splits_ptr, M, K, G, BM: gl.constexpr, BK: gl.constexpr, SB: gl.constexpr, GP: gl.constexpr,
                   GROUPED: gl.constexpr, NUM_PROGRAMS: gl.constexpr, WARPS: gl.constexpr):
-        """This program's share of the tiles: the group table (_group_table), tiles along K, and how
-        many tiles it takes (tile pid + i * NUM_PROGRAMS for i below that)."""
+        """This program's share of the tiles: the group table (_group_table), tiles along K and along
+        M, and how many tiles it takes (tile pid + i * NUM_PROGRAMS for i below that)."""
         gi, starts, sizes, tiles, tile_end, first_block = _group_table(splits_ptr, G, BM, SB, GP, GROUPED, WARPS)
         nk = gl.cdiv(K, BK)
         if GROUPED:
-            total = gl.sum(tiles, 0) * nk
+            nm = gl.sum(tiles, 0)
         else:
-            total = gl.cdiv(M, BM) * nk
-        mine = gl.cdiv(gl.maximum(total - gl.program_id(0), 0), NUM_PROGRAMS)
-        return gi, starts, sizes, tiles, tile_end, first_block, nk, mine
+            nm = gl.cdiv(M, BM)
+        mine = gl.cdiv(gl.maximum(nm * nk - gl.program_id(0), 0), NUM_PROGRAMS)
+        return gi, starts, sizes, tiles, tile_end, first_block, nk, nm, mine
 
     @gluon.jit
     def _cast_one(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M, K, eps,
@@ -404,7 +421,7 @@ if gluon is not None:
                               GROUPED: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
                               NUM_PROGRAMS: gl.constexpr, VEC: gl.constexpr, PACKED: gl.constexpr,
                               MX: gl.constexpr, EMAX: gl.constexpr, ROUND_UP: gl.constexpr,
-                              STAGE_PHASE: gl.constexpr, num_warps: gl.constexpr):
+                              STAGE_PHASE: gl.constexpr, TILE_GROUP: gl.constexpr, num_warps: gl.constexpr):
         """One 128 x 128 tile (FP8 block: one 128-wide scale block each way; MX: 32-wide E8M0 blocks)
         per trip of a persistent loop, every warp on both orientations (see the module docstring)."""
         BM: gl.constexpr = x_desc.block_type.shape[0]
@@ -415,24 +432,24 @@ if gluon is not None:
             mbarrier.init(ready.index(i), count=1)
         col_stage = _column_stage(BM, BK, STAGE_PHASE, PACKED or MX)
         SB: gl.constexpr = MX_BLOCK if MX else BM  # rows per scale block along M
-        gi, starts, sizes, tiles, tile_end, first_block, nk, mine = _schedule(
+        gi, starts, sizes, tiles, tile_end, first_block, nk, nm, mine = _schedule(
             splits_ptr, M, K, G, BM, BK, SB, GP, GROUPED, NUM_PROGRAMS, num_warps)
         pid = gl.program_id(0)
         for j in gl.static_range(STAGES - 1):
             if j < mine:
-                _issue(x_desc, bufs, ready, pid + j * NUM_PROGRAMS, j, nk, M, gi, starts, sizes, tiles, tile_end,
-                       BM, BK, GROUPED)
+                _issue(x_desc, bufs, ready, pid + j * NUM_PROGRAMS, j, nk, nm, M, gi, starts, sizes, tiles,
+                       tile_end, BM, BK, GROUPED, TILE_GROUP)
 
         for i in range(mine):
             sm90.thread_barrier()  # every warp is done with the slot the next load overwrites
             nxt = i + STAGES - 1
             if nxt < mine:
-                _issue(x_desc, bufs, ready, pid + nxt * NUM_PROGRAMS, nxt % STAGES, nk, M, gi, starts, sizes,
-                       tiles, tile_end, BM, BK, GROUPED)
+                _issue(x_desc, bufs, ready, pid + nxt * NUM_PROGRAMS, nxt % STAGES, nk, nm, M, gi, starts,
+                       sizes, tiles, tile_end, BM, BK, GROUPED, TILE_GROUP)
             slot = i % STAGES
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-            row0, row_end, sblk, kt = _locate(pid + i * NUM_PROGRAMS, nk, M, gi, starts, sizes, tiles, tile_end,
-                                              first_block, BM, SB, GROUPED)
+            row0, row_end, sblk, kt = _locate(pid + i * NUM_PROGRAMS, nk, nm, M, gi, starts, sizes, tiles,
+                                              tile_end, first_block, BM, SB, GROUPED, TILE_GROUP)
             _cast_one(bufs.index(slot), col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt,
                       M, K, eps, stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, POW2, BLOCK_2D, ROWWISE, COLWISE, VEC,
                       PACKED, MX, EMAX, ROUND_UP, num_warps)
@@ -442,18 +459,18 @@ if gluon is not None:
 
     @gluon.jit
     def _load_tiles(x_desc, bufs, ready, empty, splits_ptr, M, K, G, SB: gl.constexpr, GROUPED: gl.constexpr,
-                    GP: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr):
+                    GP: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, TILE_GROUP: gl.constexpr):
         """The loading warp: the program's tiles into the ring, each once both orientations freed its slot."""
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
-        gi, starts, sizes, tiles, tile_end, first_block, nk, mine = _schedule(
+        gi, starts, sizes, tiles, tile_end, first_block, nk, nm, mine = _schedule(
             splits_ptr, M, K, G, BM, BK, SB, GP, GROUPED, NUM_PROGRAMS, 1)
         pid = gl.program_id(0)
         for i in range(mine):
             slot = i % STAGES
             mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
-            _issue(x_desc, bufs, ready, pid + i * NUM_PROGRAMS, slot, nk, M, gi, starts, sizes, tiles, tile_end,
-                   BM, BK, GROUPED)
+            _issue(x_desc, bufs, ready, pid + i * NUM_PROGRAMS, slot, nk, nm, M, gi, starts, sizes, tiles,
+                   tile_end, BM, BK, GROUPED, TILE_GROUP)
 
     @gluon.jit
     def _cast_tiles(bufs, ready, empty, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr, M, K, G, eps,
@@ -461,20 +478,20 @@ if gluon is not None:
                     BLOCK_2D: gl.constexpr, ROWWISE: gl.constexpr, COLWISE: gl.constexpr, GROUPED: gl.constexpr,
                     GP: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, VEC: gl.constexpr,
                     PACKED: gl.constexpr, MX: gl.constexpr, EMAX: gl.constexpr, ROUND_UP: gl.constexpr,
-                    WARPS: gl.constexpr):
+                    TILE_GROUP: gl.constexpr, WARPS: gl.constexpr):
         """A casting partition: one orientation of every tile of the program, freeing each slot once
         its WARPS warps are done with it."""
         BM: gl.constexpr = bufs.shape[1]
         BK: gl.constexpr = bufs.shape[2]
         SB: gl.constexpr = MX_BLOCK if MX else BM
-        gi, starts, sizes, tiles, tile_end, first_block, nk, mine = _schedule(
+        gi, starts, sizes, tiles, tile_end, first_block, nk, nm, mine = _schedule(
             splits_ptr, M, K, G, BM, BK, SB, GP, GROUPED, NUM_PROGRAMS, WARPS)
         pid = gl.program_id(0)
         for i in range(mine):
             slot = i % STAGES
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-            row0, row_end, sblk, kt = _locate(pid + i * NUM_PROGRAMS, nk, M, gi, starts, sizes, tiles, tile_end,
-                                              first_block, BM, SB, GROUPED)
+            row0, row_end, sblk, kt = _locate(pid + i * NUM_PROGRAMS, nk, nm, M, gi, starts, sizes, tiles,
+                                              tile_end, first_block, BM, SB, GROUPED, TILE_GROUP)
             _cast_one(bufs.index(slot), col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt,
                       M, K, eps, stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, POW2, BLOCK_2D, ROWWISE, COLWISE, VEC,
                       PACKED, MX, EMAX, ROUND_UP, WARPS)
@@ -488,8 +505,8 @@ if gluon is not None:
                                  BLOCK_2D: gl.constexpr, GROUPED: gl.constexpr, GP: gl.constexpr,
                                  STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, VEC: gl.constexpr,
                                  PACKED: gl.constexpr, MX: gl.constexpr, EMAX: gl.constexpr, ROUND_UP: gl.constexpr,
-                                 STAGE_PHASE: gl.constexpr, COL_WARPS: gl.constexpr, COL_REGS: gl.constexpr,
-                                 LOAD_REGS: gl.constexpr, num_warps: gl.constexpr):
+                                 STAGE_PHASE: gl.constexpr, TILE_GROUP: gl.constexpr, COL_WARPS: gl.constexpr,
+                                 COL_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, num_warps: gl.constexpr):
         """fp8_block_cast_kernel's tiles, both orientations, with the orientations on their own warps:
         the default partition (num_warps) casts every tile rowwise, a COL_WARPS worker columnwise, and
         a one-warp worker loads the ring. Each orientation's barriers then hold only its own warps,
@@ -507,11 +524,12 @@ if gluon is not None:
         gl.warp_specialize([
             (_cast_tiles, (bufs, ready, empty, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr, M, K,
                            G, eps, stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, POW2, BLOCK_2D, True, False, GROUPED, GP,
-                           STAGES, NUM_PROGRAMS, VEC, PACKED, MX, EMAX, ROUND_UP, num_warps)),
+                           STAGES, NUM_PROGRAMS, VEC, PACKED, MX, EMAX, ROUND_UP, TILE_GROUP, num_warps)),
             (_cast_tiles, (bufs, ready, empty, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr, M, K,
                            G, eps, stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, POW2, BLOCK_2D, False, True, GROUPED, GP,
-                           STAGES, NUM_PROGRAMS, VEC, PACKED, MX, EMAX, ROUND_UP, COL_WARPS)),
-            (_load_tiles, (x_desc, bufs, ready, empty, splits_ptr, M, K, G, SB, GROUPED, GP, STAGES, NUM_PROGRAMS)),
+                           STAGES, NUM_PROGRAMS, VEC, PACKED, MX, EMAX, ROUND_UP, TILE_GROUP, COL_WARPS)),
+            (_load_tiles, (x_desc, bufs, ready, empty, splits_ptr, M, K, G, SB, GROUPED, GP, STAGES, NUM_PROGRAMS,
+                           TILE_GROUP)),
         ], [COL_WARPS, 1], [COL_REGS, LOAD_REGS])
 
 _TILE = 128
@@ -578,7 +596,7 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
            power_2_scale: bool, amax_epsilon: float, rowwise: bool, columnwise: bool, row, row_s, col, col_s, *,
            stages: int = 3, warps: int = 8, per_sm: int = 1, maxnreg: int | None = None,
            programs: int | None = None, packed: bool = True, mx: tuple[int, bool] | None = None,
-           stage_phase: int | None = None, col_warps: int | None = None, col_regs: int = 160,
+           stage_phase: int | None = None, tile_group: int = 1, col_warps: int | None = None, col_regs: int = 160,
            load_regs: int = 24) -> None:
     """Fill fp8_block_op's outputs (allocated by it, same layouts) for an [M, K] x; out_code is
     the codes' Triton FP8 dtype; maxnreg caps registers (two programs per SM need <= 128 at 8 warps);
@@ -586,6 +604,7 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
     mx = (emax, round_up), MXFP8 of a bf16 x into mxfp8_op's outputs instead (two_d, power_2_scale
     and amax_epsilon unused; its E8M0 scales as bytes or as float8_e8m0fnu views). stage_phase:
     rows of the columnwise stage per swizzle phase (None: the read path's conflict-free one).
+    tile_group: row tiles per band of the tile order (_tile_order).
     col_warps: both orientations in fp8_block_cast_ws_kernel, `warps` warps rowwise and col_warps
     columnwise (col_regs registers per thread there, load_regs in the loading warp)."""
     m, k = x.shape
@@ -605,7 +624,8 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
     common = dict(FMT_MAX=fmt_max, OUT_DTYPE=out_code, POW2=power_2_scale, BLOCK_2D=two_d, GROUPED=grouped,
                   GP=max(32, group_pow2(num_groups)), STAGES=stages, NUM_PROGRAMS=programs, VEC=16 // x.element_size(),
                   PACKED=words, MX=mx is not None, EMAX=mx[0] if mx else 0, ROUND_UP=bool(mx and mx[1]),
-                  STAGE_PHASE=stage_phase, num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}))
+                  STAGE_PHASE=stage_phase, TILE_GROUP=tile_group, num_warps=warps,
+                  **({"maxnreg": maxnreg} if maxnreg else {}))
     if col_warps is not None and rowwise and columnwise:
         fp8_block_cast_ws_kernel[(programs,)](*args, COL_WARPS=col_warps, COL_REGS=col_regs, LOAD_REGS=load_regs,
                                               **common)
