@@ -4,8 +4,8 @@ For 1x128 and 128x128 FP8 blocks and MXFP8 (round-up scales), rowwise + columnwi
 columnwise alone, on bf16 65536x7168 and grouped 32 x 2048 x 7168 (one launch): the Triton
 kernels (autotuned, QMOE_BLOCK_CAST=triton), the dispatched path, and Gluon variants (ring
 stages, warps, programs per SM; bf16 read as packed words or as fp32; the columnwise stage's
-swizzle phase; both orientations on the same warps or each on warps of its own; the tile order's
-bands of row tiles). Every variant's bytes are checked against the Triton kernel's (NaN sign
+swizzle phase; the tile order's bands of row tiles; a loading warp; where 1x128 column scales
+are computed). Every variant's bytes are checked against the Triton kernel's (NaN sign
 aside); frac_copy is (input read once + outputs written once) / time over the device copy
 bandwidth.
 
@@ -29,22 +29,23 @@ from benchmarks.sweep_quantize_tiles import make_input, mismatches, nbytes
 
 SHAPES = {"65536x7168": (65536, 7168, 0), "32x2048x7168": (65536, 7168, 32)}
 TINY = {"256x384": (256, 384, 0), "3x128x384": (384, 384, 3)}
-# (stages, warps, row tiles per band of the tile order, columnwise warps: both orientations on warps
-# of their own, registers of each columnwise thread); one program per SM, bf16 read as words
-VARIANTS = [dict(stages=s, warps=w, per_sm=1, packed=True, stage_phase=None, tile_group=g,
-                 **({} if c is None else dict(col_warps=c, col_regs=r)))
-            for s, w, g, c, r in
-            ((2, 8, 1, None, 0), (3, 8, 1, None, 0), (2, 8, 2, None, 0), (2, 8, 4, None, 0), (2, 8, 8, None, 0),
-             (2, 8, 16, None, 0), (2, 8, 32, None, 0), (3, 8, 8, None, 0), (3, 8, 16, None, 0),
-             (2, 4, 1, 4, 160), (2, 4, 8, 4, 160), (3, 4, 8, 4, 160), (4, 4, 16, 4, 160))]
+# (stages, warps, row tiles per band of the tile order, a warp of its own loading the tiles, bf16's 1x128
+# column scales computed once each on threads of their own); one program per SM, bf16 read as words
+VARIANTS = [dict(stages=s, warps=8, per_sm=1, packed=True, stage_phase=None, tile_group=g, load_warp=lw,
+                 spread_scales=sp)
+            for s, g, lw, sp in
+            ((2, 1, False, True), (2, 8, False, True), (2, 16, False, True), (3, 8, False, True),
+             (2, 8, False, False), (2, 16, False, False), (3, 8, False, False),
+             (2, 8, True, True), (3, 8, True, True), (4, 8, True, True), (4, 16, True, True),
+             (2, 8, True, False), (3, 8, True, False), (4, 8, True, False), (4, 16, True, False))]
 
 
 def variant_name(variant: dict) -> str:
     return "gluon s{stages} w{warps} x{per_sm}{}{}{}{}".format(
-        "" if variant["packed"] else " fp32 reads",
-        "" if variant["stage_phase"] is None else f" stage phase {variant['stage_phase']}",
-        f" split c{variant['col_warps']}" if "col_warps" in variant else "",
-        f" band {variant['tile_group']}" if variant.get("tile_group", 1) > 1 else "", **variant)
+        f" band {variant['tile_group']}" if variant["tile_group"] > 1 else "",
+        " load warp" if variant["load_warp"] else "",
+        "" if variant["spread_scales"] else " unspread",
+        "" if variant["packed"] else " fp32 reads", **variant)
 
 
 def run(x, splits, block, rowwise, variant=None, outs=None):
@@ -89,9 +90,8 @@ def main(argv=None) -> int:
                 case = dict(block=block, orientation="row+col" if rowwise else "col", shape=shape)
                 want = run(x, splits, block, rowwise, "triton")
                 outs = [torch.zeros_like(t) for t in want]  # grouped scales no group uses stay zero
-                # MXFP8: bf16 words only; split orientations: both orientations only
-                variants = [v for v in VARIANTS
-                            if (v["packed"] or block != "mx32") and (rowwise or "col_warps" not in v)]
+                # spread_scales: bf16 1x128 blocks only
+                variants = [v for v in VARIANTS if v["spread_scales"] or block == "1x128"]
                 for variant in ["triton", None] + variants:
                     name = {"triton": "triton", None: "dispatched"}.get(variant) if not isinstance(variant, dict) \
                         else variant_name(variant)

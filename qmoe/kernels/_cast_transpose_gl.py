@@ -224,7 +224,7 @@ if gluon is not None:
     def _cast_tile_bf16(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M, K, eps,
                         stride_rs, stride_cs, FMT_MAX: gl.constexpr, OUT_DTYPE: gl.constexpr, POW2: gl.constexpr,
                         BLOCK_2D: gl.constexpr, ROWWISE: gl.constexpr, COLWISE: gl.constexpr,
-                        num_warps: gl.constexpr):
+                        SPREAD_SCALES: gl.constexpr, num_warps: gl.constexpr):
         """_cast_tile for bf16, which reads the tile as words of two values: the amaxes are maxima of
         packed 16-bit magnitudes and the conversions to fp32 are shifts."""
         BM: gl.constexpr = tile.shape[0]
@@ -276,7 +276,7 @@ if gluon is not None:
                 s_lo = gl.where(gl.arange(0, BW, layout=gl.SliceLayout(0, col_l)) < BW, s_tile, s_tile)
                 s_hi = s_lo
                 gl.store(col_s_ptr + kt * stride_cs + sblk, reciprocal(s_tile))
-            else:
+            elif SPREAD_SCALES:
                 word_l: gl.constexpr = _word_scale_layout(BW, num_warps)
                 packed_1 = gl.convert_layout(packed_c, word_l)
                 s_lo1 = fp8_scale_from_amax(bits_to_float(packed_1 << 16), FMT_MAX, POW2, eps)
@@ -287,6 +287,12 @@ if gluon is not None:
                 gl.store(col_s_ptr + (even_1 + 1) * stride_cs + sblk, reciprocal(s_hi1), mask=even_1 < K)
                 s_lo = gl.convert_layout(s_lo1, gl.SliceLayout(0, col_l))
                 s_hi = gl.convert_layout(s_hi1, gl.SliceLayout(0, col_l))
+            else:
+                s_lo = fp8_scale_from_amax(bits_to_float(packed_c << 16), FMT_MAX, POW2, eps)
+                s_hi = fp8_scale_from_amax(bits_to_float(packed_c & -65536), FMT_MAX, POW2, eps)
+                even = 2 * (w0 + gl.arange(0, BW, layout=gl.SliceLayout(0, col_l))).to(gl.int64)
+                gl.store(col_s_ptr + even * stride_cs + sblk, reciprocal(s_lo), mask=even < K)
+                gl.store(col_s_ptr + (even + 1) * stride_cs + sblk, reciprocal(s_hi), mask=even < K)
             # the codes of columns 2w (low halves) and 2w + 1 go to row w of the stage, side by side
             col_stage.slice(0, BM, dim=1).permute([1, 0]).store(
                 cast_codes(lo * gl.expand_dims(s_lo, 0), FMT_MAX, OUT_DTYPE))
@@ -386,7 +392,7 @@ if gluon is not None:
                   stride_rs, stride_cs, FMT_MAX: gl.constexpr, OUT_DTYPE: gl.constexpr, POW2: gl.constexpr,
                   BLOCK_2D: gl.constexpr, ROWWISE: gl.constexpr, COLWISE: gl.constexpr, VEC: gl.constexpr,
                   PACKED: gl.constexpr, MX: gl.constexpr, EMAX: gl.constexpr, ROUND_UP: gl.constexpr,
-                  WARPS: gl.constexpr):
+                  SPREAD_SCALES: gl.constexpr, WARPS: gl.constexpr):
         """Quantize one tile in shared memory, in the orientations asked for, by WARPS warps."""
         if MX:
             _cast_tile_mx(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M, K,
@@ -394,7 +400,7 @@ if gluon is not None:
         elif PACKED:
             _cast_tile_bf16(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M,
                             K, eps, stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, POW2, BLOCK_2D, ROWWISE, COLWISE,
-                            WARPS)
+                            SPREAD_SCALES, WARPS)
         else:
             _cast_tile(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M, K, eps,
                        stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, POW2, BLOCK_2D, ROWWISE, COLWISE, VEC, WARPS)
@@ -411,6 +417,47 @@ if gluon is not None:
         else:
             return gl.allocate_shared_memory(gl.uint8, [BK, BM], stage_l)
 
+    @gluon.jit
+    def _load_tiles(x_desc, bufs, ready, empty, splits_ptr, M, K, G, SB: gl.constexpr, GROUPED: gl.constexpr,
+                    GP: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, TILE_GROUP: gl.constexpr):
+        """The loading warp (LOAD_WARP): the program's tiles into the ring, each once its slot is free."""
+        BM: gl.constexpr = x_desc.block_type.shape[0]
+        BK: gl.constexpr = x_desc.block_type.shape[1]
+        gi, starts, sizes, tiles, tile_end, first_block, nk, nm, mine = _schedule(
+            splits_ptr, M, K, G, BM, BK, SB, GP, GROUPED, NUM_PROGRAMS, 1)
+        pid = gl.program_id(0)
+        for i in range(mine):
+            slot = i % STAGES
+            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+            _issue(x_desc, bufs, ready, pid + i * NUM_PROGRAMS, slot, nk, nm, M, gi, starts, sizes, tiles,
+                   tile_end, BM, BK, GROUPED, TILE_GROUP)
+
+    @gluon.jit
+    def _cast_tiles(bufs, ready, empty, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr, M, K, G, eps,
+                    stride_rs, stride_cs, FMT_MAX: gl.constexpr, OUT_DTYPE: gl.constexpr, POW2: gl.constexpr,
+                    BLOCK_2D: gl.constexpr, ROWWISE: gl.constexpr, COLWISE: gl.constexpr, GROUPED: gl.constexpr,
+                    GP: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, VEC: gl.constexpr,
+                    PACKED: gl.constexpr, MX: gl.constexpr, EMAX: gl.constexpr, ROUND_UP: gl.constexpr,
+                    TILE_GROUP: gl.constexpr, SPREAD_SCALES: gl.constexpr, WARPS: gl.constexpr):
+        """The casting warps (LOAD_WARP): every tile of the program as it lands, freeing its slot once
+        all of them are done with it."""
+        BM: gl.constexpr = bufs.shape[1]
+        BK: gl.constexpr = bufs.shape[2]
+        SB: gl.constexpr = MX_BLOCK if MX else BM
+        gi, starts, sizes, tiles, tile_end, first_block, nk, nm, mine = _schedule(
+            splits_ptr, M, K, G, BM, BK, SB, GP, GROUPED, NUM_PROGRAMS, WARPS)
+        pid = gl.program_id(0)
+        for i in range(mine):
+            slot = i % STAGES
+            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+            row0, row_end, sblk, kt = _locate(pid + i * NUM_PROGRAMS, nk, nm, M, gi, starts, sizes, tiles,
+                                              tile_end, first_block, BM, SB, GROUPED, TILE_GROUP)
+            _cast_one(bufs.index(slot), col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt,
+                      M, K, eps, stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, POW2, BLOCK_2D, ROWWISE, COLWISE, VEC,
+                      PACKED, MX, EMAX, ROUND_UP, SPREAD_SCALES, WARPS)
+            sm90.thread_barrier()  # every warp is done with the slot (and the column stage)
+            mbarrier.arrive(empty.index(slot), count=1)
+
     # M stays specialised: as the columnwise copy's row stride, its divisibility by 16 lets the
     # columnwise codes leave as 16-byte vectors
     @gluon.jit(do_not_specialize=["G"])
@@ -421,7 +468,8 @@ if gluon is not None:
                               GROUPED: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
                               NUM_PROGRAMS: gl.constexpr, VEC: gl.constexpr, PACKED: gl.constexpr,
                               MX: gl.constexpr, EMAX: gl.constexpr, ROUND_UP: gl.constexpr,
-                              STAGE_PHASE: gl.constexpr, TILE_GROUP: gl.constexpr, num_warps: gl.constexpr):
+                              STAGE_PHASE: gl.constexpr, TILE_GROUP: gl.constexpr, SPREAD_SCALES: gl.constexpr,
+                              LOAD_WARP: gl.constexpr, num_warps: gl.constexpr):
         """One 128 x 128 tile (FP8 block: one 128-wide scale block each way; MX: 32-wide E8M0 blocks)
         per trip of a persistent loop, every warp on both orientations (see the module docstring)."""
         BM: gl.constexpr = x_desc.block_type.shape[0]
@@ -432,6 +480,19 @@ if gluon is not None:
             mbarrier.init(ready.index(i), count=1)
         col_stage = _column_stage(BM, BK, STAGE_PHASE, PACKED or MX)
         SB: gl.constexpr = MX_BLOCK if MX else BM  # rows per scale block along M
+        if LOAD_WARP:  # a warp of its own issues the loads: the casting warps only wait for tiles
+            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(STAGES):
+                mbarrier.init(empty.index(i), count=1)
+            gl.warp_specialize([
+                (_cast_tiles, (bufs, ready, empty, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr, M,
+                               K, G, eps, stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, POW2, BLOCK_2D, ROWWISE, COLWISE,
+                               GROUPED, GP, STAGES, NUM_PROGRAMS, VEC, PACKED, MX, EMAX, ROUND_UP, TILE_GROUP,
+                               SPREAD_SCALES, num_warps)),
+                (_load_tiles, (x_desc, bufs, ready, empty, splits_ptr, M, K, G, SB, GROUPED, GP, STAGES,
+                               NUM_PROGRAMS, TILE_GROUP)),
+            ], [1], [24])
+            return
         gi, starts, sizes, tiles, tile_end, first_block, nk, nm, mine = _schedule(
             splits_ptr, M, K, G, BM, BK, SB, GP, GROUPED, NUM_PROGRAMS, num_warps)
         pid = gl.program_id(0)
@@ -452,85 +513,11 @@ if gluon is not None:
                                               tile_end, first_block, BM, SB, GROUPED, TILE_GROUP)
             _cast_one(bufs.index(slot), col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt,
                       M, K, eps, stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, POW2, BLOCK_2D, ROWWISE, COLWISE, VEC,
-                      PACKED, MX, EMAX, ROUND_UP, num_warps)
+                      PACKED, MX, EMAX, ROUND_UP, SPREAD_SCALES, num_warps)
 
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
 
-    @gluon.jit
-    def _load_tiles(x_desc, bufs, ready, empty, splits_ptr, M, K, G, SB: gl.constexpr, GROUPED: gl.constexpr,
-                    GP: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, TILE_GROUP: gl.constexpr):
-        """The loading warp: the program's tiles into the ring, each once both orientations freed its slot."""
-        BM: gl.constexpr = x_desc.block_type.shape[0]
-        BK: gl.constexpr = x_desc.block_type.shape[1]
-        gi, starts, sizes, tiles, tile_end, first_block, nk, nm, mine = _schedule(
-            splits_ptr, M, K, G, BM, BK, SB, GP, GROUPED, NUM_PROGRAMS, 1)
-        pid = gl.program_id(0)
-        for i in range(mine):
-            slot = i % STAGES
-            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
-            _issue(x_desc, bufs, ready, pid + i * NUM_PROGRAMS, slot, nk, nm, M, gi, starts, sizes, tiles,
-                   tile_end, BM, BK, GROUPED, TILE_GROUP)
-
-    @gluon.jit
-    def _cast_tiles(bufs, ready, empty, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr, M, K, G, eps,
-                    stride_rs, stride_cs, FMT_MAX: gl.constexpr, OUT_DTYPE: gl.constexpr, POW2: gl.constexpr,
-                    BLOCK_2D: gl.constexpr, ROWWISE: gl.constexpr, COLWISE: gl.constexpr, GROUPED: gl.constexpr,
-                    GP: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, VEC: gl.constexpr,
-                    PACKED: gl.constexpr, MX: gl.constexpr, EMAX: gl.constexpr, ROUND_UP: gl.constexpr,
-                    TILE_GROUP: gl.constexpr, WARPS: gl.constexpr):
-        """A casting partition: one orientation of every tile of the program, freeing each slot once
-        its WARPS warps are done with it."""
-        BM: gl.constexpr = bufs.shape[1]
-        BK: gl.constexpr = bufs.shape[2]
-        SB: gl.constexpr = MX_BLOCK if MX else BM
-        gi, starts, sizes, tiles, tile_end, first_block, nk, nm, mine = _schedule(
-            splits_ptr, M, K, G, BM, BK, SB, GP, GROUPED, NUM_PROGRAMS, WARPS)
-        pid = gl.program_id(0)
-        for i in range(mine):
-            slot = i % STAGES
-            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-            row0, row_end, sblk, kt = _locate(pid + i * NUM_PROGRAMS, nk, nm, M, gi, starts, sizes, tiles,
-                                              tile_end, first_block, BM, SB, GROUPED, TILE_GROUP)
-            _cast_one(bufs.index(slot), col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt,
-                      M, K, eps, stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, POW2, BLOCK_2D, ROWWISE, COLWISE, VEC,
-                      PACKED, MX, EMAX, ROUND_UP, WARPS)
-            sm90.thread_barrier()  # the partition's warps are done with the slot (and the column stage)
-            mbarrier.arrive(empty.index(slot), count=1)
-
-    @gluon.jit(do_not_specialize=["G"])
-    def fp8_block_cast_ws_kernel(x_desc, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr,
-                                 M, K, G, eps, stride_rs, stride_cs,
-                                 FMT_MAX: gl.constexpr, OUT_DTYPE: gl.constexpr, POW2: gl.constexpr,
-                                 BLOCK_2D: gl.constexpr, GROUPED: gl.constexpr, GP: gl.constexpr,
-                                 STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, VEC: gl.constexpr,
-                                 PACKED: gl.constexpr, MX: gl.constexpr, EMAX: gl.constexpr, ROUND_UP: gl.constexpr,
-                                 STAGE_PHASE: gl.constexpr, TILE_GROUP: gl.constexpr, COL_WARPS: gl.constexpr,
-                                 COL_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, num_warps: gl.constexpr):
-        """fp8_block_cast_kernel's tiles, both orientations, with the orientations on their own warps:
-        the default partition (num_warps) casts every tile rowwise, a COL_WARPS worker columnwise, and
-        a one-warp worker loads the ring. Each orientation's barriers then hold only its own warps,
-        and one orientation's latencies overlap the other's work. `empty` counts both releases."""
-        BM: gl.constexpr = x_desc.block_type.shape[0]
-        BK: gl.constexpr = x_desc.block_type.shape[1]
-        bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)
-        col_stage = _column_stage(BM, BK, STAGE_PHASE, PACKED or MX)
-        SB: gl.constexpr = MX_BLOCK if MX else BM
-        gl.warp_specialize([
-            (_cast_tiles, (bufs, ready, empty, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr, M, K,
-                           G, eps, stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, POW2, BLOCK_2D, True, False, GROUPED, GP,
-                           STAGES, NUM_PROGRAMS, VEC, PACKED, MX, EMAX, ROUND_UP, TILE_GROUP, num_warps)),
-            (_cast_tiles, (bufs, ready, empty, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr, M, K,
-                           G, eps, stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, POW2, BLOCK_2D, False, True, GROUPED, GP,
-                           STAGES, NUM_PROGRAMS, VEC, PACKED, MX, EMAX, ROUND_UP, TILE_GROUP, COL_WARPS)),
-            (_load_tiles, (x_desc, bufs, ready, empty, splits_ptr, M, K, G, SB, GROUPED, GP, STAGES, NUM_PROGRAMS,
-                           TILE_GROUP)),
-        ], [COL_WARPS, 1], [COL_REGS, LOAD_REGS])
 
 _TILE = 128
 # What fp8_block_op dispatches to: stages of the TMA ring, warps per program, programs per SM.
@@ -596,17 +583,17 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
            power_2_scale: bool, amax_epsilon: float, rowwise: bool, columnwise: bool, row, row_s, col, col_s, *,
            stages: int = 3, warps: int = 8, per_sm: int = 1, maxnreg: int | None = None,
            programs: int | None = None, packed: bool = True, mx: tuple[int, bool] | None = None,
-           stage_phase: int | None = None, tile_group: int = 1, col_warps: int | None = None, col_regs: int = 160,
-           load_regs: int = 24) -> None:
+           stage_phase: int | None = None, tile_group: int = 1, spread_scales: bool = True,
+           load_warp: bool = False) -> None:
     """Fill fp8_block_op's outputs (allocated by it, same layouts) for an [M, K] x; out_code is
     the codes' Triton FP8 dtype; maxnreg caps registers (two programs per SM need <= 128 at 8 warps);
     packed=False reads bf16 as fp32 as the other dtypes are (same bits, for comparison). With
     mx = (emax, round_up), MXFP8 of a bf16 x into mxfp8_op's outputs instead (two_d, power_2_scale
     and amax_epsilon unused; its E8M0 scales as bytes or as float8_e8m0fnu views). stage_phase:
     rows of the columnwise stage per swizzle phase (None: the read path's conflict-free one).
-    tile_group: row tiles per band of the tile order (_tile_order).
-    col_warps: both orientations in fp8_block_cast_ws_kernel, `warps` warps rowwise and col_warps
-    columnwise (col_regs registers per thread there, load_regs in the loading warp)."""
+    tile_group: row tiles per band of the tile order (_tile_order). spread_scales: bf16's 1 x 128
+    column scales computed once each, on threads of their own (False: by every thread that holds
+    the column, no exchange through shared memory). load_warp: a warp of its own loads the tiles."""
     m, k = x.shape
     row_s, col_s = (s.view(torch.uint8) if s.dtype == torch.float8_e8m0fnu else s for s in (row_s, col_s))
     grouped = splits is not None
@@ -626,8 +613,5 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
                   PACKED=words, MX=mx is not None, EMAX=mx[0] if mx else 0, ROUND_UP=bool(mx and mx[1]),
                   STAGE_PHASE=stage_phase, TILE_GROUP=tile_group, num_warps=warps,
                   **({"maxnreg": maxnreg} if maxnreg else {}))
-    if col_warps is not None and rowwise and columnwise:
-        fp8_block_cast_ws_kernel[(programs,)](*args, COL_WARPS=col_warps, COL_REGS=col_regs, LOAD_REGS=load_regs,
-                                              **common)
-    else:
-        fp8_block_cast_kernel[(programs,)](*args, ROWWISE=rowwise, COLWISE=columnwise, **common)
+    fp8_block_cast_kernel[(programs,)](*args, ROWWISE=rowwise, COLWISE=columnwise, SPREAD_SCALES=spread_scales,
+                                       LOAD_WARP=load_warp, **common)

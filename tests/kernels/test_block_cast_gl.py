@@ -19,10 +19,10 @@ from tests.kernels.interpret import INTERPRETING
 
 on_gpu = pytest.mark.skipif(INTERPRETING or not torch.cuda.is_available(), reason="needs a CUDA GPU")
 SPLITS = [0, 37, 1, 0, 130, 64, 0, 29, 300]  # empty groups, starts off 16 rows, partial tiles
-# both orientations on the same warps (fp8_block_cast_kernel), or on warps of their own (the ws kernel)
-# and the tile order in bands of row tiles (3: the last band of an odd tile count is cut short)
-KERNELS = {"shared": {}, "banded": dict(tile_group=3), "split": dict(warps=4, col_warps=4, stages=3, tile_group=2),
-           "split8": dict(warps=8, col_warps=8, col_regs=112, stages=3)}
+# variants of the kernel: the tile order in bands of row tiles (3: the last band of an odd tile count
+# is cut short), a warp of its own loading the tiles, bf16's column scales on every thread holding them
+KERNELS = {"plain": {}, "banded": dict(tile_group=3), "loader": dict(load_warp=True, stages=3, tile_group=2),
+           "unspread": dict(spread_scales=False, load_warp=True)}
 
 
 def _gl():
@@ -122,11 +122,11 @@ def test_grouped_every_mode_bits_equal_the_reference(block_rows, rowwise, kernel
 
 @on_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("programs,stages,warps,col_warps,band", [
-    (1, 2, 8, None, 1), (3, 3, 8, None, 1), (5, 4, 4, None, 1), (7, 3, 4, None, 1), (3, 2, 8, None, 4),
-    (5, 2, 8, None, 16), (1, 2, 4, 4, 1), (5, 3, 4, 4, 1), (3, 4, 8, 4, 1), (7, 3, 4, 4, 4)])
+@pytest.mark.parametrize("programs,stages,warps,loader,band", [
+    (1, 2, 8, False, 1), (3, 3, 8, False, 1), (5, 4, 4, False, 1), (7, 3, 4, False, 1), (3, 2, 8, False, 4),
+    (5, 2, 8, False, 16), (1, 2, 8, True, 1), (5, 3, 4, True, 1), (3, 4, 8, True, 8), (7, 3, 8, True, 4)])
 @pytest.mark.parametrize("grouped", [False, True])
-def test_persistent_programs_walk_every_tile(programs, stages, warps, col_warps, band, grouped):
+def test_persistent_programs_walk_every_tile(programs, stages, warps, loader, band, grouped):
     """Few programs, many tiles each: every slot of the ring is reused with its barrier phases."""
     from qmoe.kernels import quantize as K
     from qmoe.kernels._layout import device_splits
@@ -142,7 +142,7 @@ def test_persistent_programs_walk_every_tile(programs, stages, warps, col_warps,
         outs = _fresh_outputs(got)
         _gl().launch(x, None if splits is None else device_splits(splits, x), 4 if grouped else 1, block_rows > 1,
                      K.fp8_meta(E4M3), E4M3.max, True, 0.0, True, True, *outs, stages=stages, warps=warps,
-                     programs=programs, col_warps=col_warps, tile_group=band)
+                     programs=programs, load_warp=loader, tile_group=band)
         want = (RG.grouped_quantize_fp8_block(x, splits, block_rows, 128, E4M3, True, 0.0, True, True) if grouped
                 else R.quantize_fp8_block(x, block_rows, 128, E4M3, True, 0.0, True, True))
         _same(tuple(outs), want, f"{programs} programs, {stages} stages, bands of {band}, {block_rows}x128")
@@ -281,9 +281,10 @@ def test_mxfp8_grouped_bits_equal_the_reference(rowwise, launches):
 
 @on_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("programs,stages,warps,col_warps", [(1, 2, 8, None), (5, 4, 4, None), (7, 3, 4, None),
-                                                              (1, 2, 4, 4), (5, 4, 4, 4), (3, 3, 8, 8)])
-def test_mxfp8_persistent_programs_walk_every_tile(programs, stages, warps, col_warps):
+@pytest.mark.parametrize("programs,stages,warps,loader,band", [(1, 2, 8, False, 1), (5, 4, 4, False, 1),
+                                                               (7, 3, 4, False, 3), (1, 2, 8, True, 1),
+                                                               (5, 4, 4, True, 1), (3, 3, 8, True, 8)])
+def test_mxfp8_persistent_programs_walk_every_tile(programs, stages, warps, loader, band):
     from qmoe.contracts.formats import ScaleMode
     from qmoe.kernels import quantize as K
     from qmoe.kernels._layout import device_splits
@@ -294,10 +295,10 @@ def test_mxfp8_persistent_programs_walk_every_tile(programs, stages, warps, col_
     s = device_splits(splits, x)
     outs = _fresh_outputs(K.mxfp8_op(x, s, 4, torch.float8_e4m3fn, E4M3.max, E4M3.emax, True, 32, True, True))
     _gl().launch(x, s, 4, False, K.fp8_meta(E4M3), E4M3.max, False, 0.0, True, True, *outs,
-                 stages=stages, warps=warps, programs=programs, mx=(E4M3.emax, True), col_warps=col_warps,
-                 col_regs=112 if warps == 8 else 160)
+                 stages=stages, warps=warps, programs=programs, mx=(E4M3.emax, True), load_warp=loader,
+                 tile_group=band)
     want = RG.grouped_quantize_mxfp8(x, splits, E4M3, ScaleMode.ROUND_UP, True, True)
-    _same(tuple(outs), want, f"mxfp8: {programs} programs, {stages} stages, {warps} warps")
+    _same(tuple(outs), want, f"mxfp8: {programs} programs, {stages} stages, {warps} warps, bands of {band}")
 
 
 def test_the_mxfp8_cast_is_dispatched_only_where_it_applies(sm90):
