@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 from pathlib import Path
 
 import torch
@@ -74,6 +75,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("block_cast.json"))
     p.add_argument("--rep", type=int, default=40, help="do_bench budget per variant (ms)")
+    p.add_argument("--variants", type=json.loads, default=None,
+                   help="a JSON list of variants (launch keywords) to time instead of VARIANTS")
+    p.add_argument("--blocks", nargs="+", default=["1x128", "128x128", "mx32"], choices=["1x128", "128x128", "mx32"])
     add_tiny_flag(p)
     args = p.parse_args(argv)
     on_gpu = gpu_or_tiny(args.tiny)
@@ -85,13 +89,14 @@ def main(argv=None) -> int:
     rows = []
     for shape, (m, k, groups) in (TINY if args.tiny else SHAPES).items():
         x, splits = make_input(m, k, groups, False, False, "cuda" if on_gpu else "cpu")
-        for block in ("1x128", "128x128", "mx32"):
+        for block in args.blocks:
             for rowwise in (True, False):
                 case = dict(block=block, orientation="row+col" if rowwise else "col", shape=shape)
                 want = run(x, splits, block, rowwise, "triton")
                 outs = [torch.zeros_like(t) for t in want]  # grouped scales no group uses stay zero
                 # spread_scales: bf16 1x128 blocks only
-                variants = [v for v in VARIANTS if v["spread_scales"] or block == "1x128"]
+                variants = [{**VARIANTS[0], **v} for v in args.variants or VARIANTS]
+                variants = [v for v in variants if v["spread_scales"] or block == "1x128"]
                 for variant in ["triton", None] + variants:
                     name = {"triton": "triton", None: "dispatched"}.get(variant) if not isinstance(variant, dict) \
                         else variant_name(variant)
