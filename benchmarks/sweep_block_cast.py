@@ -42,8 +42,9 @@ VARIANTS = [dict(stages=s, warps=8, per_sm=1, packed=True, stage_phase=None, til
 
 
 def variant_name(variant: dict) -> str:
-    return "gluon s{stages} w{warps} x{per_sm}{}{}{}{}".format(
+    return "gluon s{stages} w{warps} x{per_sm}{}{}{}{}{}".format(
         f" band {variant['tile_group']}" if variant["tile_group"] > 1 else "",
+        f" maxnreg {variant['maxnreg']}" if variant.get("maxnreg") else "",
         " load warp" if variant["load_warp"] else "",
         "" if variant["spread_scales"] else " unspread",
         "" if variant["packed"] else " fp32 reads", **variant)
