@@ -4,10 +4,9 @@ For 1x128 and 128x128 FP8 blocks and MXFP8 (round-up scales), rowwise + columnwi
 columnwise alone, on bf16 65536x7168 and grouped 32 x 2048 x 7168 (one launch): the Triton
 kernels (autotuned, QMOE_BLOCK_CAST=triton), the dispatched path, and Gluon variants (ring
 stages, warps, programs per SM; bf16 read as packed words or as fp32; the columnwise stage's
-swizzle phase; the tile order's bands of row tiles; a loading warp; where 1x128 column scales
-are computed). Every variant's bytes are checked against the Triton kernel's (NaN sign
-aside); frac_copy is (input read once + outputs written once) / time over the device copy
-bandwidth.
+swizzle phase; the tile order's bands of row tiles). Every variant's bytes are checked against
+the Triton kernel's (NaN sign aside); frac_copy is (input read once + outputs written once) /
+time over the device copy bandwidth.
 
     PYTHONPATH=. python3 -m benchmarks.sweep_block_cast --out $OUT/block_cast.json
     TRITON_INTERPRET=1 PYTHONPATH=. python3 -m benchmarks.sweep_block_cast --tiny --out /tmp/block_cast.json
@@ -30,24 +29,17 @@ from benchmarks.sweep_quantize_tiles import make_input, mismatches, nbytes
 
 SHAPES = {"65536x7168": (65536, 7168, 0), "32x2048x7168": (65536, 7168, 32)}
 TINY = {"256x384": (256, 384, 0), "3x128x384": (384, 384, 3)}
-# (stages, warps, row tiles per band of the tile order, a warp of its own loading the tiles, bf16's 1x128
-# column scales computed once each on threads of their own); one program per SM, bf16 read as words
-VARIANTS = [dict(stages=s, warps=8, per_sm=1, packed=True, stage_phase=None, tile_group=g, load_warp=lw,
-                 spread_scales=sp)
-            for s, g, lw, sp in
-            ((2, 1, False, True), (2, 8, False, True), (2, 16, False, True), (3, 8, False, True),
-             (2, 8, False, False), (2, 16, False, False), (3, 8, False, False),
-             (2, 8, True, True), (3, 8, True, True), (4, 8, True, True), (4, 16, True, True),
-             (2, 8, True, False), (3, 8, True, False), (4, 8, True, False), (4, 16, True, False))]
+# (stages, warps, programs per SM, row tiles per band of the tile order); bf16 read as words
+VARIANTS = [dict(stages=s, warps=w, per_sm=p, packed=True, stage_phase=None, tile_group=g)
+            for s, w, p, g in ((2, 8, 1, 1), (2, 8, 1, 8), (2, 8, 1, 16), (3, 8, 1, 1), (3, 8, 1, 8), (2, 8, 2, 8))]
 
 
 def variant_name(variant: dict) -> str:
-    return "gluon s{stages} w{warps} x{per_sm}{}{}{}{}{}".format(
+    return "gluon s{stages} w{warps} x{per_sm}{}{}{}{}".format(
         f" band {variant['tile_group']}" if variant["tile_group"] > 1 else "",
         f" maxnreg {variant['maxnreg']}" if variant.get("maxnreg") else "",
-        " load warp" if variant["load_warp"] else "",
-        "" if variant["spread_scales"] else " unspread",
-        "" if variant["packed"] else " fp32 reads", **variant)
+        "" if variant["packed"] else " fp32 reads",
+        "" if variant["stage_phase"] is None else f" stage phase {variant['stage_phase']}", **variant)
 
 
 def run(x, splits, block, rowwise, variant=None, outs=None):
@@ -97,7 +89,7 @@ def main(argv=None) -> int:
                 outs = [torch.zeros_like(t) for t in want]  # grouped scales no group uses stay zero
                 # spread_scales: bf16 1x128 blocks only
                 variants = [{**VARIANTS[0], **v} for v in args.variants or VARIANTS]
-                variants = [v for v in variants if v["spread_scales"] or block == "1x128"]
+                variants = [v for v in variants if v["packed"] or block != "mx32"]  # MXFP8: bf16 words only
                 for variant in ["triton", None] + variants:
                     name = {"triton": "triton", None: "dispatched"}.get(variant) if not isinstance(variant, dict) \
                         else variant_name(variant)

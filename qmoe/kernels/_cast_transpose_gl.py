@@ -210,21 +210,11 @@ if gluon is not None:
                                           warp_bases=[[2 << i] for i in range(warps.bit_length() - 1)],
                                           block_bases=[], shape=[rows])
 
-    @triton.constexpr_function
-    def _word_scale_layout(words, warps):
-        """For the [words] vectors of a tile's column amaxes: a word per thread of the first warps, so
-        a thread computes two scales, not four."""
-        bases = [[1 << i] for i in range(words.bit_length() - 1)]
-        warp_bits = warps.bit_length() - 1
-        return gl.DistributedLinearLayout(reg_bases=bases[5 + warp_bits:], lane_bases=bases[:5],
-                                          warp_bases=(bases[5:] + [[0]] * warp_bits)[:warp_bits], block_bases=[],
-                                          shape=[words])
-
     @gluon.jit
     def _cast_tile_bf16(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M, K, eps,
                         stride_rs, stride_cs, FMT_MAX: gl.constexpr, OUT_DTYPE: gl.constexpr, POW2: gl.constexpr,
                         BLOCK_2D: gl.constexpr, ROWWISE: gl.constexpr, COLWISE: gl.constexpr,
-                        SPREAD_SCALES: gl.constexpr, num_warps: gl.constexpr):
+                        num_warps: gl.constexpr):
         """_cast_tile for bf16, which reads the tile as words of two values: the amaxes are maxima of
         packed 16-bit magnitudes and the conversions to fp32 are shifts."""
         BM: gl.constexpr = tile.shape[0]
@@ -276,18 +266,7 @@ if gluon is not None:
                 s_lo = gl.where(gl.arange(0, BW, layout=gl.SliceLayout(0, col_l)) < BW, s_tile, s_tile)
                 s_hi = s_lo
                 gl.store(col_s_ptr + kt * stride_cs + sblk, reciprocal(s_tile))
-            elif SPREAD_SCALES:
-                word_l: gl.constexpr = _word_scale_layout(BW, num_warps)
-                packed_1 = gl.convert_layout(packed_c, word_l)
-                s_lo1 = fp8_scale_from_amax(bits_to_float(packed_1 << 16), FMT_MAX, POW2, eps)
-                s_hi1 = fp8_scale_from_amax(bits_to_float(packed_1 & -65536), FMT_MAX, POW2, eps)
-                even_1 = 2 * (w0 + gl.arange(0, BW, layout=word_l)).to(gl.int64)  # column of each low half
-                gl.store(col_s_ptr + even_1 * stride_cs + sblk, reciprocal(s_lo1), mask=even_1 < K)
-                # K is even: a high half's column is in range with its low half's
-                gl.store(col_s_ptr + (even_1 + 1) * stride_cs + sblk, reciprocal(s_hi1), mask=even_1 < K)
-                s_lo = gl.convert_layout(s_lo1, gl.SliceLayout(0, col_l))
-                s_hi = gl.convert_layout(s_hi1, gl.SliceLayout(0, col_l))
-            else:
+            else:  # every thread holding a column computes its scale (no exchange through shared memory)
                 s_lo = fp8_scale_from_amax(bits_to_float(packed_c << 16), FMT_MAX, POW2, eps)
                 s_hi = fp8_scale_from_amax(bits_to_float(packed_c & -65536), FMT_MAX, POW2, eps)
                 even = 2 * (w0 + gl.arange(0, BW, layout=gl.SliceLayout(0, col_l))).to(gl.int64)
@@ -373,91 +352,6 @@ if gluon is not None:
                 _write_column_runs(col_stage.slice(half * BM, BM, dim=1), 2 * w0 + half, 2, K, col_ptr, row0, row_end,
                                    M, BM, num_warps)
 
-    @gluon.jit
-    def _schedule(splits_ptr, M, K, G, BM: gl.constexpr, BK: gl.constexpr, SB: gl.constexpr, GP: gl.constexpr,
-                  GROUPED: gl.constexpr, NUM_PROGRAMS: gl.constexpr, WARPS: gl.constexpr):
-        """This program's share of the tiles: the group table (_group_table), tiles along K and along
-        M, and how many tiles it takes (tile pid + i * NUM_PROGRAMS for i below that)."""
-        gi, starts, sizes, tiles, tile_end, first_block = _group_table(splits_ptr, G, BM, SB, GP, GROUPED, WARPS)
-        nk = gl.cdiv(K, BK)
-        if GROUPED:
-            nm = gl.sum(tiles, 0)
-        else:
-            nm = gl.cdiv(M, BM)
-        mine = gl.cdiv(gl.maximum(nm * nk - gl.program_id(0), 0), NUM_PROGRAMS)
-        return gi, starts, sizes, tiles, tile_end, first_block, nk, nm, mine
-
-    @gluon.jit
-    def _cast_one(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M, K, eps,
-                  stride_rs, stride_cs, FMT_MAX: gl.constexpr, OUT_DTYPE: gl.constexpr, POW2: gl.constexpr,
-                  BLOCK_2D: gl.constexpr, ROWWISE: gl.constexpr, COLWISE: gl.constexpr, VEC: gl.constexpr,
-                  PACKED: gl.constexpr, MX: gl.constexpr, EMAX: gl.constexpr, ROUND_UP: gl.constexpr,
-                  SPREAD_SCALES: gl.constexpr, WARPS: gl.constexpr):
-        """Quantize one tile in shared memory, in the orientations asked for, by WARPS warps."""
-        if MX:
-            _cast_tile_mx(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M, K,
-                          stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, EMAX, ROUND_UP, ROWWISE, COLWISE, WARPS)
-        elif PACKED:
-            _cast_tile_bf16(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M,
-                            K, eps, stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, POW2, BLOCK_2D, ROWWISE, COLWISE,
-                            SPREAD_SCALES, WARPS)
-        else:
-            _cast_tile(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M, K, eps,
-                       stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, POW2, BLOCK_2D, ROWWISE, COLWISE, VEC, WARPS)
-
-    @gluon.jit
-    def _column_stage(BM: gl.constexpr, BK: gl.constexpr, STAGE_PHASE: gl.constexpr, PAIRS: gl.constexpr):
-        """The tile's columnwise codes on their way out: a row per column (PAIRS, bf16 read as words:
-        per pair of columns), 16-byte chunks swizzled per STAGE_PHASE rows so that the rows one
-        store instruction writes (every second row from words, every fourth from fp32 reads) fall
-        on distinct banks."""
-        stage_l: gl.constexpr = gl.SwizzledSharedLayout(16, STAGE_PHASE, 8, order=[1, 0])
-        if PAIRS:
-            return gl.allocate_shared_memory(gl.uint8, [BK // 2, 2 * BM], stage_l)
-        else:
-            return gl.allocate_shared_memory(gl.uint8, [BK, BM], stage_l)
-
-    @gluon.jit
-    def _load_tiles(x_desc, bufs, ready, empty, splits_ptr, M, K, G, SB: gl.constexpr, GROUPED: gl.constexpr,
-                    GP: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, TILE_GROUP: gl.constexpr):
-        """The loading warp (LOAD_WARP): the program's tiles into the ring, each once its slot is free."""
-        BM: gl.constexpr = x_desc.block_type.shape[0]
-        BK: gl.constexpr = x_desc.block_type.shape[1]
-        gi, starts, sizes, tiles, tile_end, first_block, nk, nm, mine = _schedule(
-            splits_ptr, M, K, G, BM, BK, SB, GP, GROUPED, NUM_PROGRAMS, 1)
-        pid = gl.program_id(0)
-        for i in range(mine):
-            slot = i % STAGES
-            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
-            _issue(x_desc, bufs, ready, pid + i * NUM_PROGRAMS, slot, nk, nm, M, gi, starts, sizes, tiles,
-                   tile_end, BM, BK, GROUPED, TILE_GROUP)
-
-    @gluon.jit
-    def _cast_tiles(bufs, ready, empty, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr, M, K, G, eps,
-                    stride_rs, stride_cs, FMT_MAX: gl.constexpr, OUT_DTYPE: gl.constexpr, POW2: gl.constexpr,
-                    BLOCK_2D: gl.constexpr, ROWWISE: gl.constexpr, COLWISE: gl.constexpr, GROUPED: gl.constexpr,
-                    GP: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, VEC: gl.constexpr,
-                    PACKED: gl.constexpr, MX: gl.constexpr, EMAX: gl.constexpr, ROUND_UP: gl.constexpr,
-                    TILE_GROUP: gl.constexpr, SPREAD_SCALES: gl.constexpr, WARPS: gl.constexpr):
-        """The casting warps (LOAD_WARP): every tile of the program as it lands, freeing its slot once
-        all of them are done with it."""
-        BM: gl.constexpr = bufs.shape[1]
-        BK: gl.constexpr = bufs.shape[2]
-        SB: gl.constexpr = MX_BLOCK if MX else BM
-        gi, starts, sizes, tiles, tile_end, first_block, nk, nm, mine = _schedule(
-            splits_ptr, M, K, G, BM, BK, SB, GP, GROUPED, NUM_PROGRAMS, WARPS)
-        pid = gl.program_id(0)
-        for i in range(mine):
-            slot = i % STAGES
-            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-            row0, row_end, sblk, kt = _locate(pid + i * NUM_PROGRAMS, nk, nm, M, gi, starts, sizes, tiles,
-                                              tile_end, first_block, BM, SB, GROUPED, TILE_GROUP)
-            _cast_one(bufs.index(slot), col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt,
-                      M, K, eps, stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, POW2, BLOCK_2D, ROWWISE, COLWISE, VEC,
-                      PACKED, MX, EMAX, ROUND_UP, SPREAD_SCALES, WARPS)
-            sm90.thread_barrier()  # every warp is done with the slot (and the column stage)
-            mbarrier.arrive(empty.index(slot), count=1)
-
     # M stays specialised: as the columnwise copy's row stride, its divisibility by 16 lets the
     # columnwise codes leave as 16-byte vectors
     @gluon.jit(do_not_specialize=["G"])
@@ -468,34 +362,33 @@ if gluon is not None:
                               GROUPED: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
                               NUM_PROGRAMS: gl.constexpr, VEC: gl.constexpr, PACKED: gl.constexpr,
                               MX: gl.constexpr, EMAX: gl.constexpr, ROUND_UP: gl.constexpr,
-                              STAGE_PHASE: gl.constexpr, TILE_GROUP: gl.constexpr, SPREAD_SCALES: gl.constexpr,
-                              LOAD_WARP: gl.constexpr, num_warps: gl.constexpr):
+                              STAGE_PHASE: gl.constexpr, TILE_GROUP: gl.constexpr, num_warps: gl.constexpr):
         """One 128 x 128 tile (FP8 block: one 128-wide scale block each way; MX: 32-wide E8M0 blocks)
-        per trip of a persistent loop, every warp on both orientations (see the module docstring)."""
+        per trip of a persistent loop (see the module docstring)."""
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-        col_stage = _column_stage(BM, BK, STAGE_PHASE, PACKED or MX)
+        # the tile's columnwise codes on their way out: a row per column (bf16: per pair of columns),
+        # 16-byte chunks swizzled per STAGE_PHASE rows so that the rows one store instruction writes
+        # (every second row from words, every fourth from fp32 reads) fall on distinct banks
+        stage_l: gl.constexpr = gl.SwizzledSharedLayout(16, STAGE_PHASE, 8, order=[1, 0])
+        if PACKED or MX:
+            col_stage = gl.allocate_shared_memory(gl.uint8, [BK // 2, 2 * BM], stage_l)
+        else:
+            col_stage = gl.allocate_shared_memory(gl.uint8, [BK, BM], stage_l)
+
+        nk = gl.cdiv(K, BK)
         SB: gl.constexpr = MX_BLOCK if MX else BM  # rows per scale block along M
-        if LOAD_WARP:  # a warp of its own issues the loads: the casting warps only wait for tiles
-            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            for i in gl.static_range(STAGES):
-                mbarrier.init(empty.index(i), count=1)
-            gl.warp_specialize([
-                (_cast_tiles, (bufs, ready, empty, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr, M,
-                               K, G, eps, stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, POW2, BLOCK_2D, ROWWISE, COLWISE,
-                               GROUPED, GP, STAGES, NUM_PROGRAMS, VEC, PACKED, MX, EMAX, ROUND_UP, TILE_GROUP,
-                               SPREAD_SCALES, num_warps)),
-                (_load_tiles, (x_desc, bufs, ready, empty, splits_ptr, M, K, G, SB, GROUPED, GP, STAGES,
-                               NUM_PROGRAMS, TILE_GROUP)),
-            ], [1], [24])
-            return
-        gi, starts, sizes, tiles, tile_end, first_block, nk, nm, mine = _schedule(
-            splits_ptr, M, K, G, BM, BK, SB, GP, GROUPED, NUM_PROGRAMS, num_warps)
+        gi, starts, sizes, tiles, tile_end, first_block = _group_table(splits_ptr, G, BM, SB, GP, GROUPED, num_warps)
+        if GROUPED:
+            nm = gl.sum(tiles, 0)
+        else:
+            nm = gl.cdiv(M, BM)
         pid = gl.program_id(0)
+        mine = gl.cdiv(gl.maximum(nm * nk - pid, 0), NUM_PROGRAMS)
         for j in gl.static_range(STAGES - 1):
             if j < mine:
                 _issue(x_desc, bufs, ready, pid + j * NUM_PROGRAMS, j, nk, nm, M, gi, starts, sizes, tiles,
@@ -509,19 +402,30 @@ if gluon is not None:
                        sizes, tiles, tile_end, BM, BK, GROUPED, TILE_GROUP)
             slot = i % STAGES
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+            tile = bufs.index(slot)
             row0, row_end, sblk, kt = _locate(pid + i * NUM_PROGRAMS, nk, nm, M, gi, starts, sizes, tiles,
                                               tile_end, first_block, BM, SB, GROUPED, TILE_GROUP)
-            _cast_one(bufs.index(slot), col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt,
-                      M, K, eps, stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, POW2, BLOCK_2D, ROWWISE, COLWISE, VEC,
-                      PACKED, MX, EMAX, ROUND_UP, SPREAD_SCALES, num_warps)
+            if MX:
+                _cast_tile_mx(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M, K,
+                              stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, EMAX, ROUND_UP, ROWWISE, COLWISE, num_warps)
+            elif PACKED:
+                _cast_tile_bf16(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M,
+                                K, eps, stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, POW2, BLOCK_2D, ROWWISE, COLWISE,
+                                num_warps)
+            else:
+                _cast_tile(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M, K, eps,
+                           stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, POW2, BLOCK_2D, ROWWISE, COLWISE, VEC, num_warps)
 
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
 
 
 _TILE = 128
-# What fp8_block_op dispatches to: stages of the TMA ring, warps per program, programs per SM.
-DISPATCH = dict(stages=2, warps=8, per_sm=1)
+# What fp8_block_op and mxfp8_op dispatch to: stages of the TMA ring, warps per program, programs
+# per SM, row tiles per band of the tile order. FP8 columnwise codes alone take a third stage
+# (benchmarks/results/sweeps/block_cast_loader.json and block_cast_two_per_sm.json).
+DISPATCH = dict(stages=2, warps=8, per_sm=1, tile_group=8)
+DISPATCH_COLUMNWISE = dict(DISPATCH, stages=3)
 
 
 def unsupported(x: torch.Tensor, block_cols: int, fused_activation: bool, mx: bool = False) -> str | None:
@@ -558,7 +462,7 @@ def launch_dispatched(x: torch.Tensor, splits, num_groups: int, two_d: bool, blo
 
     def go():
         launch(x, splits, num_groups, two_d, out_code, fmt_max, power_2_scale, amax_epsilon, rowwise, True,
-               row, row_s, col, col_s, **DISPATCH)
+               row, row_s, col, col_s, **(DISPATCH if rowwise else DISPATCH_COLUMNWISE))
         return True
 
     key = (x.dtype, splits is not None, two_d, rowwise)
@@ -583,17 +487,14 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
            power_2_scale: bool, amax_epsilon: float, rowwise: bool, columnwise: bool, row, row_s, col, col_s, *,
            stages: int = 3, warps: int = 8, per_sm: int = 1, maxnreg: int | None = None,
            programs: int | None = None, packed: bool = True, mx: tuple[int, bool] | None = None,
-           stage_phase: int | None = None, tile_group: int = 1, spread_scales: bool = True,
-           load_warp: bool = False) -> None:
+           stage_phase: int | None = None, tile_group: int = 1) -> None:
     """Fill fp8_block_op's outputs (allocated by it, same layouts) for an [M, K] x; out_code is
     the codes' Triton FP8 dtype; maxnreg caps registers (two programs per SM need <= 128 at 8 warps);
     packed=False reads bf16 as fp32 as the other dtypes are (same bits, for comparison). With
     mx = (emax, round_up), MXFP8 of a bf16 x into mxfp8_op's outputs instead (two_d, power_2_scale
     and amax_epsilon unused; its E8M0 scales as bytes or as float8_e8m0fnu views). stage_phase:
     rows of the columnwise stage per swizzle phase (None: the read path's conflict-free one).
-    tile_group: row tiles per band of the tile order (_tile_order). spread_scales: bf16's 1 x 128
-    column scales computed once each, on threads of their own (False: by every thread that holds
-    the column, no exchange through shared memory). load_warp: a warp of its own loads the tiles."""
+    tile_group: row tiles per band of the tile order (_tile_order)."""
     m, k = x.shape
     row_s, col_s = (s.view(torch.uint8) if s.dtype == torch.float8_e8m0fnu else s for s in (row_s, col_s))
     grouped = splits is not None
@@ -605,13 +506,12 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
         stage_phase = 2 if words or mx is not None else 4
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=torch.finfo(x.dtype).bits, rank=2)
     desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [_TILE, _TILE], layout)
-    args = (desc, row.view(torch.uint8), row_s, col.view(torch.uint8), col_s, splits if grouped else row_s,
-            m, k, num_groups, amax_epsilon, row_s.stride(0) if row_s.dim() == 2 else 0,
-            col_s.stride(0) if col_s.dim() == 2 else 0)
-    common = dict(FMT_MAX=fmt_max, OUT_DTYPE=out_code, POW2=power_2_scale, BLOCK_2D=two_d, GROUPED=grouped,
-                  GP=max(32, group_pow2(num_groups)), STAGES=stages, NUM_PROGRAMS=programs, VEC=16 // x.element_size(),
-                  PACKED=words, MX=mx is not None, EMAX=mx[0] if mx else 0, ROUND_UP=bool(mx and mx[1]),
-                  STAGE_PHASE=stage_phase, TILE_GROUP=tile_group, num_warps=warps,
-                  **({"maxnreg": maxnreg} if maxnreg else {}))
-    fp8_block_cast_kernel[(programs,)](*args, ROWWISE=rowwise, COLWISE=columnwise, SPREAD_SCALES=spread_scales,
-                                       LOAD_WARP=load_warp, **common)
+    fp8_block_cast_kernel[(programs,)](
+        desc, row.view(torch.uint8), row_s, col.view(torch.uint8), col_s, splits if grouped else row_s,
+        m, k, num_groups, amax_epsilon, row_s.stride(0) if row_s.dim() == 2 else 0,
+        col_s.stride(0) if col_s.dim() == 2 else 0,
+        FMT_MAX=fmt_max, OUT_DTYPE=out_code, POW2=power_2_scale, BLOCK_2D=two_d, ROWWISE=rowwise,
+        COLWISE=columnwise, GROUPED=grouped, GP=max(32, group_pow2(num_groups)), STAGES=stages, NUM_PROGRAMS=programs,
+        VEC=16 // x.element_size(), PACKED=words, MX=mx is not None,
+        EMAX=mx[0] if mx else 0, ROUND_UP=bool(mx and mx[1]), STAGE_PHASE=stage_phase, TILE_GROUP=tile_group,
+        num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}))

@@ -19,10 +19,8 @@ from tests.kernels.interpret import INTERPRETING
 
 on_gpu = pytest.mark.skipif(INTERPRETING or not torch.cuda.is_available(), reason="needs a CUDA GPU")
 SPLITS = [0, 37, 1, 0, 130, 64, 0, 29, 300]  # empty groups, starts off 16 rows, partial tiles
-# variants of the kernel: the tile order in bands of row tiles (3: the last band of an odd tile count
-# is cut short), a warp of its own loading the tiles, bf16's column scales on every thread holding them
-KERNELS = {"plain": {}, "banded": dict(tile_group=3), "loader": dict(load_warp=True, stages=3, tile_group=2),
-           "unspread": dict(spread_scales=False, load_warp=True)}
+# the tile order in bands of row tiles (3: the last band of an odd tile count is cut short)
+KERNELS = {"plain": dict(tile_group=1), "banded": dict(tile_group=3), "banded3": dict(tile_group=2, stages=3)}
 
 
 def _gl():
@@ -122,11 +120,10 @@ def test_grouped_every_mode_bits_equal_the_reference(block_rows, rowwise, kernel
 
 @on_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("programs,stages,warps,loader,band", [
-    (1, 2, 8, False, 1), (3, 3, 8, False, 1), (5, 4, 4, False, 1), (7, 3, 4, False, 1), (3, 2, 8, False, 4),
-    (5, 2, 8, False, 16), (1, 2, 8, True, 1), (5, 3, 4, True, 1), (3, 4, 8, True, 8), (7, 3, 8, True, 4)])
+@pytest.mark.parametrize("programs,stages,warps,band", [(1, 2, 8, 1), (3, 3, 8, 1), (5, 4, 4, 1), (7, 3, 4, 1),
+                                                        (3, 2, 8, 4), (5, 2, 8, 16), (7, 3, 8, 3)])
 @pytest.mark.parametrize("grouped", [False, True])
-def test_persistent_programs_walk_every_tile(programs, stages, warps, loader, band, grouped):
+def test_persistent_programs_walk_every_tile(programs, stages, warps, band, grouped):
     """Few programs, many tiles each: every slot of the ring is reused with its barrier phases."""
     from qmoe.kernels import quantize as K
     from qmoe.kernels._layout import device_splits
@@ -142,7 +139,7 @@ def test_persistent_programs_walk_every_tile(programs, stages, warps, loader, ba
         outs = _fresh_outputs(got)
         _gl().launch(x, None if splits is None else device_splits(splits, x), 4 if grouped else 1, block_rows > 1,
                      K.fp8_meta(E4M3), E4M3.max, True, 0.0, True, True, *outs, stages=stages, warps=warps,
-                     programs=programs, load_warp=loader, tile_group=band)
+                     programs=programs, tile_group=band)
         want = (RG.grouped_quantize_fp8_block(x, splits, block_rows, 128, E4M3, True, 0.0, True, True) if grouped
                 else R.quantize_fp8_block(x, block_rows, 128, E4M3, True, 0.0, True, True))
         _same(tuple(outs), want, f"{programs} programs, {stages} stages, bands of {band}, {block_rows}x128")
@@ -281,10 +278,8 @@ def test_mxfp8_grouped_bits_equal_the_reference(rowwise, launches):
 
 @on_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("programs,stages,warps,loader,band", [(1, 2, 8, False, 1), (5, 4, 4, False, 1),
-                                                               (7, 3, 4, False, 3), (1, 2, 8, True, 1),
-                                                               (5, 4, 4, True, 1), (3, 3, 8, True, 8)])
-def test_mxfp8_persistent_programs_walk_every_tile(programs, stages, warps, loader, band):
+@pytest.mark.parametrize("programs,stages,warps,band", [(1, 2, 8, 1), (5, 4, 4, 1), (7, 3, 4, 3), (3, 2, 8, 8)])
+def test_mxfp8_persistent_programs_walk_every_tile(programs, stages, warps, band):
     from qmoe.contracts.formats import ScaleMode
     from qmoe.kernels import quantize as K
     from qmoe.kernels._layout import device_splits
@@ -295,8 +290,7 @@ def test_mxfp8_persistent_programs_walk_every_tile(programs, stages, warps, load
     s = device_splits(splits, x)
     outs = _fresh_outputs(K.mxfp8_op(x, s, 4, torch.float8_e4m3fn, E4M3.max, E4M3.emax, True, 32, True, True))
     _gl().launch(x, s, 4, False, K.fp8_meta(E4M3), E4M3.max, False, 0.0, True, True, *outs,
-                 stages=stages, warps=warps, programs=programs, mx=(E4M3.emax, True), load_warp=loader,
-                 tile_group=band)
+                 stages=stages, warps=warps, programs=programs, mx=(E4M3.emax, True), tile_group=band)
     want = RG.grouped_quantize_mxfp8(x, splits, E4M3, ScaleMode.ROUND_UP, True, True)
     _same(tuple(outs), want, f"mxfp8: {programs} programs, {stages} stages, {warps} warps, bands of {band}")
 
