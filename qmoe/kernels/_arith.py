@@ -155,19 +155,55 @@ def exp2_int(e):
 
 @triton.jit
 def fp8_scale_from_amax(amax, FMT_MAX: tl.constexpr, POW2: tl.constexpr, eps):
-    """NUMERICS.md "FP8 scale from amax": fmt_max / max(amax, eps), 1 for 0 or non-finite amax."""
+    """NUMERICS.md "FP8 scale from amax": fmt_max / max(amax, eps), 1 for 0 or non-finite amax;
+    with POW2 rounded down to a power of two (pow2_scale_from_amax: the same bits, no division)."""
     amax = tl.where(eps > 0, tl.maximum(amax, eps, propagate_nan=tl.PropagateNan.ALL), amax)
+    if POW2:
+        return pow2_scale_from_amax(amax, FMT_MAX)
     scale = tl.math.div_rn(splat_like(amax, FMT_MAX), amax)
     scale = tl.where((amax == 0) | ~is_finite(amax), 1.0, scale)
-    scale = tl.where(abs_bits(scale) == INF_BITS, _FLT_MAX, scale)
-    if POW2:  # zero the mantissa: round down to a power of two
-        scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-    return scale
+    return tl.where(abs_bits(scale) == INF_BITS, _FLT_MAX, scale)
+
+
+@triton.constexpr_function
+def _fp32_fields(value):
+    """(unbiased exponent, mantissa bits) of a normal positive fp32 constant (exact: halving and
+    doubling by two are)."""
+    exponent, mantissa = 0, float(value)
+    while mantissa >= 2.0:
+        exponent, mantissa = exponent + 1, mantissa / 2.0
+    while mantissa < 1.0:
+        exponent, mantissa = exponent - 1, mantissa * 2.0
+    return exponent, int((mantissa - 1.0) * 8388608.0)
+
+
+@triton.jit
+def pow2_scale_from_amax(amax, FMT_MAX: tl.constexpr):
+    """The power-of-two FP8 scale of a non-negative amax, exactly as the division rounds it: the
+    mantissa of RN(fmt_max / amax) zeroed, 1 for 0 or non-finite amax, 2^127 where the quotient
+    overflows. With fmt_max = f * 2^p and amax = a * 2^q (f, a in [1, 2)), the quotient lies in
+    binade p - q where a <= f and in p - q - 1 where a > f. Rounding never lifts it into the next
+    binade: that would need f within 2^-24 of 2, or an fp32 mantissa a in (f, f * (1 + 2^-25)],
+    and fp32 has neither. A subnormal amax (exponent field 0) gives a binade of p + 126 or more,
+    2^127 after the clamp, as its quotient does for fmt_max >= 2."""
+    P: tl.constexpr = _fp32_fields(FMT_MAX)[0]
+    F_MANT: tl.constexpr = _fp32_fields(FMT_MAX)[1]
+    tl.static_assert(P >= 1, "pow2_scale_from_amax needs fmt_max >= 2")
+    bits = amax.to(tl.int32, bitcast=True)
+    e = tl.minimum((P + 127) - ((bits >> 23) & 0xFF) - ((bits & 0x7FFFFF) > F_MANT).to(tl.int32), 127)
+    return tl.where((amax == 0) | ~is_finite(amax), 1.0, exp2_int(e))
 
 
 @triton.jit
 def reciprocal(x):
     return tl.math.div_rn(splat_like(x, 1.0), x)
+
+
+@triton.jit
+def pow2_reciprocal(x):
+    """1 / x for a power of two x in [2^-126, 2^127], the same bits as `reciprocal` (exact there)
+    without a division: 2^-e from x's exponent field. Power-of-two FP8 scales lie in that range."""
+    return exp2_int(127 - ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF))
 
 
 @triton.jit

@@ -92,6 +92,13 @@ def check_fp8_scales():
     amax = torch.tensor([0.0, 1e-40, 1.0, 3.3, 3e38, float("inf"), float("nan")])
     for p2 in (False, True):
         _same(K.compute_fp8_scale(amax, E4M3.max, p2, 1e-3), R.compute_fp8_scale(amax, E4M3.max, p2, 1e-3), "scale")
+    from tests.kernels.scale_inputs import edge_amaxes
+    edges = edge_amaxes()
+    for fmt in (E4M3, E5M2):
+        for p2 in (False, True):
+            for eps in (0.0, 1e-3):
+                _same(K.compute_fp8_scale(edges, fmt.max, p2, eps), R.compute_fp8_scale(edges, fmt.max, p2, eps),
+                      f"scale {fmt} p2={p2} eps={eps} at every binade")
     for br, p2 in ((1, True), (1, False), (128, True)):
         k = K.quantize_fp8_block(x, br, 128, E4M3, p2, 0.0, True, True)
         r = R.quantize_fp8_block(x, br, 128, E4M3, p2, 0.0, True, True)

@@ -25,6 +25,7 @@ from qmoe.recipes import (DelayedScaling, Float8BlockScaling, Float8CurrentScali
 from qmoe.reference import grouped_quantize as RG
 from qmoe.reference import quantize as R
 from qmoe.reference import quantize_nvfp4 as R4
+from tests.kernels.scale_inputs import edge_amaxes
 
 pytestmark = pytest.mark.gpu
 
@@ -97,6 +98,7 @@ def test_amax_and_scale(fmt, dtype, kind):
     assert_same(K.tensor_amax(x), R.tensor_amax(x), "amax")
     amax = torch.cat([R.tensor_amax(x).reshape(1), torch.tensor([0.0, 1e-40, 3e38, float("inf"), float("nan"), 5.5],
                                                                 device=DEV)])
+    amax = torch.cat([amax, edge_amaxes(DEV)])
     for p2 in (False, True):
         for eps in (0.0, 1e-3):
             assert_same(K.compute_fp8_scale(amax, fmt.max, p2, eps), R.compute_fp8_scale(amax, fmt.max, p2, eps),
