@@ -160,8 +160,7 @@ def _cast_launch(config: dict):
 
     config = dict(config)
     dtype = getattr(torch, config.pop("dtype", "bfloat16"))
-    name = "fp8_block_cast_ws_kernel" if config.get("col_warps") else "fp8_block_cast_kernel"
-    return ct, name, cast_launch(dtype, config.pop("mx", False), **config)
+    return ct, "fp8_block_cast_kernel", cast_launch(dtype, config.pop("mx", False), **config)
 
 
 def dispatched_config(kernel: str) -> dict:

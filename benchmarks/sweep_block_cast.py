@@ -87,8 +87,7 @@ def main(argv=None) -> int:
                 case = dict(block=block, orientation="row+col" if rowwise else "col", shape=shape)
                 want = run(x, splits, block, rowwise, "triton")
                 outs = [torch.zeros_like(t) for t in want]  # grouped scales no group uses stay zero
-                # spread_scales: bf16 1x128 blocks only
-                variants = [{**VARIANTS[0], **v} for v in args.variants or VARIANTS]
+                variants = [{**VARIANTS[0], **v} for v in args.variants or VARIANTS]  # --variants: over VARIANTS[0]
                 variants = [v for v in variants if v["packed"] or block != "mx32"]  # MXFP8: bf16 words only
                 for variant in ["triton", None] + variants:
                     name = {"triton": "triton", None: "dispatched"}.get(variant) if not isinstance(variant, dict) \

@@ -19,7 +19,9 @@ columnwise codes go back to shared memory, a row per column, and leave from ther
 read as 32-bit words of two values (amaxes over packed 16-bit magnitudes, conversions to fp32 by
 shifts), and a tile's scales are computed once per row and column rather than on every thread
 that reduced them. The programs are persistent and prefetch STAGES - 1 tiles ahead, so loads
-stay in flight while a tile's codes are computed and stored.
+stay in flight while a tile's codes are computed and stored; they walk the tiles in bands of row
+tiles (`_tile_order`), so the tiles in flight at once share DRAM pages of the columnwise copy
+as well as of the input.
 
 Grouped inputs: row tiles start afresh at every group (as `tiles.tile_rows` lays them out); a
 tile's TMA box may run into the next group's rows, which the columnwise amax masks out and no
@@ -432,7 +434,7 @@ if gluon is not None:
 _TILE = 128
 # What fp8_block_op and mxfp8_op dispatch to: stages of the TMA ring, warps per program, programs
 # per SM, row tiles per band of the tile order. FP8 columnwise codes alone take a third stage
-# (benchmarks/results/sweeps/block_cast_loader.json and block_cast_two_per_sm.json).
+# (benchmarks/results/sweeps/block_cast_bands.json, block_cast_dispatch.json).
 DISPATCH = dict(stages=2, warps=8, per_sm=1, tile_group=8)
 DISPATCH_COLUMNWISE = dict(DISPATCH, stages=3)
 

@@ -4,9 +4,10 @@ bits, and fp8_block_op / mxfp8_op dispatch it exactly where it applies.
 On the GPU: 1x128 and 128x128 blocks, both orientations and the columnwise copy alone, bf16 /
 fp16 / fp32 inputs with NaN and +-inf, rows and columns that are not tile multiples, groups that
 are empty or start off a 16-row boundary (whose columnwise codes take the masked store), and
-persistent programs that loop over many tiles through every slot of the load ring; MXFP8 of
-bf16 with both scale modes, blocks cut by K and groups that are not multiples of 32 rows. Gluon
-has no interpreter: the dispatch decisions and the fallbacks are checked on the CPU.
+persistent programs that loop over many tiles through every slot of the load ring, in either
+tile order (bands of row tiles, the last one cut short, included); MXFP8 of bf16 with both scale
+modes, blocks cut by K and groups that are not multiples of 32 rows. Gluon has no interpreter:
+the dispatch decisions and the fallbacks are checked on the CPU.
 """
 from __future__ import annotations
 
