@@ -202,18 +202,16 @@ def ptxas_spills(ptx: str) -> dict:
     return dict(zip(("stack_bytes", "spill_store_bytes", "spill_load_bytes"), map(int, m.groups()))) if m else {}
 
 
-def _cuobjdump() -> str:
-    import triton
-
-    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
-
-
 def sass(cubin: bytes) -> str:
-    """cuobjdump's SASS listing of a cubin."""
+    """cuobjdump's SASS listing of a cubin, with its addresses (the cuobjdump Triton uses, as
+    triton.tools.disasm finds it; that module's own listing replaces addresses with labels)."""
+    from triton import knobs
+
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "k.cubin"
         path.write_bytes(cubin)
-        return subprocess.run([_cuobjdump(), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", str(path)], capture_output=True, text=True,
+                              check=True).stdout
 
 
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,6})\*/\s+(.*?)\s*;")

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import copy_gbps, median_ms, run_header, write_results
+from benchmarks.harness import copy_gbps, gpu_or_tiny, median_ms, run_header, write_results
 
 FAMILIES = ("tensorwise", "block1x128", "block128x128", "mxfp8")
 # name: (rows, columns, groups, uneven). Uneven groups ("~"): sizes around rows / groups in
@@ -300,8 +300,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.warm_part:
         return warm(args, args.warm_part)
-    if not args.tiny and not torch.cuda.is_available():
-        print("needs a CUDA GPU (or --tiny under TRITON_INTERPRET=1)", file=sys.stderr)
+    if gpu_or_tiny(args.tiny) is None:
         return 2
     t0 = time.monotonic()
     if args.jobs:

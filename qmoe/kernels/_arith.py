@@ -207,6 +207,16 @@ def pow2_reciprocal(x):
 
 
 @triton.jit
+def scale_inverse(s, POW2: tl.constexpr):
+    """The stored inverse of an FP8 scale from fp8_scale_from_amax, 1 / s: exact, and without a
+    division for power-of-two scales."""
+    if POW2:
+        return pow2_reciprocal(s)
+    else:
+        return reciprocal(s)
+
+
+@triton.jit
 def mx_exponent(amax, FMT_MAX: tl.constexpr, EMAX: tl.constexpr, ROUND_UP: tl.constexpr):
     """Unbiased E8M0 exponent (int32) of each block amax; 128 marks a NaN block (byte 0xFF)."""
     if ROUND_UP:  # smallest k with 2^k >= amax / fmt_max

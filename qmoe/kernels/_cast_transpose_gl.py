@@ -34,7 +34,7 @@ import triton
 
 from qmoe.kernels import _gluon_sm90 as sm90
 from qmoe.kernels._arith import (abs_bits, bits_to_float, cast_codes, exp2_int, fp8_scale_from_amax, mx_exponent,
-                                pow2_reciprocal, reciprocal)
+                                scale_inverse)
 from qmoe.kernels._launch import num_sms
 from qmoe.kernels._layout import group_pow2
 
@@ -108,14 +108,6 @@ if gluon is not None:
         sm90.tma_load(desc, [row0, kt * BK], ready.index(slot), bufs.index(slot))
 
     @gluon.jit
-    def _scale_inverse(s, POW2: gl.constexpr):
-        """The stored scale, 1 / s: exact, and without a division for power-of-two scales."""
-        if POW2:
-            return pow2_reciprocal(s)
-        else:
-            return reciprocal(s)
-
-    @gluon.jit
     def _write_column_runs(stage, first, step, K, col_ptr, row0, row_end, M, BM: gl.constexpr,
                            num_warps: gl.constexpr):
         """Store the staged columnwise codes: stage [n, BM] holds in row i the codes of column
@@ -187,9 +179,9 @@ if gluon is not None:
             gl.store(row_ptr + rows_r.to(gl.int64)[:, None] * K + cols_r[None, :], q,
                      mask=ok_r[:, None] & (cols_r < K)[None, :])
             if BLOCK_2D:
-                gl.store(row_s_ptr + sblk * stride_rs + kt, _scale_inverse(s_tile, POW2))
+                gl.store(row_s_ptr + sblk * stride_rs + kt, scale_inverse(s_tile, POW2))
             else:
-                gl.store(row_s_ptr + rows_r.to(gl.int64) * stride_rs + kt, _scale_inverse(s_r, POW2), mask=ok_r)
+                gl.store(row_s_ptr + rows_r.to(gl.int64) * stride_rs + kt, scale_inverse(s_r, POW2), mask=ok_r)
 
         if COLWISE:
             xc = tile.load(col_l).to(gl.float32)
@@ -202,10 +194,10 @@ if gluon is not None:
                 if not ROWWISE:  # the tile's scale from the columns' maxima: the same maximum
                     s_tile = fp8_scale_from_amax(bits_to_float(gl.max(gl.max(bits_c, 0), 0)), FMT_MAX, POW2, eps)
                 s_c = gl.where(ok_c, s_tile, s_tile)
-                gl.store(col_s_ptr + kt * stride_cs + sblk, _scale_inverse(s_tile, POW2))
+                gl.store(col_s_ptr + kt * stride_cs + sblk, scale_inverse(s_tile, POW2))
             else:
                 s_c = fp8_scale_from_amax(bits_to_float(gl.max(bits_c, 0)), FMT_MAX, POW2, eps)
-                gl.store(col_s_ptr + cols64 * stride_cs + sblk, _scale_inverse(s_c, POW2), mask=ok_c)
+                gl.store(col_s_ptr + cols64 * stride_cs + sblk, scale_inverse(s_c, POW2), mask=ok_c)
             col_stage.permute([1, 0]).store(cast_codes(xc * gl.expand_dims(s_c, 0), FMT_MAX, OUT_DTYPE))
             sm90.thread_barrier()
             _write_column_runs(col_stage, col0, 1, K, col_ptr, row0, row_end, M, BM, num_warps)
@@ -257,10 +249,10 @@ if gluon is not None:
             gl.store(row_pairs + rows_r.to(gl.int64)[:, None] * (K // 2) + wcols_r[None, :], q,
                      mask=ok_r[:, None] & (wcols_r < K // 2)[None, :])
             if BLOCK_2D:
-                gl.store(row_s_ptr + sblk * stride_rs + kt, _scale_inverse(s_tile, POW2))
+                gl.store(row_s_ptr + sblk * stride_rs + kt, scale_inverse(s_tile, POW2))
             else:
                 rows_1 = row0 + gl.arange(0, BM, layout=one_l)
-                gl.store(row_s_ptr + rows_1.to(gl.int64) * stride_rs + kt, _scale_inverse(s_1, POW2),
+                gl.store(row_s_ptr + rows_1.to(gl.int64) * stride_rs + kt, scale_inverse(s_1, POW2),
                          mask=rows_1 < row_end)
 
         if COLWISE:
@@ -276,13 +268,13 @@ if gluon is not None:
                                                  FMT_MAX, POW2, eps)
                 s_lo = gl.where(gl.arange(0, BW, layout=gl.SliceLayout(0, col_l)) < BW, s_tile, s_tile)
                 s_hi = s_lo
-                gl.store(col_s_ptr + kt * stride_cs + sblk, _scale_inverse(s_tile, POW2))
+                gl.store(col_s_ptr + kt * stride_cs + sblk, scale_inverse(s_tile, POW2))
             else:  # every thread holding a column computes its scale (no exchange through shared memory)
                 s_lo = fp8_scale_from_amax(bits_to_float(packed_c << 16), FMT_MAX, POW2, eps)
                 s_hi = fp8_scale_from_amax(bits_to_float(packed_c & -65536), FMT_MAX, POW2, eps)
                 even = 2 * (w0 + gl.arange(0, BW, layout=gl.SliceLayout(0, col_l))).to(gl.int64)
-                gl.store(col_s_ptr + even * stride_cs + sblk, _scale_inverse(s_lo, POW2), mask=even < K)
-                gl.store(col_s_ptr + (even + 1) * stride_cs + sblk, _scale_inverse(s_hi, POW2), mask=even < K)
+                gl.store(col_s_ptr + even * stride_cs + sblk, scale_inverse(s_lo, POW2), mask=even < K)
+                gl.store(col_s_ptr + (even + 1) * stride_cs + sblk, scale_inverse(s_hi, POW2), mask=even < K)
             # the codes of columns 2w (low halves) and 2w + 1 go to row w of the stage, side by side
             col_stage.slice(0, BM, dim=1).permute([1, 0]).store(
                 cast_codes(lo * gl.expand_dims(s_lo, 0), FMT_MAX, OUT_DTYPE))
