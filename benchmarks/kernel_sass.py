@@ -9,6 +9,7 @@ shows here before it costs a device call.
     python -m benchmarks.kernel_sass wgrad --dispatched --sass /tmp/wgrad.sass
     python -m benchmarks.kernel_sass gemm --dispatched
     python -m benchmarks.kernel_sass cast --config '{"dtype": "float16", "mx": true}'
+    python -m benchmarks.kernel_sass cast --config '{"activation": "swiglu"}'
 
 Triton's driver is pointed at an sm90 target while the kernel compiles (`sm90_target`), and the
 launcher's kernel is swapped for its `warmup` (`compile_launch`): nothing runs. ptxas and cuobjdump
@@ -137,16 +138,20 @@ def _gemm_launch(config: dict):
     return ws, "block_gemm_ws_kernel", gemm_launch(**config)
 
 
-def cast_launch(dtype: torch.dtype = torch.bfloat16, mx: bool = False, **config):
+def cast_launch(dtype: torch.dtype = torch.bfloat16, mx: bool = False, activation: str | None = None, **config):
     """A launch of the Gluon block cast (both orientations, FP8 E4M3) of a 256 x 384 tensor of
-    `dtype` on the CPU: 1x128 blocks, or MXFP8's 1x32 with `mx`; config: the launcher's keywords
-    (default: its dispatched ones)."""
+    `dtype` on the CPU: 1x128 blocks, or MXFP8's 1x32 with `mx`; with a GLU `activation`, of
+    act(h) * probs for an h of 256 x 768; config: the launcher's keywords (default: its dispatched
+    ones)."""
     from qmoe.contracts.formats import E4M3
     from qmoe.kernels import _cast_transpose_gl as ct
     from qmoe.kernels import quantize as K
+    from qmoe.kernels.activation import activation_code
 
     m, k = 256, 384
-    x = torch.randn(m, k).to(dtype)
+    x = torch.randn(m, 2 * k if activation else k).to(dtype)
+    if activation:
+        config = dict(config, act=activation_code(activation), probs=torch.ones(m))
     row, col = torch.empty(m, k, dtype=torch.float8_e4m3fn), torch.empty(k, m, dtype=torch.float8_e4m3fn)
     block, scale_dtype = (32, torch.uint8) if mx else (128, torch.float32)
     row_s, col_s = torch.empty(m, k // block, dtype=scale_dtype), torch.empty(k, m // block, dtype=scale_dtype)
@@ -160,7 +165,8 @@ def _cast_launch(config: dict):
 
     config = dict(config)
     dtype = getattr(torch, config.pop("dtype", "bfloat16"))
-    return ct, "fp8_block_cast_kernel", cast_launch(dtype, config.pop("mx", False), **config)
+    return ct, "fp8_block_cast_kernel", cast_launch(dtype, config.pop("mx", False), config.pop("activation", None),
+                                                    **config)
 
 
 def dispatched_config(kernel: str) -> dict:

@@ -33,9 +33,11 @@ import torch
 import triton
 
 from qmoe.kernels import _gluon_sm90 as sm90
+from qmoe.contracts.carriers import ACTIVATIONS, GLU_ACTIVATIONS
 from qmoe.kernels._arith import (abs_bits, bits_to_float, cast_codes, exp2_int, fp8_scale_from_amax, mx_exponent,
                                 scale_inverse)
 from qmoe.kernels._launch import num_sms
+from qmoe.kernels.activation import NO_ACTIVATION, _activation, input_width
 from qmoe.kernels._layout import group_pow2
 
 from qmoe.kernels._gluon_sm90 import gluon
@@ -101,11 +103,45 @@ if gluon is not None:
         return row0, row_end, sblk, kt
 
     @gluon.jit
-    def _issue(desc, bufs, ready, t, slot, nk, nm, M, gi, starts, sizes, tiles, tile_end, BM: gl.constexpr,
-               BK: gl.constexpr, GROUPED: gl.constexpr, TILE_GROUP: gl.constexpr):
+    def _issue(desc, bufs, ready, t, slot, nk, nm, M, K, gi, starts, sizes, tiles, tile_end, BM: gl.constexpr,
+               BK: gl.constexpr, GROUPED: gl.constexpr, TILE_GROUP: gl.constexpr, GLU: gl.constexpr,
+               GLU_BLOCK: gl.constexpr):
+        """Load tile t into ring slot `slot`: x's tile, or with GLU the gate's and the linear part's
+        tiles of h for output columns kt * BK + [0, BK) (K: the output width)."""
         row0, _, _, kt = _locate(t, nk, nm, M, gi, starts, sizes, tiles, tile_end, tiles, BM, BM, GROUPED, TILE_GROUP)
-        mbarrier.expect(ready.index(slot), desc.block_type.nbytes)
-        sm90.tma_load(desc, [row0, kt * BK], ready.index(slot), bufs.index(slot))
+        if GLU:
+            mbarrier.expect(ready.index(slot), 2 * desc.block_type.nbytes)
+            if GLU_BLOCK == 0:  # gate columns first, then linear columns
+                gate = kt * BK
+                linear = K + kt * BK
+            else:  # blocks of GLU_BLOCK gate columns, each followed by its linear columns
+                gate = (kt * BK // GLU_BLOCK) * (2 * GLU_BLOCK) + kt * BK % GLU_BLOCK
+                linear = gate + GLU_BLOCK
+            sm90.tma_load(desc, [row0, gate], ready.index(slot), bufs.index(2 * slot))
+            sm90.tma_load(desc, [row0, linear], ready.index(slot), bufs.index(2 * slot + 1))
+        else:
+            mbarrier.expect(ready.index(slot), desc.block_type.nbytes)
+            sm90.tma_load(desc, [row0, kt * BK], ready.index(slot), bufs.index(slot))
+
+    @gluon.jit
+    def _activate_tile(gate, linear, act, probs_ptr, row0, col0, M, K, ACT: gl.constexpr, num_warps: gl.constexpr):
+        """act <- act(gate, linear) * probs[row] for a tile of GLU halves in shared memory, in fp32 as
+        `_forward_kernel` computes it (kernels.activation._activation) and rounded to act's dtype:
+        the quantized result is bit for bit that of quantizing the activation op's output. Columns
+        at or past K are zero (with GLU_BLOCK 0 the gate tile runs on into the linear half there)."""
+        BM: gl.constexpr = act.shape[0]
+        BK: gl.constexpr = act.shape[1]
+        RB: gl.constexpr = 32  # rows per pass: 16 values of each operand per thread
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BK // 8), BK // 8], [num_warps, 1], [1, 0])
+        cols = col0 + gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
+        for r in gl.static_range(BM // RB):
+            g = gate.slice(r * RB, RB, dim=0).load(layout).to(gl.float32)
+            y = linear.slice(r * RB, RB, dim=0).load(layout).to(gl.float32)
+            a, _, _ = _activation(g, y, g, ACT)
+            rows = row0 + r * RB + gl.arange(0, RB, layout=gl.SliceLayout(1, layout))
+            p = gl.load(probs_ptr + rows, mask=rows < M, other=0.0).to(gl.float32)
+            a = gl.where(gl.expand_dims(cols < K, 0), a * gl.expand_dims(p, 1), 0.0)
+            act.slice(r * RB, RB, dim=0).store(a.to(act.dtype))
 
     @gluon.jit
     def _write_column_runs(stage, first, step, K, col_ptr, row0, row_end, M, BM: gl.constexpr,
@@ -358,19 +394,25 @@ if gluon is not None:
     # M stays specialised: as the columnwise copy's row stride, its divisibility by 16 lets the
     # columnwise codes leave as 16-byte vectors
     @gluon.jit(do_not_specialize=["G"])
-    def fp8_block_cast_kernel(x_desc, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr,
+    def fp8_block_cast_kernel(x_desc, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr, probs_ptr,
                               M, K, G, eps, stride_rs, stride_cs,
                               FMT_MAX: gl.constexpr, OUT_DTYPE: gl.constexpr, POW2: gl.constexpr,
                               BLOCK_2D: gl.constexpr, ROWWISE: gl.constexpr, COLWISE: gl.constexpr,
                               GROUPED: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
                               NUM_PROGRAMS: gl.constexpr, VEC: gl.constexpr, PACKED: gl.constexpr,
                               MX: gl.constexpr, EMAX: gl.constexpr, ROUND_UP: gl.constexpr,
-                              STAGE_PHASE: gl.constexpr, TILE_GROUP: gl.constexpr, num_warps: gl.constexpr):
+                              STAGE_PHASE: gl.constexpr, TILE_GROUP: gl.constexpr, ACT: gl.constexpr,
+                              GLU_BLOCK: gl.constexpr, num_warps: gl.constexpr):
         """One 128 x 128 tile (FP8 block: one 128-wide scale block each way; MX: 32-wide E8M0 blocks)
-        per trip of a persistent loop (see the module docstring)."""
+        per trip of a persistent loop (see the module docstring). With a GLU activation (ACT >= 0),
+        x_desc is over h and each slot holds the tile's gate and linear halves; the activated tile
+        goes to shared memory and is cast from there."""
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
-        bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
+        GLU: gl.constexpr = ACT >= 0
+        bufs = gl.allocate_shared_memory(x_desc.dtype, [2 * STAGES if GLU else STAGES, BM, BK], x_desc.layout)
+        if GLU:
+            act_tile = gl.allocate_shared_memory(x_desc.dtype, [BM, BK], x_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
@@ -394,20 +436,26 @@ if gluon is not None:
         mine = gl.cdiv(gl.maximum(nm * nk - pid, 0), NUM_PROGRAMS)
         for j in gl.static_range(STAGES - 1):
             if j < mine:
-                _issue(x_desc, bufs, ready, pid + j * NUM_PROGRAMS, j, nk, nm, M, gi, starts, sizes, tiles,
-                       tile_end, BM, BK, GROUPED, TILE_GROUP)
+                _issue(x_desc, bufs, ready, pid + j * NUM_PROGRAMS, j, nk, nm, M, K, gi, starts, sizes, tiles,
+                       tile_end, BM, BK, GROUPED, TILE_GROUP, GLU, GLU_BLOCK)
 
         for i in range(mine):
             sm90.thread_barrier()  # every warp is done with the slot the next load overwrites
             nxt = i + STAGES - 1
             if nxt < mine:
-                _issue(x_desc, bufs, ready, pid + nxt * NUM_PROGRAMS, nxt % STAGES, nk, nm, M, gi, starts,
-                       sizes, tiles, tile_end, BM, BK, GROUPED, TILE_GROUP)
+                _issue(x_desc, bufs, ready, pid + nxt * NUM_PROGRAMS, nxt % STAGES, nk, nm, M, K, gi, starts,
+                       sizes, tiles, tile_end, BM, BK, GROUPED, TILE_GROUP, GLU, GLU_BLOCK)
             slot = i % STAGES
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-            tile = bufs.index(slot)
             row0, row_end, sblk, kt = _locate(pid + i * NUM_PROGRAMS, nk, nm, M, gi, starts, sizes, tiles,
                                               tile_end, first_block, BM, SB, GROUPED, TILE_GROUP)
+            if GLU:
+                _activate_tile(bufs.index(2 * slot), bufs.index(2 * slot + 1), act_tile, probs_ptr, row0, kt * BK,
+                               M, K, ACT, num_warps)
+                sm90.thread_barrier()  # the activated tile is whole before any warp reads it
+                tile = act_tile
+            else:
+                tile = bufs.index(slot)
             if MX:
                 _cast_tile_mx(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M, K,
                               stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, EMAX, ROUND_UP, ROWWISE, COLWISE, num_warps)
@@ -431,17 +479,24 @@ DISPATCH = dict(stages=2, warps=8, per_sm=1, tile_group=8)
 DISPATCH_COLUMNWISE = dict(DISPATCH, stages=3)
 
 
-def unsupported(x: torch.Tensor, block_cols: int, fused_activation: bool, mx: bool = False) -> str | None:
+def unsupported(x: torch.Tensor, block_cols: int, act: int = NO_ACTIVATION, glu_block: int = 0,
+                mx: bool = False) -> str | None:
     """Why this kernel cannot quantize x (None: it can): it needs Gluon on an sm90 GPU, 128-wide
-    FP8 blocks (mx: 32-value MXFP8 blocks of bf16), no fused activation, and x's rows TMA-aligned.
-    QMOE_BLOCK_CAST=triton turns it off."""
+    FP8 blocks (mx: 32-value MXFP8 blocks of bf16), x's rows TMA-aligned, and for a fused
+    activation a GLU of a bf16 h whose halves come in runs of whole tiles (glu_block 0 or a multiple
+    of 128). QMOE_BLOCK_CAST=triton turns it off."""
     why = sm90.gluon_unavailable(x.device, "QMOE_BLOCK_CAST")
     if why is not None:
         return why
     if block_cols != (MX_VALUES if mx else _TILE):
         return f"{block_cols}-wide blocks ({MX_VALUES if mx else _TILE} only)"
-    if fused_activation:
-        return "a fused activation (the Triton kernel applies it as it loads)"
+    if act != NO_ACTIVATION:
+        if not 0 <= act < len(GLU_ACTIVATIONS):
+            return f"a fused {ACTIVATIONS[act]} (a pointwise activation: the Triton kernel applies it as it loads)"
+        if x.dtype != torch.bfloat16:
+            return f"a fused activation of a {x.dtype} h (bf16 only)"
+        if glu_block % _TILE:
+            return f"GLU halves interleaved in blocks of {glu_block} columns (0 or multiples of {_TILE} only)"
     if x.dtype not in ((torch.bfloat16,) if mx else (torch.bfloat16, torch.float16, torch.float32)):
         return f"input dtype {x.dtype}"
     if not sm90.tma_aligned(x):
@@ -453,52 +508,57 @@ def unsupported(x: torch.Tensor, block_cols: int, fused_activation: bool, mx: bo
 FAILED: dict[tuple, str] = {}
 
 
-def launch_dispatched(x: torch.Tensor, splits, num_groups: int, two_d: bool, block_cols: int, fused_activation: bool,
-                      out_code, fmt_max: float, power_2_scale: bool, amax_epsilon: float, rowwise: bool, row, row_s,
-                      col, col_s) -> bool:
-    """Quantize x in 1 x 128 (two_d: 128 x 128) blocks, columnwise and optionally rowwise, with the
-    dispatched configuration into fp8_block_op's outputs; False, launching nothing, where
-    `unsupported` says so or its compile failed (recorded in FAILED, with a warning once): the
-    caller then runs the Triton kernel."""
-    if unsupported(x, block_cols, fused_activation) is not None:
+def launch_dispatched(x: torch.Tensor, splits, num_groups: int, two_d: bool, block_cols: int, act: int,
+                      glu_block: int, probs, out_code, fmt_max: float, power_2_scale: bool, amax_epsilon: float,
+                      rowwise: bool, row, row_s, col, col_s) -> bool:
+    """Quantize x (or act(x) * probs, see fp8_block_op) in 1 x 128 (two_d: 128 x 128) blocks,
+    columnwise and optionally rowwise, with the dispatched configuration into fp8_block_op's
+    outputs; False, launching nothing, where `unsupported` says so or its compile failed (recorded
+    in FAILED, with a warning once): the caller then runs the Triton kernel."""
+    if unsupported(x, block_cols, act, glu_block) is not None:
         return False
 
     def go():
         launch(x, splits, num_groups, two_d, out_code, fmt_max, power_2_scale, amax_epsilon, rowwise, True,
-               row, row_s, col, col_s, **(DISPATCH if rowwise else DISPATCH_COLUMNWISE))
+               row, row_s, col, col_s, act=act, glu_block=glu_block, probs=probs,
+               **(DISPATCH if rowwise else DISPATCH_COLUMNWISE))
         return True
 
-    key = (x.dtype, splits is not None, two_d, rowwise)
+    key = (x.dtype, splits is not None, two_d, rowwise, act, glu_block)
     return sm90.launch_once(FAILED, key, "FP8 block cast", go) is True
 
 
-def launch_dispatched_mx(x: torch.Tensor, splits, num_groups: int, block: int, fused_activation: bool, out_code,
-                         fmt_max: float, emax: int, round_up: bool, rowwise: bool, row, row_s, col, col_s) -> bool:
-    """launch_dispatched for mxfp8_op: MXFP8 of a bf16 x, columnwise and optionally rowwise."""
-    if unsupported(x, block, fused_activation, mx=True) is not None:
+def launch_dispatched_mx(x: torch.Tensor, splits, num_groups: int, block: int, act: int, glu_block: int, probs,
+                         out_code, fmt_max: float, emax: int, round_up: bool, rowwise: bool, row, row_s, col,
+                         col_s) -> bool:
+    """launch_dispatched for mxfp8_op: MXFP8 of a bf16 x (or of act(x) * probs), columnwise and
+    optionally rowwise."""
+    if unsupported(x, block, act, glu_block, mx=True) is not None:
         return False
 
     def go():
         launch(x, splits, num_groups, False, out_code, fmt_max, False, 0.0, rowwise, True, row, row_s, col, col_s,
-               mx=(emax, round_up), **DISPATCH)
+               mx=(emax, round_up), act=act, glu_block=glu_block, probs=probs, **DISPATCH)
         return True
 
-    return sm90.launch_once(FAILED, ("mx", splits is not None, rowwise), "MXFP8 cast", go) is True
+    return sm90.launch_once(FAILED, ("mx", splits is not None, rowwise, act, glu_block), "MXFP8 cast", go) is True
 
 
 def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_max: float,
            power_2_scale: bool, amax_epsilon: float, rowwise: bool, columnwise: bool, row, row_s, col, col_s, *,
            stages: int = 3, warps: int = 8, per_sm: int = 1, maxnreg: int | None = None,
            programs: int | None = None, packed: bool = True, mx: tuple[int, bool] | None = None,
-           stage_phase: int | None = None, tile_group: int = 1) -> None:
+           stage_phase: int | None = None, tile_group: int = 1, act: int = NO_ACTIVATION, glu_block: int = 0,
+           probs: torch.Tensor | None = None) -> None:
     """Fill fp8_block_op's outputs (allocated by it, same layouts) for an [M, K] x; out_code is
     the codes' Triton FP8 dtype; maxnreg caps registers (two programs per SM need <= 128 at 8 warps);
     packed=False reads bf16 as fp32 as the other dtypes are (same bits, for comparison). With
     mx = (emax, round_up), MXFP8 of a bf16 x into mxfp8_op's outputs instead (two_d, power_2_scale
     and amax_epsilon unused; its E8M0 scales as bytes or as float8_e8m0fnu views). stage_phase:
     rows of the columnwise stage per swizzle phase (None: the read path's conflict-free one).
-    tile_group: row tiles per band of the tile order (_tile_order)."""
-    m, k = x.shape
+    tile_group: row tiles per band of the tile order (_tile_order). act (a GLU's code), glu_block,
+    probs ([M] fp32): x is h [M, 2K] and the quantized input act(h) * probs, as fp8_block_op's."""
+    m, k = x.shape[0], input_width(x, act)
     row_s, col_s = (s.view(torch.uint8) if s.dtype == torch.float8_e8m0fnu else s for s in (row_s, col_s))
     grouped = splits is not None
     upper = -(-m // _TILE) + (num_groups if grouped else 0)
@@ -511,10 +571,10 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
     desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [_TILE, _TILE], layout)
     fp8_block_cast_kernel[(programs,)](
         desc, row.view(torch.uint8), row_s, col.view(torch.uint8), col_s, splits if grouped else row_s,
-        m, k, num_groups, amax_epsilon, row_s.stride(0) if row_s.dim() == 2 else 0,
-        col_s.stride(0) if col_s.dim() == 2 else 0,
+        probs if probs is not None else row_s, m, k, num_groups, amax_epsilon,
+        row_s.stride(0) if row_s.dim() == 2 else 0, col_s.stride(0) if col_s.dim() == 2 else 0,
         FMT_MAX=fmt_max, OUT_DTYPE=out_code, POW2=power_2_scale, BLOCK_2D=two_d, ROWWISE=rowwise,
         COLWISE=columnwise, GROUPED=grouped, GP=max(32, group_pow2(num_groups)), STAGES=stages, NUM_PROGRAMS=programs,
         VEC=16 // x.element_size(), PACKED=words, MX=mx is not None,
         EMAX=mx[0] if mx else 0, ROUND_UP=bool(mx and mx[1]), STAGE_PHASE=stage_phase, TILE_GROUP=tile_group,
-        num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}))
+        ACT=act, GLU_BLOCK=glu_block, num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}))

@@ -298,7 +298,7 @@ def fp8_block_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: in
         row_s = torch.empty((m, nkb) if rowwise else (0,), dtype=f32, device=dev)
         col_s = alloc((k, width) if columnwise else (0,), dtype=f32, device=dev)
     gluon_cast = m * k and columnwise and not is_forced(_fp8_block_kernel)
-    if gluon_cast and _block_cast_gl.launch_dispatched(x, splits, num_groups, two_d, b, act != NO_ACTIVATION,
+    if gluon_cast and _block_cast_gl.launch_dispatched(x, splits, num_groups, two_d, b, act, glu_block, probs,
                                                        _TL_FP8[out_dtype], fmt_max, power_2_scale, amax_epsilon,
                                                        rowwise, row, row_s, col, col_s):
         return row, row_s, col, col_s
@@ -404,7 +404,7 @@ def mxfp8_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, o
     row_s = torch.empty((m, nkb) if rowwise else (0,), dtype=u8, device=dev)
     col_s = (torch.zeros if grouped else torch.empty)((k, width) if columnwise else (0,), dtype=u8, device=dev)
     gluon_cast = m * k and columnwise and not is_forced(_mxfp8_kernel)
-    if gluon_cast and _block_cast_gl.launch_dispatched_mx(x, splits, num_groups, block, act != NO_ACTIVATION,
+    if gluon_cast and _block_cast_gl.launch_dispatched_mx(x, splits, num_groups, block, act, glu_block, probs,
                                                           _TL_FP8[out_dtype], fmt_max, emax, round_up, rowwise, row,
                                                           row_s, col, col_s):
         return row, row_s.view(torch.float8_e8m0fnu), col, col_s.view(torch.float8_e8m0fnu)

@@ -195,24 +195,28 @@ def test_the_gluon_cast_is_dispatched_only_where_it_applies(sm90, monkeypatch):
     from qmoe.kernels import _gluon_sm90
 
     ct = sm90
-    assert ct.unsupported(_Rows(), 128, False) is None
-    assert ct.unsupported(_Rows(dtype=torch.float32), 128, False) is None
-    assert "128 only" in ct.unsupported(_Rows(), 64, False)
-    assert "activation" in ct.unsupported(_Rows(), 128, True)
-    assert "dtype" in ct.unsupported(_Rows(dtype=torch.float8_e4m3fn), 128, False)
-    assert "aligned" in ct.unsupported(_Rows(k=260), 128, False)  # rows of 520 bytes: no TMA
-    assert "aligned" in ct.unsupported(_Rows(ptr=(1 << 20) + 8), 128, False)
-    assert "aligned" in ct.unsupported(_Rows(stride=7172), 128, False)
-    assert "not a CUDA device" in ct.unsupported(_Rows(device="cpu"), 128, False)
+    assert ct.unsupported(_Rows(), 128) is None
+    assert ct.unsupported(_Rows(dtype=torch.float32), 128) is None
+    assert "128 only" in ct.unsupported(_Rows(), 64)
+    assert ct.unsupported(_Rows(), 128, act=0) is None  # a GLU of bf16 h in whole-tile halves
+    assert ct.unsupported(_Rows(), 128, act=2, glu_block=256) is None
+    assert "pointwise" in ct.unsupported(_Rows(), 128, act=3)
+    assert "interleaved" in ct.unsupported(_Rows(), 128, act=0, glu_block=64)
+    assert "bf16 only" in ct.unsupported(_Rows(dtype=torch.float32), 128, act=0)
+    assert "dtype" in ct.unsupported(_Rows(dtype=torch.float8_e4m3fn), 128)
+    assert "aligned" in ct.unsupported(_Rows(k=260), 128)  # rows of 520 bytes: no TMA
+    assert "aligned" in ct.unsupported(_Rows(ptr=(1 << 20) + 8), 128)
+    assert "aligned" in ct.unsupported(_Rows(stride=7172), 128)
+    assert "not a CUDA device" in ct.unsupported(_Rows(device="cpu"), 128)
     monkeypatch.setenv("QMOE_BLOCK_CAST", "triton")
-    assert ct.unsupported(_Rows(), 128, False) == "QMOE_BLOCK_CAST=triton"
+    assert ct.unsupported(_Rows(), 128) == "QMOE_BLOCK_CAST=triton"
     monkeypatch.delenv("QMOE_BLOCK_CAST")
     monkeypatch.setattr(_gluon_sm90, "is_sm90", lambda index: False)
-    assert "sm90" in ct.unsupported(_Rows(), 128, False)
+    assert "sm90" in ct.unsupported(_Rows(), 128)
 
 
 def test_a_failed_compile_falls_back_with_one_warning(sm90, monkeypatch):
-    args = (_Rows(), None, 1, False, 128, False, None, 448.0, True, 0.0, True, None, None, None, None)
+    args = (_Rows(), None, 1, False, 128, -1, 0, None, None, 448.0, True, 0.0, True, None, None, None, None)
     assert_a_compile_failure_falls_back_once(monkeypatch, sm90, "launch", lambda: sm90.launch_dispatched(*args),
                                              False)
 
@@ -226,7 +230,7 @@ def test_fp8_block_op_asks_the_gluon_cast_for_every_columnwise_copy(monkeypatch)
 
     asked = []
     monkeypatch.setattr(K._block_cast_gl, "launch_dispatched",
-                        lambda *args: asked.append((args[3], args[10])) or True)  # (two_d, rowwise)
+                        lambda *args: asked.append((args[3], args[12])) or True)  # (two_d, rowwise)
     monkeypatch.setattr(K, "launch_cast", lambda *args, **kwargs: asked.append("triton"))
     x = torch.zeros(256, 256)
     op = K.fp8_block_op
@@ -296,18 +300,62 @@ def test_mxfp8_persistent_programs_walk_every_tile(programs, stages, warps, band
     _same(tuple(outs), want, f"mxfp8: {programs} programs, {stages} stages, {warps} warps, bands of {band}")
 
 
+# ---------------------------------------------------------------- fused GLU activations (FC2's input)
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("interleave", [None, 128, 256], ids=["halves", "k128", "k256"])
+@pytest.mark.parametrize("activation", ["swiglu", "geglu", "clamped_qgeglu"])
+@pytest.mark.parametrize("block", ["1x128", "128x128", "mxfp8"])
+@pytest.mark.parametrize("rowwise", [True, False], ids=["both", "col"])
+def test_fused_activation_bits_equal_the_triton_kernel(block, activation, interleave, rowwise, launches):
+    """act(h) * probs cast by the Gluon kernel (the activated tile through shared memory) has the
+    bits of the Triton kernel, which applies the activation as it loads (and is checked against the
+    reference elsewhere): grouped and not, an output width off 128 (its gate tile runs on into the
+    linear half, which must not count), the halves interleaved in whole tiles."""
+    from benchmarks.harness import environ_set
+    from qmoe.contracts.carriers import glu_block
+    from qmoe.kernels import quantize as K
+    from qmoe.kernels._layout import device_splits
+    from qmoe.kernels.activation import activation_code
+
+    act, k = activation_code(activation), glu_block(activation, interleave)
+    f = 200 if interleave is None else 2 * interleave
+    for splits in (None, torch.tensor(SPLITS, device="cuda")):
+        m = 300 if splits is None else sum(SPLITS)
+        h = _input(m, 2 * f, torch.bfloat16, seed=f + act) * 0.5
+        probs = torch.rand(m, device="cuda")
+        s, groups = (None, 1) if splits is None else (device_splits(splits, h), len(SPLITS))
+
+        def cast():
+            if block == "mxfp8":
+                return K.mxfp8_op(h, s, groups, torch.float8_e4m3fn, E4M3.max, E4M3.emax, True, 32, rowwise, True,
+                                  probs, act, k)
+            return K.fp8_block_op(h, s, groups, 128 if block == "128x128" else 1, 128, torch.float8_e4m3fn,
+                                  E4M3.max, True, 0.0, rowwise, True, probs, act, k)
+
+        before = len(launches)
+        got = cast()
+        assert len(launches) == before + 1, _gl().FAILED
+        with environ_set("QMOE_BLOCK_CAST", "triton"):
+            want = cast()
+        what = f"{block} {activation} interleave={interleave} {'grouped' if splits is not None else 'dense'}"
+        _same(tuple(g if g.numel() else None for g in got), tuple(w if w.numel() else None for w in want), what)
+
+
 def test_the_mxfp8_cast_is_dispatched_only_where_it_applies(sm90):
     ct = sm90
-    assert ct.unsupported(_Rows(), 32, False, mx=True) is None
-    assert "32 only" in ct.unsupported(_Rows(), 128, False, mx=True)
-    assert "dtype" in ct.unsupported(_Rows(dtype=torch.float16), 32, False, mx=True)
-    assert "dtype" in ct.unsupported(_Rows(dtype=torch.float32), 32, False, mx=True)
-    assert "activation" in ct.unsupported(_Rows(), 32, True, mx=True)
-    assert "aligned" in ct.unsupported(_Rows(k=260), 32, False, mx=True)
+    assert ct.unsupported(_Rows(), 32, mx=True) is None
+    assert "32 only" in ct.unsupported(_Rows(), 128, mx=True)
+    assert "dtype" in ct.unsupported(_Rows(dtype=torch.float16), 32, mx=True)
+    assert "dtype" in ct.unsupported(_Rows(dtype=torch.float32), 32, mx=True)
+    assert ct.unsupported(_Rows(), 32, act=1, mx=True) is None
+    assert "pointwise" in ct.unsupported(_Rows(), 32, act=4, mx=True)
+    assert "aligned" in ct.unsupported(_Rows(k=260), 32, mx=True)
 
 
 def test_a_failed_mxfp8_compile_falls_back_with_one_warning(sm90, monkeypatch):
-    args = (_Rows(), None, 1, 32, False, None, 448.0, 8, True, True, None, None, None, None)
+    args = (_Rows(), None, 1, 32, -1, 0, None, None, 448.0, 8, True, True, None, None, None, None)
     assert_a_compile_failure_falls_back_once(monkeypatch, sm90, "launch", lambda: sm90.launch_dispatched_mx(*args),
                                              False)
 
@@ -316,7 +364,7 @@ def test_mxfp8_op_asks_the_gluon_cast_only_for_a_columnwise_copy(monkeypatch):
     from qmoe.kernels import quantize as K
 
     asked = []
-    monkeypatch.setattr(K._block_cast_gl, "launch_dispatched_mx", lambda *args: asked.append(args[9]) or True)
+    monkeypatch.setattr(K._block_cast_gl, "launch_dispatched_mx", lambda *args: asked.append(args[11]) or True)
     monkeypatch.setattr(K, "launch_cast", lambda *args, **kwargs: asked.append("triton"))
     x = torch.zeros(256, 256, dtype=torch.bfloat16)
     for rowwise, columnwise in ((True, True), (False, True), (True, False)):

@@ -64,12 +64,14 @@ def test_block_wgrad_compiles(compile_only):
     assert len(kernels) == 3
 
 
-@pytest.mark.parametrize("dtype,mx", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, False)],
-                         ids=["bf16-words", "mxfp8", "fp32-reads"])
-def test_block_cast_compiles(compile_only, dtype, mx):
+@pytest.mark.parametrize("dtype,mx,activation", [(torch.bfloat16, False, None), (torch.bfloat16, True, None),
+                                                 (torch.float16, False, None), (torch.bfloat16, False, "swiglu"),
+                                                 (torch.bfloat16, True, "clamped_qgeglu")],
+                         ids=["bf16-words", "mxfp8", "fp32-reads", "swiglu", "mxfp8-qgeglu"])
+def test_block_cast_compiles(compile_only, dtype, mx, activation):
     from benchmarks.kernel_sass import cast_launch
     from qmoe.kernels import _cast_transpose_gl as ct
 
     kernels = compile_only(ct, "fp8_block_cast_kernel")
-    cast_launch(dtype, mx)()
+    cast_launch(dtype, mx, activation)()
     _fits(kernels)
