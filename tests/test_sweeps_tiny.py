@@ -37,3 +37,8 @@ def test_block_gemm_sweep(tmp_path, cases):
     assert rows and all(r["status"] == "ok" and r.get("exact", True) for r in rows), rows
     assert {r["variant"] for r in rows} == {"current", "dispatched"}
     assert any(r["shape"] == "qwen3-fc1" for r in rows) == (cases == ["wgrad"])
+
+
+def test_scale_transpose_sweep(tmp_path):
+    rows = _sweep("benchmarks.sweep_scale_transpose", tmp_path / "transpose.json")
+    assert len(rows) == 2 and all(r["same_bits"] for r in rows), rows

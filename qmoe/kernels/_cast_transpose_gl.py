@@ -39,6 +39,7 @@ from qmoe.kernels._arith import (abs_bits, bits_to_float, cast_codes, exp2_int, 
 from qmoe.kernels._launch import num_sms
 from qmoe.kernels.activation import NO_ACTIVATION, _activation, input_width
 from qmoe.kernels._layout import group_pow2
+from qmoe.kernels.transpose import transpose_into
 
 from qmoe.kernels._gluon_sm90 import gluon
 
@@ -189,9 +190,9 @@ if gluon is not None:
 
     @gluon.jit
     def _cast_tile(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M, K, eps,
-                   stride_rs, stride_cs, FMT_MAX: gl.constexpr, OUT_DTYPE: gl.constexpr, POW2: gl.constexpr,
-                   BLOCK_2D: gl.constexpr, ROWWISE: gl.constexpr, COLWISE: gl.constexpr, VEC: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   stride_rs, stride_rsk, stride_cs, stride_csm, FMT_MAX: gl.constexpr, OUT_DTYPE: gl.constexpr,
+                   POW2: gl.constexpr, BLOCK_2D: gl.constexpr, ROWWISE: gl.constexpr, COLWISE: gl.constexpr,
+                   VEC: gl.constexpr, num_warps: gl.constexpr):
         """Quantize one tile in shared memory, read once per orientation as fp32."""
         BM: gl.constexpr = tile.shape[0]
         BK: gl.constexpr = tile.shape[1]
@@ -215,9 +216,10 @@ if gluon is not None:
             gl.store(row_ptr + rows_r.to(gl.int64)[:, None] * K + cols_r[None, :], q,
                      mask=ok_r[:, None] & (cols_r < K)[None, :])
             if BLOCK_2D:
-                gl.store(row_s_ptr + sblk * stride_rs + kt, scale_inverse(s_tile, POW2))
+                gl.store(row_s_ptr + sblk * stride_rs + kt * stride_rsk, scale_inverse(s_tile, POW2))
             else:
-                gl.store(row_s_ptr + rows_r.to(gl.int64) * stride_rs + kt, scale_inverse(s_r, POW2), mask=ok_r)
+                gl.store(row_s_ptr + rows_r.to(gl.int64) * stride_rs + kt * stride_rsk, scale_inverse(s_r, POW2),
+                         mask=ok_r)
 
         if COLWISE:
             xc = tile.load(col_l).to(gl.float32)
@@ -230,10 +232,10 @@ if gluon is not None:
                 if not ROWWISE:  # the tile's scale from the columns' maxima: the same maximum
                     s_tile = fp8_scale_from_amax(bits_to_float(gl.max(gl.max(bits_c, 0), 0)), FMT_MAX, POW2, eps)
                 s_c = gl.where(ok_c, s_tile, s_tile)
-                gl.store(col_s_ptr + kt * stride_cs + sblk, scale_inverse(s_tile, POW2))
+                gl.store(col_s_ptr + kt * stride_cs + sblk * stride_csm, scale_inverse(s_tile, POW2))
             else:
                 s_c = fp8_scale_from_amax(bits_to_float(gl.max(bits_c, 0)), FMT_MAX, POW2, eps)
-                gl.store(col_s_ptr + cols64 * stride_cs + sblk, scale_inverse(s_c, POW2), mask=ok_c)
+                gl.store(col_s_ptr + cols64 * stride_cs + sblk * stride_csm, scale_inverse(s_c, POW2), mask=ok_c)
             col_stage.permute([1, 0]).store(cast_codes(xc * gl.expand_dims(s_c, 0), FMT_MAX, OUT_DTYPE))
             sm90.thread_barrier()
             _write_column_runs(col_stage, col0, 1, K, col_ptr, row0, row_end, M, BM, num_warps)
@@ -250,9 +252,9 @@ if gluon is not None:
 
     @gluon.jit
     def _cast_tile_bf16(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M, K, eps,
-                        stride_rs, stride_cs, FMT_MAX: gl.constexpr, OUT_DTYPE: gl.constexpr, POW2: gl.constexpr,
-                        BLOCK_2D: gl.constexpr, ROWWISE: gl.constexpr, COLWISE: gl.constexpr,
-                        num_warps: gl.constexpr):
+                        stride_rs, stride_rsk, stride_cs, stride_csm, FMT_MAX: gl.constexpr,
+                        OUT_DTYPE: gl.constexpr, POW2: gl.constexpr, BLOCK_2D: gl.constexpr, ROWWISE: gl.constexpr,
+                        COLWISE: gl.constexpr, num_warps: gl.constexpr):
         """_cast_tile for bf16, which reads the tile as words of two values: the amaxes are maxima of
         packed 16-bit magnitudes and the conversions to fp32 are shifts."""
         BM: gl.constexpr = tile.shape[0]
@@ -285,10 +287,10 @@ if gluon is not None:
             gl.store(row_pairs + rows_r.to(gl.int64)[:, None] * (K // 2) + wcols_r[None, :], q,
                      mask=ok_r[:, None] & (wcols_r < K // 2)[None, :])
             if BLOCK_2D:
-                gl.store(row_s_ptr + sblk * stride_rs + kt, scale_inverse(s_tile, POW2))
+                gl.store(row_s_ptr + sblk * stride_rs + kt * stride_rsk, scale_inverse(s_tile, POW2))
             else:
                 rows_1 = row0 + gl.arange(0, BM, layout=one_l)
-                gl.store(row_s_ptr + rows_1.to(gl.int64) * stride_rs + kt, scale_inverse(s_1, POW2),
+                gl.store(row_s_ptr + rows_1.to(gl.int64) * stride_rs + kt * stride_rsk, scale_inverse(s_1, POW2),
                          mask=rows_1 < row_end)
 
         if COLWISE:
@@ -304,13 +306,14 @@ if gluon is not None:
                                                  FMT_MAX, POW2, eps)
                 s_lo = gl.where(gl.arange(0, BW, layout=gl.SliceLayout(0, col_l)) < BW, s_tile, s_tile)
                 s_hi = s_lo
-                gl.store(col_s_ptr + kt * stride_cs + sblk, scale_inverse(s_tile, POW2))
+                gl.store(col_s_ptr + kt * stride_cs + sblk * stride_csm, scale_inverse(s_tile, POW2))
             else:  # every thread holding a column computes its scale (no exchange through shared memory)
                 s_lo = fp8_scale_from_amax(bits_to_float(packed_c << 16), FMT_MAX, POW2, eps)
                 s_hi = fp8_scale_from_amax(bits_to_float(packed_c & -65536), FMT_MAX, POW2, eps)
                 even = 2 * (w0 + gl.arange(0, BW, layout=gl.SliceLayout(0, col_l))).to(gl.int64)
-                gl.store(col_s_ptr + even * stride_cs + sblk, scale_inverse(s_lo, POW2), mask=even < K)
-                gl.store(col_s_ptr + (even + 1) * stride_cs + sblk, scale_inverse(s_hi, POW2), mask=even < K)
+                s_ptrs = col_s_ptr + even * stride_cs + sblk * stride_csm
+                gl.store(s_ptrs, scale_inverse(s_lo, POW2), mask=even < K)
+                gl.store(s_ptrs + stride_cs, scale_inverse(s_hi, POW2), mask=even < K)
             # the codes of columns 2w (low halves) and 2w + 1 go to row w of the stage, side by side
             col_stage.slice(0, BM, dim=1).permute([1, 0]).store(
                 cast_codes(lo * gl.expand_dims(s_lo, 0), FMT_MAX, OUT_DTYPE))
@@ -329,8 +332,9 @@ if gluon is not None:
 
     @gluon.jit
     def _cast_tile_mx(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M, K,
-                      stride_rs, stride_cs, FMT_MAX: gl.constexpr, OUT_DTYPE: gl.constexpr, EMAX: gl.constexpr,
-                      ROUND_UP: gl.constexpr, ROWWISE: gl.constexpr, COLWISE: gl.constexpr, num_warps: gl.constexpr):
+                      stride_rs, stride_rsk, stride_cs, stride_csm, FMT_MAX: gl.constexpr, OUT_DTYPE: gl.constexpr,
+                      EMAX: gl.constexpr, ROUND_UP: gl.constexpr, ROWWISE: gl.constexpr, COLWISE: gl.constexpr,
+                      num_warps: gl.constexpr):
         """MXFP8 of one bf16 tile: an E8M0 exponent per 32 values of a row and per 32 rows of a column,
         from the tile read as words of two values (see _cast_tile_bf16). Rowwise, a thread holds 4
         words of a 16-word block (4 lanes a block); columnwise, 32 rows of one word, so a column
@@ -361,8 +365,8 @@ if gluon is not None:
             gl.store(row_pairs + rows3 * (K // 2) + gl.expand_dims(words, 0), q,
                      mask=(rows3 < row_end) & gl.expand_dims(words < K // 2, 0))
             kb = kt * NB + gl.arange(0, NB, layout=gl.SliceLayout(0, bl2))
-            gl.store(row_s_ptr + gl.expand_dims(rows.to(gl.int64), 1) * stride_rs + gl.expand_dims(kb, 0), e_r,
-                     mask=gl.expand_dims(rows < row_end, 1) & gl.expand_dims(kb * MX_BLOCK < K, 0))
+            gl.store(row_s_ptr + gl.expand_dims(rows.to(gl.int64), 1) * stride_rs + gl.expand_dims(kb, 0) * stride_rsk,
+                     e_r, mask=gl.expand_dims(rows < row_end, 1) & gl.expand_dims(kb * MX_BLOCK < K, 0))
         if COLWISE:
             # [row blocks, rows of the block, words]: a thread holds a block's rows of one word
             col_l: gl.constexpr = gl.BlockedLayout([1, MX_BLOCK, 1], [1, 1, 32], [RB, 1, num_warps // RB], [1, 2, 0])
@@ -377,10 +381,15 @@ if gluon is not None:
             mult_lo, e_lo = _mx_multiplier(bits_to_float(packed_c << 16), FMT_MAX, EMAX, ROUND_UP)
             mult_hi, e_hi = _mx_multiplier(bits_to_float(packed_c & -65536), FMT_MAX, EMAX, ROUND_UP)
             even = 2 * (w0 + gl.arange(0, BW, layout=gl.SliceLayout(0, cl2)))  # column of each low half
-            s_ptrs = col_s_ptr + gl.expand_dims(even.to(gl.int64), 0) * stride_cs + sblk + gl.expand_dims(rb, 1)
+            s_ptrs = (col_s_ptr + gl.expand_dims(even.to(gl.int64), 0) * stride_cs
+                      + (sblk + gl.expand_dims(rb, 1)) * stride_csm)
             s_ok = gl.expand_dims(row0 + rb * MX_BLOCK < row_end, 1) & gl.expand_dims(even < K, 0)
-            gl.store(s_ptrs, e_lo, mask=s_ok)
-            gl.store(s_ptrs + stride_cs, e_hi, mask=s_ok)  # K is even: the high half's column is in range
+            if stride_cs == 1:  # scales in tile order: a column pair's two bytes as one 16-bit store
+                gl.store(s_ptrs.to(gl.pointer_type(gl.uint16)), e_lo.to(gl.uint16) | (e_hi.to(gl.uint16) << 8),
+                         mask=s_ok)
+            else:
+                gl.store(s_ptrs, e_lo, mask=s_ok)
+                gl.store(s_ptrs + stride_cs, e_hi, mask=s_ok)  # K is even: the high half's column is in range
             lo, hi = _bf16_pairs_to_float(wc)
             q_lo = gl.reshape(cast_codes(lo * gl.expand_dims(mult_lo, 1), FMT_MAX, OUT_DTYPE), [BM, BW])
             q_hi = gl.reshape(cast_codes(hi * gl.expand_dims(mult_hi, 1), FMT_MAX, OUT_DTYPE), [BM, BW])
@@ -395,7 +404,7 @@ if gluon is not None:
     # columnwise codes leave as 16-byte vectors
     @gluon.jit(do_not_specialize=["G"])
     def fp8_block_cast_kernel(x_desc, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr, probs_ptr,
-                              M, K, G, eps, stride_rs, stride_cs,
+                              M, K, G, eps, stride_rs, stride_rsk, stride_cs, stride_csm,
                               FMT_MAX: gl.constexpr, OUT_DTYPE: gl.constexpr, POW2: gl.constexpr,
                               BLOCK_2D: gl.constexpr, ROWWISE: gl.constexpr, COLWISE: gl.constexpr,
                               GROUPED: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
@@ -458,14 +467,16 @@ if gluon is not None:
                 tile = bufs.index(slot)
             if MX:
                 _cast_tile_mx(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M, K,
-                              stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, EMAX, ROUND_UP, ROWWISE, COLWISE, num_warps)
+                              stride_rs, stride_rsk, stride_cs, stride_csm, FMT_MAX, OUT_DTYPE, EMAX, ROUND_UP, ROWWISE,
+                              COLWISE, num_warps)
             elif PACKED:
                 _cast_tile_bf16(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M,
-                                K, eps, stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, POW2, BLOCK_2D, ROWWISE, COLWISE,
-                                num_warps)
+                                K, eps, stride_rs, stride_rsk, stride_cs, stride_csm, FMT_MAX, OUT_DTYPE, POW2,
+                                BLOCK_2D, ROWWISE, COLWISE, num_warps)
             else:
                 _cast_tile(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M, K, eps,
-                           stride_rs, stride_cs, FMT_MAX, OUT_DTYPE, POW2, BLOCK_2D, ROWWISE, COLWISE, VEC, num_warps)
+                           stride_rs, stride_rsk, stride_cs, stride_csm, FMT_MAX, OUT_DTYPE, POW2, BLOCK_2D, ROWWISE,
+                           COLWISE, VEC, num_warps)
 
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
@@ -504,6 +515,25 @@ def unsupported(x: torch.Tensor, block_cols: int, act: int = NO_ACTIVATION, glu_
     return None
 
 
+def _scales_in_tile_order(row_s: torch.Tensor, col_s: torch.Tensor, grouped: bool) -> tuple[torch.Tensor, ...]:
+    """Stand-ins for the 1-D block scales, of the same shapes, laid out transposed in memory: a
+    tile's scales (one per row, and one per column) then land in runs of consecutive words rather
+    than a canonical row apart each, which the kernel's stores cannot combine into whole sectors.
+    `_copy_scales` moves them to the canonical outputs. Grouped columnwise scales that no group
+    uses stay zero, as fp8_block_op's and mxfp8_op's do."""
+    def transposed(s: torch.Tensor, zeros: bool) -> torch.Tensor:
+        if s.dim() != 2:  # an orientation not requested
+            return s
+        return (torch.zeros if zeros else torch.empty)(s.shape[::-1], dtype=s.dtype, device=s.device).t()
+    return transposed(row_s, False), transposed(col_s, grouped)
+
+
+def _copy_scales(outs, scales) -> None:
+    for out, s in zip(outs, scales):
+        if s is not out:
+            transpose_into(out, s.t())
+
+
 # Calls whose kernel failed to compile (a Triton without this Gluon API): they take the Triton kernel.
 FAILED: dict[tuple, str] = {}
 
@@ -519,9 +549,11 @@ def launch_dispatched(x: torch.Tensor, splits, num_groups: int, two_d: bool, blo
         return False
 
     def go():
+        scales = (row_s, col_s) if two_d else _scales_in_tile_order(row_s, col_s, splits is not None)
         launch(x, splits, num_groups, two_d, out_code, fmt_max, power_2_scale, amax_epsilon, rowwise, True,
-               row, row_s, col, col_s, act=act, glu_block=glu_block, probs=probs,
+               row, scales[0], col, scales[1], act=act, glu_block=glu_block, probs=probs,
                **(DISPATCH if rowwise else DISPATCH_COLUMNWISE))
+        _copy_scales((row_s, col_s), scales)
         return True
 
     key = (x.dtype, splits is not None, two_d, rowwise, act, glu_block)
@@ -537,8 +569,10 @@ def launch_dispatched_mx(x: torch.Tensor, splits, num_groups: int, block: int, a
         return False
 
     def go():
-        launch(x, splits, num_groups, False, out_code, fmt_max, False, 0.0, rowwise, True, row, row_s, col, col_s,
-               mx=(emax, round_up), act=act, glu_block=glu_block, probs=probs, **DISPATCH)
+        scales = _scales_in_tile_order(row_s, col_s, splits is not None)
+        launch(x, splits, num_groups, False, out_code, fmt_max, False, 0.0, rowwise, True, row, scales[0], col,
+               scales[1], mx=(emax, round_up), act=act, glu_block=glu_block, probs=probs, **DISPATCH)
+        _copy_scales((row_s, col_s), scales)
         return True
 
     return sm90.launch_once(FAILED, ("mx", splits is not None, rowwise, act, glu_block), "MXFP8 cast", go) is True
@@ -572,7 +606,7 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
     fp8_block_cast_kernel[(programs,)](
         desc, row.view(torch.uint8), row_s, col.view(torch.uint8), col_s, splits if grouped else row_s,
         probs if probs is not None else row_s, m, k, num_groups, amax_epsilon,
-        row_s.stride(0) if row_s.dim() == 2 else 0, col_s.stride(0) if col_s.dim() == 2 else 0,
+        *(row_s.stride() if row_s.dim() == 2 else (0, 1)), *(col_s.stride() if col_s.dim() == 2 else (0, 1)),
         FMT_MAX=fmt_max, OUT_DTYPE=out_code, POW2=power_2_scale, BLOCK_2D=two_d, ROWWISE=rowwise,
         COLWISE=columnwise, GROUPED=grouped, GP=max(32, group_pow2(num_groups)), STAGES=stages, NUM_PROGRAMS=programs,
         VEC=16 // x.element_size(), PACKED=words, MX=mx is not None,

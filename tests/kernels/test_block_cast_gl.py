@@ -216,7 +216,8 @@ def test_the_gluon_cast_is_dispatched_only_where_it_applies(sm90, monkeypatch):
 
 
 def test_a_failed_compile_falls_back_with_one_warning(sm90, monkeypatch):
-    args = (_Rows(), None, 1, False, 128, -1, 0, None, None, 448.0, True, 0.0, True, None, None, None, None)
+    outs = [torch.empty(0) for _ in range(4)]  # row, row_s, col, col_s: never written
+    args = (_Rows(), None, 1, False, 128, -1, 0, None, None, 448.0, True, 0.0, True, *outs)
     assert_a_compile_failure_falls_back_once(monkeypatch, sm90, "launch", lambda: sm90.launch_dispatched(*args),
                                              False)
 
@@ -355,7 +356,8 @@ def test_the_mxfp8_cast_is_dispatched_only_where_it_applies(sm90):
 
 
 def test_a_failed_mxfp8_compile_falls_back_with_one_warning(sm90, monkeypatch):
-    args = (_Rows(), None, 1, 32, -1, 0, None, None, 448.0, 8, True, True, None, None, None, None)
+    outs = [torch.empty(0) for _ in range(4)]
+    args = (_Rows(), None, 1, 32, -1, 0, None, None, 448.0, 8, True, True, *outs)
     assert_a_compile_failure_falls_back_once(monkeypatch, sm90, "launch", lambda: sm90.launch_dispatched_mx(*args),
                                              False)
 

@@ -1,0 +1,44 @@
+"""Dense transposed copies of small 2-D tensors: the scales a cast kernel writes in the order its
+tiles produce them (`_cast_transpose_gl`), moved to their canonical layout.
+
+torch's `copy_` from a transposed view reads one side a row apart per element; this kernel
+loads a tile along the source's rows, transposes it in registers and stores it along the
+output's rows, so both sides move whole lines. Bits are copied as integers of the same width,
+whatever the dtype (fp32 scales, E8M0 bytes).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_BITS_AS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@triton.jit
+def _transpose_kernel(src_ptr, out_ptr, R, C, BR: tl.constexpr, BC: tl.constexpr):
+    """out[c, r] = src[r, c] for a dense src [R, C]; program (i, j) moves columns i * BC.. and
+    rows j * BR.. (columns first: the long side takes the grid's large first dimension)."""
+    c = tl.program_id(0) * BC + tl.arange(0, BC)
+    r = tl.program_id(1) * BR + tl.arange(0, BR)
+    ok = (r < R)[:, None] & (c < C)[None, :]
+    tile = tl.load(src_ptr + r.to(tl.int64)[:, None] * C + c[None, :], mask=ok)
+    tl.store(out_ptr + c.to(tl.int64)[:, None] * R + r[None, :], tl.trans(tile), mask=tl.trans(ok))
+
+
+def transpose_into(out: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """out <- src.t() for a dense src [R, C] and a dense out [C, R] of the same dtype (bits
+    copied); returns out."""
+    if src.dim() != 2 or out.shape != src.shape[::-1] or out.dtype != src.dtype or out.device != src.device:
+        raise ValueError(f"transpose_into: out {tuple(out.shape)} {out.dtype} must be src's "
+                         f"{tuple(src.shape)} {src.dtype} transposed, on its device")
+    if not (src.is_contiguous() and out.is_contiguous()):
+        raise ValueError("transpose_into takes dense tensors (call .contiguous() first)")
+    r, c = src.shape
+    if r * c == 0:
+        return out
+    as_int = _BITS_AS[src.element_size()]
+    tile = 128 if src.element_size() == 1 else 64  # a 128-byte line of bytes, 256 bytes of words
+    _transpose_kernel[(triton.cdiv(c, tile), triton.cdiv(r, tile))](src.view(as_int), out.view(as_int), r, c,
+                                                                     BR=tile, BC=tile, num_warps=4)
+    return out
