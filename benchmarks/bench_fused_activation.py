@@ -3,7 +3,8 @@
 Run: `qmoe bench fused_activation [--quick]` (GPU only).
 
 At the DeepSeek-V3 expert shard (65536 permuted rows over 32 experts, F 2048, swiglu, bf16 h
-[R, 4096]), per recipe, in one run on one GPU (triton.testing.do_bench medians):
+[R, 4096]), per recipe, in one run on one GPU (triton.testing.do_bench medians of CUDA-graph
+replays, the device time a graphed step spends; the eager calls' times, host work included, too):
 - separate: `a = expert_activation(h, probs)`, then `GroupedTensor.quantize(a)` rowwise and
   columnwise (what FC2 needs for fprop and wgrad);
 - fused: `GroupedTensor.quantize(ActivatedRows(h, probs, "swiglu"))`: the quantize kernels apply
@@ -20,7 +21,7 @@ import sys
 
 import torch
 
-from benchmarks.harness import copy_gbps, median_ms, run_header, write_results
+from benchmarks.harness import capture_graph, copy_gbps, median_ms, run_header, write_results
 
 RECIPES = ["current", "block", "mxfp8", "nvfp4"]
 ROWS, FFN, EXPERTS = 65536, 2048, 32
@@ -57,11 +58,19 @@ def bench_recipe(name, h, probs, splits, gbps) -> dict:
     passes = 2 if name in ("current", "nvfp4") else 1  # an amax launch reads h before the cast
     min_bytes = passes * h.numel() * h.element_size() + probs.numel() * 4 + _out_bytes(got)
     row = dict(recipe=name, R=h.shape[0], F=h.shape[1] // 2, activation="swiglu", dtype="bf16",
-               separate_ms=median_ms(separate), fused_ms=median_ms(fused), same_bits=same, min_bytes=min_bytes)
+               separate_eager_ms=median_ms(separate), fused_eager_ms=median_ms(fused), same_bits=same,
+               min_bytes=min_bytes)
+    for which, fn in (("separate", separate), ("fused", fused)):  # device time, as a graphed step sees it
+        graph, why = capture_graph(fn)
+        row[f"{which}_ms"] = median_ms(graph.replay) if graph is not None else row[f"{which}_eager_ms"]
+        if why:
+            row[f"{which}_not_graphed"] = why
+        del graph
     row["speedup"] = row["separate_ms"] / row["fused_ms"]
     row["fused_frac_copy"] = min_bytes / (gbps * 1e9) * 1e3 / row["fused_ms"]
     print(f"{name:>8}: separate {row['separate_ms']:.3f} ms  fused {row['fused_ms']:.3f} ms  x{row['speedup']:.2f}  "
-          f"fused at {100 * row['fused_frac_copy']:.0f}% of copy bandwidth  same bits: {same}", flush=True)
+          f"fused at {100 * row['fused_frac_copy']:.0f}% of copy bandwidth  same bits: {same}  "
+          f"(eager {row['separate_eager_ms']:.3f} / {row['fused_eager_ms']:.3f} ms)", flush=True)
     return row
 
 
@@ -87,7 +96,9 @@ def main(argv=None) -> int:
         suite="fused_activation",
         method="triton.testing.do_bench medians, ms, rowwise + columnwise GroupedTensor of act(h) * probs; "
                "separate = expert_activation then GroupedTensor.quantize, fused = GroupedTensor.quantize of "
-               "ActivatedRows; fused_frac_copy = min_bytes / copy bandwidth (same run) / fused_ms",
+               "ActivatedRows; *_ms: replays of each captured in a CUDA graph (device time), *_eager_ms: "
+               "the calls themselves (host work included); fused_frac_copy = min_bytes / copy bandwidth "
+               "(same run) / fused_ms",
         quick=args.quick, copy_gbps=gbps, rows=rows,
     )
     write_results(args.out, header, result, indent=1)
