@@ -364,9 +364,18 @@ if gluon is not None:
             rows3 = gl.expand_dims(gl.expand_dims(rows.to(gl.int64), 1), 2)
             gl.store(row_pairs + rows3 * (K // 2) + gl.expand_dims(words, 0), q,
                      mask=(rows3 < row_end) & gl.expand_dims(words < K // 2, 0))
-            kb = kt * NB + gl.arange(0, NB, layout=gl.SliceLayout(0, bl2))
-            gl.store(row_s_ptr + gl.expand_dims(rows.to(gl.int64), 1) * stride_rs + gl.expand_dims(kb, 0) * stride_rsk,
-                     e_r, mask=gl.expand_dims(rows < row_end, 1) & gl.expand_dims(kb * MX_BLOCK < K, 0))
+            if stride_rs == 1:  # scales in tile order: a warp's store covers 64 consecutive rows of one block
+                run_l: gl.constexpr = gl.BlockedLayout([2, 1], [32, 1], [num_warps // NB, NB], [0, 1])
+                rows_run = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, run_l))
+                kb_run = kt * NB + gl.arange(0, NB, layout=gl.SliceLayout(0, run_l))
+                gl.store(row_s_ptr + gl.expand_dims(rows_run, 1) + gl.expand_dims(kb_run, 0) * stride_rsk,
+                         gl.convert_layout(e_r, run_l),
+                         mask=gl.expand_dims(rows_run < row_end, 1) & gl.expand_dims(kb_run * MX_BLOCK < K, 0))
+            else:
+                kb = kt * NB + gl.arange(0, NB, layout=gl.SliceLayout(0, bl2))
+                gl.store(row_s_ptr + gl.expand_dims(rows.to(gl.int64), 1) * stride_rs
+                         + gl.expand_dims(kb, 0) * stride_rsk, e_r,
+                         mask=gl.expand_dims(rows < row_end, 1) & gl.expand_dims(kb * MX_BLOCK < K, 0))
         if COLWISE:
             # [row blocks, rows of the block, words]: a thread holds a block's rows of one word
             col_l: gl.constexpr = gl.BlockedLayout([1, MX_BLOCK, 1], [1, 1, 32], [RB, 1, num_warps // RB], [1, 2, 0])
