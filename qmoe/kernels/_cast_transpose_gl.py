@@ -23,6 +23,16 @@ stay in flight while a tile's codes are computed and stored; they walk the tiles
 tiles (`_tile_order`), so the tiles in flight at once share DRAM pages of the columnwise copy
 as well as of the input.
 
+Scales: in the canonical layout a tile's 128 row scales lie a row of the scale tensor apart, and
+so do its column scales, so every one is a store of its own. The kernel takes both strides of
+each scale tensor, and the dispatched path hands it transposed stand-ins in which a tile's scales
+are consecutive (`_scales_in_tile_order`), then moves them to the canonical outputs with one
+transpose each (`kernels.transpose`).
+
+A fused GLU activation (FC2's input, act(h) * probs): each ring slot holds the tile's gate and
+linear halves of h, and the activated tile, rounded as the activation op rounds it, goes through
+shared memory to the same cast.
+
 Grouped inputs: row tiles start afresh at every group (as `tiles.tile_rows` lays them out); a
 tile's TMA box may run into the next group's rows, which the columnwise amax masks out and no
 store writes.
@@ -538,6 +548,7 @@ def _scales_in_tile_order(row_s: torch.Tensor, col_s: torch.Tensor, grouped: boo
 
 
 def _copy_scales(outs, scales) -> None:
+    """The stand-ins of `_scales_in_tile_order` into the canonical outputs."""
     for out, s in zip(outs, scales):
         if s is not out:
             transpose_into(out, s.t())
@@ -600,7 +611,8 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
     and amax_epsilon unused; its E8M0 scales as bytes or as float8_e8m0fnu views). stage_phase:
     rows of the columnwise stage per swizzle phase (None: the read path's conflict-free one).
     tile_group: row tiles per band of the tile order (_tile_order). act (a GLU's code), glu_block,
-    probs ([M] fp32): x is h [M, 2K] and the quantized input act(h) * probs, as fp8_block_op's."""
+    probs ([M] fp32): x is h [M, 2K] and the quantized input act(h) * probs, as fp8_block_op's.
+    The scale outputs may have any strides (the dispatched path's are transposed)."""
     m, k = x.shape[0], input_width(x, act)
     row_s, col_s = (s.view(torch.uint8) if s.dtype == torch.float8_e8m0fnu else s for s in (row_s, col_s))
     grouped = splits is not None
