@@ -64,14 +64,17 @@ def test_block_wgrad_compiles(compile_only):
     assert len(kernels) == 3
 
 
-@pytest.mark.parametrize("dtype,mx,activation", [(torch.bfloat16, False, None), (torch.bfloat16, True, None),
-                                                 (torch.float16, False, None), (torch.bfloat16, False, "swiglu"),
-                                                 (torch.bfloat16, True, "clamped_qgeglu")],
-                         ids=["bf16-words", "mxfp8", "fp32-reads", "swiglu", "mxfp8-qgeglu"])
-def test_block_cast_compiles(compile_only, dtype, mx, activation):
+@pytest.mark.parametrize("dtype,mx,activation,canonical", [
+    (torch.bfloat16, False, None, False), (torch.bfloat16, True, None, False), (torch.float16, False, None, False),
+    (torch.bfloat16, False, "swiglu", False), (torch.bfloat16, True, "clamped_qgeglu", False),
+    (torch.bfloat16, False, None, True), (torch.bfloat16, True, None, True)],
+    ids=["bf16-words", "mxfp8", "fp32-reads", "swiglu", "mxfp8-qgeglu", "bf16-canonical-scales",
+         "mxfp8-canonical-scales"])
+def test_block_cast_compiles(compile_only, dtype, mx, activation, canonical):
+    """Scales in tile order (the dispatched path's) and in the canonical layout (direct launches)."""
     from benchmarks.kernel_sass import cast_launch
     from qmoe.kernels import _cast_transpose_gl as ct
 
     kernels = compile_only(ct, "fp8_block_cast_kernel")
-    cast_launch(dtype, mx, activation)()
+    cast_launch(dtype, mx, activation, canonical)()
     _fits(kernels)
