@@ -232,22 +232,31 @@ def _free():
     torch.cuda.empty_cache()
 
 
-def _recipe_row(layer, x, dy, recipe, warmup, iters, graphed, base: dict, bf16_ms, micro_batches: int = 1) -> dict:
-    """One row: `base` (the shape, recipe, path, peer) with this layer's measurements."""
+def _recipe_row(layer, x, dy, recipe, warmup, iters, graphed, base: dict, bf16: dict | None,
+                micro_batches: int = 1) -> dict:
+    """One row: `base` (the shape, recipe, path, peer) with this layer's measurements; `bf16`: the
+    qmoe bf16 row the ratios are taken against (None: none yet)."""
     row = dict(base, eager_ms=None, graphed_ms=None, tokens_per_s=None, peak_gib=None, work_gib=None,
-               speedup_vs_peer=None, ratio_vs_qmoe_bf16=None, graph_error=None, error=None,
-               **{name: getattr(layer, name) for name in OPTIONS})
+               speedup_vs_peer=None, ratio_vs_qmoe_bf16=None, graphed_ratio_vs_qmoe_bf16=None, graph_error=None,
+               error=None, **{name: getattr(layer, name) for name in OPTIONS})
     try:
         row.update(_measure(layer, x, dy, recipe, warmup, iters, graphed, micro_batches))
         row["tokens_per_s"] = x.shape[0] / (row["eager_ms"] / 1e3)
         if row["peer_ms"]:
             row["speedup_vs_peer"] = row["peer_ms"] / row["eager_ms"]
-        if bf16_ms:
-            row["ratio_vs_qmoe_bf16"] = bf16_ms / row["eager_ms"]
+        _ratios(row, bf16)
     except Exception as e:  # noqa: BLE001 - one recipe failing must not stop the others
         row["error"] = error_line(e)
     _free()
     return row
+
+
+def _ratios(row: dict, bf16: dict | None) -> None:
+    """row's speed against qmoe bf16's (`bf16`: its row, or row itself), eager and graphed."""
+    if bf16 and bf16["eager_ms"] and row["eager_ms"]:
+        row["ratio_vs_qmoe_bf16"] = bf16["eager_ms"] / row["eager_ms"]
+    if bf16 and bf16["graphed_ms"] and row["graphed_ms"]:
+        row["graphed_ratio_vs_qmoe_bf16"] = bf16["graphed_ms"] / row["graphed_ms"]
 
 
 # the layer options rows can switch on, with their marks in the printed table
@@ -304,23 +313,23 @@ def bench_shape(rows, name, shape, recipes, warmup, iters, graphed, device="cuda
           f"{_fmt(peer['peer_graphed_ms'], '.3f')} ms, peak {_fmt(peer['peer_peak_gib'], '.2f')} GiB"
           + (f"  ({peer['peer_error'] or peer['peer_graph_error']})"
              if peer["peer_error"] or peer["peer_graph_error"] else ""), flush=True)
-    bf16_ms = None
+    bf16 = None
     for rname in recipes:
         recipe = None if rname == "bf16" else recipe_from_config({"name": rname})
         base = dict(shape=name, recipe=rname, **shape, peer_ms=peer["peer_ms"],
                     path=resolve_path("bf16" if recipe is None else recipe, layer, device),
                     **{k: v for k, v in peer.items() if k != "peer_ms"})
-        row = _recipe_row(layer, x, dy, recipe, warmup, iters, graphed, base, bf16_ms)
+        row = _recipe_row(layer, x, dy, recipe, warmup, iters, graphed, base, bf16)
         if rname == "bf16":
-            bf16_ms = row["eager_ms"]
-            row["ratio_vs_qmoe_bf16"] = 1.0 if bf16_ms else None
+            bf16 = row
+            _ratios(row, bf16)
         rows.append(row)
         _print_row(row)
         for options in _variants(recompute, weight_cache, recompute_weight, recipe is not None):
             for option, value in options.items():
                 setattr(layer, option, value)
             try:
-                again = _recipe_row(layer, x, dy, recipe, warmup, iters, graphed, base, bf16_ms,
+                again = _recipe_row(layer, x, dy, recipe, warmup, iters, graphed, base, bf16,
                                     micro_batches if options.get("cache_quantized_weights") else 1)
             finally:
                 for option in options:
@@ -343,7 +352,7 @@ def bench_shared_expert(rows, name, shape, recipes, warmup, iters, graphed, devi
     from qmoe.recipes import recipe_from_config
 
     layer, x, dy = inputs(shape, device, shared_expert_ffn_hidden_size=shape["ffn"])
-    bf16_ms = None
+    bf16 = None
     for rname in recipes:
         recipe = None if rname == "bf16" else recipe_from_config({"name": rname})
         base = dict(shape=name, recipe=rname, **shape, peer_ms=None, shared_expert_ffn=shape["ffn"],
@@ -352,10 +361,10 @@ def bench_shared_expert(rows, name, shape, recipes, warmup, iters, graphed, devi
         for overlap in (False, True):
             layer.overlap_shared_experts = overlap
             row = _recipe_row(layer, x, dy, recipe, warmup, iters, graphed, dict(base, overlap_shared_experts=overlap),
-                              bf16_ms)
+                              bf16)
             if rname == "bf16" and not overlap:
-                bf16_ms = row["eager_ms"]
-                row["ratio_vs_qmoe_bf16"] = 1.0 if bf16_ms else None
+                bf16 = row
+                _ratios(row, bf16)
             if overlap and inline is not None and inline["error"] is None and row["error"] is None:
                 row["time_ratio_overlap_vs_inline"] = row["eager_ms"] / inline["eager_ms"]
                 if row["graphed_ms"] and inline["graphed_ms"]:
@@ -374,7 +383,7 @@ def _fmt(v, spec):
 
 
 HEADER = (f"{'shape':<16} {'recipe':<14} {'eager ms':>9} {'graph ms':>9} {'tok/s':>10} {'peak GiB':>9} "
-          f"{'work GiB':>9} {'held GiB':>9} {'peer ms':>9} {'vs peer':>8} {'vs bf16':>8}  note")
+          f"{'work GiB':>9} {'held GiB':>9} {'peer ms':>9} {'vs peer':>8} {'vs bf16':>8} {'graphed':>8}  note")
 
 
 def _print_row(r):
@@ -395,7 +404,8 @@ def _print_row(r):
           f"{_fmt(r['tokens_per_s'], '>10.0f')} {_fmt(r['peak_gib'], '>9.2f')} {_fmt(r.get('work_gib'), '>9.2f')} "
           f"{_fmt(r.get('held_gib'), '>9.2f')} "
           f"{_fmt(r['peer_ms'], '>9.3f')} "
-          f"{_fmt(r['speedup_vs_peer'], '>7.2f')}x {_fmt(r['ratio_vs_qmoe_bf16'], '>7.2f')}x  {note}", flush=True)
+          f"{_fmt(r['speedup_vs_peer'], '>7.2f')}x {_fmt(r['ratio_vs_qmoe_bf16'], '>7.2f')}x "
+          f"{_fmt(r.get('graphed_ratio_vs_qmoe_bf16'), '>7.2f')}x  {note}", flush=True)
 
 
 def main(argv=None) -> int:
@@ -471,7 +481,8 @@ def _write(args, header, rows, warmup, iters) -> None:
                 f"copies, the output), which a model of many layers holds for all of them at once; "
                 f"peer: benchmarks/plain_moe.py, plain PyTorch bf16 MoE on torch._grouped_mm, same weights, same run; "
                 f"speedup_vs_peer = peer_ms / eager_ms; ratio_vs_qmoe_bf16 = qmoe bf16 eager_ms / eager_ms "
-                f"(> 1 is faster than qmoe bf16); recompute_activation, cache_quantized_weights, "
+                f"(> 1 is faster than qmoe bf16), graphed_ratio_vs_qmoe_bf16 the same of graphed_ms (printed as "
+                f"'vs bf16' and 'graphed'); recompute_activation, cache_quantized_weights, "
                 f"recompute_weight_columnwise: the layer's options (True rows come from --recompute-activation, "
                 f"--weight-cache, --recompute-weight-columnwise, right after the same recipe's default row, same "
                 f"layer and inputs): held_gib_saved_vs_default and peak_gib_saved_vs_default = the default row's "

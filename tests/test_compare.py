@@ -159,3 +159,26 @@ def test_bench_moe_without_cuda_says_so(capsys):
 
     assert bench_main(["--quick"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_bench_moe_rows_carry_the_eager_and_the_graphed_ratio(capsys):
+    """A recipe's speed against qmoe bf16 in both modes (they differ: the eager one counts the host),
+    printed side by side; a mode that did not run leaves its ratio empty."""
+    from benchmarks.bench_moe import HEADER, _print_row, _ratios
+
+    base = dict(shape="s", path="native", error=None, graph_error=None, tokens_per_s=1.0, peak_gib=1.0,
+                peer_ms=None, speedup_vs_peer=None, ratio_vs_qmoe_bf16=None, graphed_ratio_vs_qmoe_bf16=None)
+    bf16 = dict(base, recipe="bf16", eager_ms=30.0, graphed_ms=29.0)
+    _ratios(bf16, bf16)
+    block = dict(base, recipe="block", eager_ms=25.0, graphed_ms=23.2)
+    _ratios(block, bf16)
+    assert block["ratio_vs_qmoe_bf16"] == pytest.approx(1.2)
+    assert block["graphed_ratio_vs_qmoe_bf16"] == pytest.approx(1.25)
+    no_graph = dict(base, recipe="mxfp8", eager_ms=40.0, graphed_ms=None, graph_error="capture failed")
+    _ratios(no_graph, bf16)
+    assert no_graph["ratio_vs_qmoe_bf16"] == pytest.approx(0.75) and no_graph["graphed_ratio_vs_qmoe_bf16"] is None
+    for row in (bf16, block, no_graph):
+        _print_row(row)
+    lines = capsys.readouterr().out.splitlines()
+    assert HEADER.split()[-3:] == ["bf16", "graphed", "note"]
+    assert "1.00x    1.00x" in lines[0] and "1.20x    1.25x" in lines[1] and "0.75x       -x" in lines[2]
