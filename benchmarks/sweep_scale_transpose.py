@@ -1,4 +1,4 @@
-"""The block casts' scale copies: `qmoe.kernels.transpose.transpose_into` against torch's `copy_`
+"""The block casts' scale copies: `qmoe.kernels._transpose.transpose_into` against torch's `copy_`
 from a transposed view, same run.
 
 The Gluon block cast writes 1x128 and MXFP8 scales in tile order and moves them to their
@@ -25,7 +25,7 @@ TINY = [((300, 3), torch.float32), ((70, 130), torch.uint8)]
 
 
 def main(argv=None) -> int:
-    from qmoe.kernels.transpose import transpose_into
+    from qmoe.kernels._transpose import transpose_into
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("scale_transpose.json"))

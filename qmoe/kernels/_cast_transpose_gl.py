@@ -27,7 +27,7 @@ Scales: in the canonical layout a tile's 128 row scales lie a row of the scale t
 so do its column scales, so every one is a store of its own. The kernel takes both strides of
 each scale tensor, and the dispatched path hands it transposed stand-ins in which a tile's scales
 are consecutive (`_scales_in_tile_order`), then moves them to the canonical outputs with one
-transpose each (`kernels.transpose`).
+transpose each (`kernels._transpose`).
 
 A fused GLU activation (FC2's input, act(h) * probs): each ring slot holds the tile's gate and
 linear halves of h, and the activated tile, rounded as the activation op rounds it, goes through
@@ -49,7 +49,7 @@ from qmoe.kernels._arith import (abs_bits, bits_to_float, cast_codes, exp2_int, 
 from qmoe.kernels._launch import num_sms
 from qmoe.kernels.activation import NO_ACTIVATION, _activation, input_width
 from qmoe.kernels._layout import group_pow2
-from qmoe.kernels.transpose import transpose_into
+from qmoe.kernels._transpose import transpose_into
 
 from qmoe.kernels._gluon_sm90 import gluon
 

@@ -7,6 +7,15 @@ import triton
 from qmoe.contracts.validate import check_split_sizes
 
 
+_RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def raw_bits(t: torch.Tensor) -> torch.Tensor:
+    """t's bits as a view of integers of its element width, for kernels that move values without
+    reading them (any float dtype, NaN payloads included)."""
+    return t.view(_RAW[t.element_size()])
+
+
 def group_pow2(num_groups: int) -> int:
     """The power-of-two width (at least 2) of a kernel's vector over `num_groups` groups."""
     return max(2, triton.next_power_of_2(num_groups))

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from qmoe.kernels._arith import atomic_max_bits, finite_abs_bits
 from qmoe.kernels._launch import kernel_op, wrapped
-from qmoe.kernels._layout import rows_contiguous
+from qmoe.kernels._layout import raw_bits, rows_contiguous
 from qmoe.contracts.carriers import RowIdMap, RowsWithAmax, num_permuted_rows
 from qmoe.contracts.validate import check_amax_rows, check_merging_probs, check_permute_index_args, check_rows
 
@@ -41,7 +41,6 @@ _TAIL_PROGRAMS = 64      # programs zeroing the rows past the last group (grid-s
 _PAD_BLOCK_R = 16
 _ROW_BYTES_PER_PROGRAM = 4096  # bytes of one row a data program moves (16-byte vectors x 256)
 
-_RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # how the amax of permuted rows reads their raw bits (check_amax_rows admits these dtypes only)
 _TL_FLOAT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -349,7 +348,7 @@ def _permute_probs_kernel(
 def _raw_2d(t: torch.Tensor) -> torch.Tensor:
     """[T, N] (or [T] as [T, 1]) integer view of the bits of `t`, rows contiguous."""
     t = t if t.dim() == 2 else t.unsqueeze(1)
-    return rows_contiguous(t).view(_RAW[t.element_size()])
+    return raw_bits(rows_contiguous(t))
 
 
 def _block_n(n: int, itemsize: int) -> int:

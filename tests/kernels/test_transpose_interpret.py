@@ -1,4 +1,4 @@
-"""qmoe.kernels.transpose == torch's transpose, bit for bit, through Triton's interpreter (and on
+"""qmoe.kernels._transpose == torch's transpose, bit for bit, through Triton's interpreter (and on
 the GPU where there is one): tiles cut by both edges, one-row and one-column tensors, every
 element width, NaN payloads and E8M0 bytes copied as bits."""
 import re
@@ -22,14 +22,14 @@ def _random(shape, dtype, device, seed):
 
 
 def _check(r, c, dtype, device, seed=0):
-    from qmoe.kernels.transpose import transpose_into
+    from qmoe.kernels._layout import raw_bits
+    from qmoe.kernels._transpose import transpose_into
 
     src = _random((r, c), dtype, device, seed)
     out = torch.full((c, r, src.element_size()), 0x5A, dtype=torch.uint8, device=device).view(dtype).reshape(c, r)
     got = transpose_into(out, src)
     assert got is out
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[src.element_size()]
-    assert torch.equal(out.view(bits), src.view(bits).t()), (r, c, dtype)
+    assert torch.equal(raw_bits(out), raw_bits(src).t()), (r, c, dtype)
 
 
 @launcher
@@ -63,7 +63,7 @@ def test_transpose_bits_equal_torch_on_the_gpu(shape, dtype):
 
 
 def test_bad_arguments_raise_and_write_nothing():
-    from qmoe.kernels.transpose import transpose_into
+    from qmoe.kernels._transpose import transpose_into
 
     src, out = torch.arange(6.0).reshape(2, 3), torch.zeros(3, 2)
     with pytest.raises(ValueError, match="transposed"):

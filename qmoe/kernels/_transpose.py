@@ -1,5 +1,6 @@
-"""Dense transposed copies of small 2-D tensors: the scales a cast kernel writes in the order its
-tiles produce them (`_cast_transpose_gl`), moved to their canonical layout.
+"""Dense transposed copies of small 2-D tensors (private helper of `_cast_transpose_gl`): the
+scales a cast kernel writes in the order its tiles produce them, moved to their canonical layout.
+Its spec is torch's `src.t()`, which the tests hold it to bit for bit.
 
 torch's `copy_` from a transposed view reads one side a row apart per element; this kernel
 loads a tile along the source's rows, transposes it in registers and stores it along the
@@ -12,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-_BITS_AS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+from qmoe.kernels._layout import raw_bits
 
 
 @triton.jit
@@ -37,8 +38,7 @@ def transpose_into(out: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     r, c = src.shape
     if r * c == 0:
         return out
-    as_int = _BITS_AS[src.element_size()]
     tile = 128 if src.element_size() == 1 else 64  # a 128-byte line of bytes, 256 bytes of words
-    _transpose_kernel[(triton.cdiv(c, tile), triton.cdiv(r, tile))](src.view(as_int), out.view(as_int), r, c,
+    _transpose_kernel[(triton.cdiv(c, tile), triton.cdiv(r, tile))](raw_bits(src), raw_bits(out), r, c,
                                                                      BR=tile, BC=tile, num_warps=4)
     return out
