@@ -27,6 +27,7 @@ import warnings
 import torch
 
 from qmoe.kernels._launch import faking
+from qmoe.kernels._transpose import transpose_into
 
 GLUON_ERROR = None if gluon is not None else "triton.experimental.gluon is not available in this triton"
 BLOCK_GEMM_SWITCH = "QMOE_BLOCK_GEMM"  # "triton" turns the Gluon FP8 block GEMMs (m- and k-grouped) off
@@ -79,7 +80,10 @@ def steps_major_scales(scale: torch.Tensor, box: int = 128):
     rows, steps = scale.shape
     padded = torch.empty((steps, -(-rows // 4) * 4), dtype=torch.float32, device=scale.device)
     view = padded[:, :rows]
-    view.copy_(scale.t())
+    if scale.is_cuda and scale.stride(-1) == 1:  # torch's copy_ from a transposed view reads a line per scale
+        transpose_into(view, scale)
+    else:
+        view.copy_(scale.t())
     return view, scale_rows_desc(view, box)
 
 

@@ -1,6 +1,7 @@
 """qmoe.kernels._transpose == torch's transpose, bit for bit, through Triton's interpreter (and on
 the GPU where there is one): tiles cut by both edges, one-row and one-column tensors, every
-element width, NaN payloads and E8M0 bytes copied as bits."""
+element width, NaN payloads and E8M0 bytes copied as bits, rows padded on either side; and the
+block GEMMs' steps-major scales made with it."""
 import re
 
 import pytest
@@ -53,6 +54,49 @@ def test_transpose_edges(shape):
         _check(*shape, dtype, "cpu")
 
 
+def _check_padded(pad_src, pad_out, device):
+    from qmoe.kernels._transpose import transpose_into
+
+    r, c = 70, 130
+    src_full = _random((r, c + pad_src), torch.float32, device, seed=pad_src)
+    out_full = torch.full((c, r + pad_out), -7.0, device=device)
+    src, out = src_full[:, :c], out_full[:, :r]
+    transpose_into(out, src)
+    assert torch.equal(out.view(torch.int32), src.view(torch.int32).t())
+    assert (out_full[:, r:] == -7.0).all()
+
+
+PADS = [(3, 0), (0, 4), (5, 1)]
+
+
+@inside
+@pytest.mark.parametrize("pad_src,pad_out", PADS)
+def test_transpose_between_padded_rows(pad_src, pad_out):
+    """Rows padded (as steps-major scales are, to 16 bytes for TMA): only the views' elements move."""
+    _check_padded(pad_src, pad_out, "cpu")
+
+
+def _check_steps_major(device):
+    """The block GEMMs' streamed scales ([steps, rows], rows padded to 16 bytes): through the
+    transpose on the GPU, through torch's copy on the CPU and for scales whose steps are not dense."""
+    from qmoe.kernels import _gluon_sm90 as sm90
+
+    if sm90.gluon is None:
+        pytest.skip("this Triton has no Gluon (no TMA descriptors)")
+    g = torch.Generator().manual_seed(3)
+    for scale in (torch.randn(70, 9, generator=g), torch.randn(9, 70, generator=g).t(), torch.randn(5, 1, generator=g),
+                  torch.randn(65536, 56, generator=g)):
+        scale = scale.to(device)
+        view, _ = sm90.steps_major_scales(scale)
+        assert view.stride(0) % 4 == 0 and view.stride(1) == 1
+        assert torch.equal(view, scale.t())
+
+
+@inside
+def test_steps_major_scales_are_the_scales_transposed():
+    _check_steps_major("cpu")
+
+
 @pytest.mark.skipif(INTERPRETING, reason="runs on the GPU")
 @on_gpu
 @pytest.mark.gpu
@@ -60,6 +104,21 @@ def test_transpose_edges(shape):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_transpose_bits_equal_torch_on_the_gpu(shape, dtype):
     _check(*shape, dtype, "cuda")
+
+
+@pytest.mark.skipif(INTERPRETING, reason="runs on the GPU")
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("pad_src,pad_out", PADS)
+def test_transpose_between_padded_rows_on_the_gpu(pad_src, pad_out):
+    _check_padded(pad_src, pad_out, "cuda")
+
+
+@pytest.mark.skipif(INTERPRETING, reason="runs on the GPU")
+@on_gpu
+@pytest.mark.gpu
+def test_steps_major_scales_on_the_gpu():
+    _check_steps_major("cuda")
 
 
 def test_bad_arguments_raise_and_write_nothing():
@@ -72,4 +131,6 @@ def test_bad_arguments_raise_and_write_nothing():
         transpose_into(torch.zeros(3, 2, dtype=torch.float64), src)
     with pytest.raises(ValueError, match="dense"):
         transpose_into(out, src.t().contiguous().t())
+    with pytest.raises(ValueError, match="dense"):  # rows that overlap
+        transpose_into(out, torch.zeros(3).expand(2, 3))
     assert not out.any()
