@@ -11,6 +11,7 @@ import enum
 import torch
 
 from qmoe.contracts.formats import E2M1
+from qmoe.contracts.scales import gemm_scale
 
 
 class Scaling(enum.StrEnum):
@@ -101,5 +102,7 @@ def scaling_of(gt) -> Scaling:
         return Scaling.NVFP4
     if q.block is None:
         return Scaling.TENSOR
-    scale = gt.rowwise_scale_inv if gt.rowwise_scale_inv is not None else gt.columnwise_scale_inv
+    scale = gemm_scale(gt, False)
+    if scale is None:
+        scale = gemm_scale(gt, True)
     return Scaling.MX if scale.dtype == torch.float8_e8m0fnu else Scaling.BLOCK

@@ -25,8 +25,9 @@ as well as of the input.
 
 Scales: in the canonical layout a tile's 128 row scales lie a row of the scale tensor apart, and
 so do its column scales, so every one is a store of its own. The kernel takes both strides of
-each scale tensor, and the dispatched path hands it transposed stand-ins in which a tile's scales
-are consecutive (`_scales_in_tile_order`), then moves them to the canonical outputs with one
+each scale tensor. FP8 block scales come steps-major from `fp8_block_op` (`_layout.steps_major`),
+so a tile's scales are consecutive, and stay that way for the block GEMMs. MXFP8's go to
+transposed stand-ins (`_scales_in_tile_order`), then to the canonical outputs with one
 transpose each (`kernels._transpose`).
 
 A fused GLU activation (FC2's input, act(h) * probs): each ring slot holds the tile's gate and
@@ -569,11 +570,9 @@ def launch_dispatched(x: torch.Tensor, splits, num_groups: int, two_d: bool, blo
         return False
 
     def go():
-        scales = (row_s, col_s) if two_d else _scales_in_tile_order(row_s, col_s, splits is not None)
         launch(x, splits, num_groups, two_d, out_code, fmt_max, power_2_scale, amax_epsilon, rowwise, True,
-               row, scales[0], col, scales[1], act=act, glu_block=glu_block, probs=probs,
+               row, row_s, col, col_s, act=act, glu_block=glu_block, probs=probs,
                **(DISPATCH if rowwise else DISPATCH_COLUMNWISE))
-        _copy_scales((row_s, col_s), scales)
         return True
 
     key = (x.dtype, splits is not None, two_d, rowwise, act, glu_block)

@@ -171,9 +171,9 @@ def _chunk(x_ptr, probs_ptr, row0, row_end, col0, c, K, stride_xm, ACT: tl.const
 
 @triton.jit
 def block_quads(x_ptr, probs_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk0, col0, M, K, eps,
-                 stride_xm, stride_rs, stride_cs, ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, FMT_MAX: tl.constexpr,
-                 OUT_DTYPE: tl.constexpr, POW2: tl.constexpr, B: tl.constexpr, BLOCK_2D: tl.constexpr,
-                 ROWWISE: tl.constexpr, COLWISE: tl.constexpr, BKC: tl.constexpr):
+                 stride_xm, stride_rs, stride_rsk, stride_cs, stride_csm, ACT: tl.constexpr, GLU_BLOCK: tl.constexpr,
+                 FMT_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr, POW2: tl.constexpr, B: tl.constexpr,
+                 BLOCK_2D: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr, BKC: tl.constexpr):
     """One B x B block at (row0, col0) as a row quad, BKC columns at a time.
 
     First pass over the chunks: 1 x B columnwise runs (all B rows are in each chunk) are cast and
@@ -206,15 +206,15 @@ def block_quads(x_ptr, probs_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, 
                 s = fp8_scale_from_amax(bits_to_float(tl.max(quad_abs_bits(x0, x1, x2, x3), 0)), FMT_MAX, POW2, eps)
                 store_quads(row_ptr, col_ptr, x0 * s[None, :], x1 * s[None, :], x2 * s[None, :], x3 * s[None, :],
                             row0, col0 + c * BKC, M, K, row_end, FMT_MAX, OUT_DTYPE, False, True, R4, BKC)
-                tl.store(col_s_ptr + cols.to(tl.int64) * stride_cs + sblk0, reciprocal(s), mask=cols < K)
+                tl.store(col_s_ptr + cols.to(tl.int64) * stride_cs + sblk0 * stride_csm, reciprocal(s), mask=cols < K)
         if NC > 1:
             x0, x1, x2, x3 = n0, n1, n2, n3
     if BLOCK_2D:
         s = fp8_scale_from_amax(bits_to_float(tl.max(a0, 0)), FMT_MAX, POW2, eps)
         if ROWWISE:
-            tl.store(row_s_ptr + sblk0 * stride_rs + kb, reciprocal(s))
+            tl.store(row_s_ptr + sblk0 * stride_rs + kb * stride_rsk, reciprocal(s))
         if COLWISE:
-            tl.store(col_s_ptr + kb * stride_cs + sblk0, reciprocal(s))
+            tl.store(col_s_ptr + kb * stride_cs + sblk0 * stride_csm, reciprocal(s))
         s0 = tl.zeros([R4], dtype=tl.float32) + s
         s1, s2, s3 = s0, s0, s0
     elif ROWWISE:
@@ -222,7 +222,7 @@ def block_quads(x_ptr, probs_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, 
         s1 = fp8_scale_from_amax(bits_to_float(a1), FMT_MAX, POW2, eps)
         s2 = fp8_scale_from_amax(bits_to_float(a2), FMT_MAX, POW2, eps)
         s3 = fp8_scale_from_amax(bits_to_float(a3), FMT_MAX, POW2, eps)
-        at = row_s_ptr + r.to(tl.int64) * stride_rs + kb
+        at = row_s_ptr + r.to(tl.int64) * stride_rs + kb * stride_rsk
         tl.store(at, reciprocal(s0), mask=r < row_end)
         tl.store(at + stride_rs, reciprocal(s1), mask=r + 1 < row_end)
         tl.store(at + 2 * stride_rs, reciprocal(s2), mask=r + 2 < row_end)

@@ -27,6 +27,7 @@ import warnings
 import torch
 
 from qmoe.kernels._launch import faking
+from qmoe.kernels._layout import gemm_steps_major
 from qmoe.kernels._transpose import transpose_into
 
 GLUON_ERROR = None if gluon is not None else "triton.experimental.gluon is not available in this triton"
@@ -76,7 +77,11 @@ def desc(t: torch.Tensor, block: list[int]):
 def steps_major_scales(scale: torch.Tensor, box: int = 128):
     """[rows, steps] fp32 scales as a [steps, rows] view of a copy whose rows are padded to 16 bytes,
     and its TMA descriptor in boxes of one step's `box` rows (rows past the end read as zeros): a
-    step's scales become one contiguous box instead of a cache line per value."""
+    step's scales become one contiguous box instead of a cache line per value. Scales the cast
+    stored that way already (`_layout.steps_major`) are taken as they are."""
+    view = gemm_steps_major(scale) if scale.dtype == torch.float32 else None
+    if view is not None:
+        return view, scale_rows_desc(view, box)
     rows, steps = scale.shape
     padded = torch.empty((steps, -(-rows // 4) * 4), dtype=torch.float32, device=scale.device)
     view = padded[:, :rows]

@@ -40,3 +40,23 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"quantize kernels take float32, bfloat16 or float16 input, got {x.dtype}")
     return x if x.stride(1) == 1 or x.shape[1] <= 1 else x.contiguous()
+
+
+def steps_major(rows: int, steps: int, dtype: torch.dtype, device, zeros: bool = False) -> torch.Tensor:
+    """A [rows, steps] scale tensor stored steps-major: the transposed view of a [steps, rows]
+    buffer whose rows are padded to 16 bytes. One step's scales of a 128-row tile are then
+    consecutive words, which the block cast stores in runs and the block GEMMs load as one TMA
+    box (`gemm_steps_major`). zeros: scale entries nobody writes read as zero."""
+    per = max(1, 16 // torch.empty((), dtype=dtype).element_size())
+    buf = (torch.zeros if zeros else torch.empty)((steps, -(-rows // per) * per), dtype=dtype, device=device)
+    return buf[:, :rows].t()
+
+
+def gemm_steps_major(scale: torch.Tensor) -> torch.Tensor | None:
+    """`scale` [rows, steps] as the [steps, rows] view a TMA descriptor takes (unit stride along
+    rows, 16-byte aligned step stride and base), or None where it is not stored that way."""
+    if scale.dim() != 2 or scale.stride(0) != 1 or scale.data_ptr() % 16:
+        return None
+    if (scale.stride(1) * scale.element_size()) % 16 or scale.stride(1) < scale.shape[0]:
+        return None
+    return scale.t()

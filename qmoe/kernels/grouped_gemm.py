@@ -35,6 +35,7 @@ import triton
 
 from qmoe.contracts.errors import UnsupportedError
 from qmoe.contracts.formats import ceil_div, nvfp4_tensor_scale
+from qmoe.contracts.scales import gemm_scale
 from qmoe.kernels import _block_gemm_ws, _block_wgrad_ws
 from qmoe.kernels import _grouped_gemm_jit as jit
 from qmoe.kernels._launch import capability, kernel_op, num_sms, wrapped
@@ -156,7 +157,7 @@ def _scale_tensor(scale: torch.Tensor) -> torch.Tensor:
 
 def _factor(gt, scaling: Scaling, columnwise: bool) -> torch.Tensor | None:
     if scaling is Scaling.TENSOR:
-        return (gt.columnwise_scale_inv if columnwise else gt.rowwise_scale_inv).float().contiguous()
+        return gemm_scale(gt, columnwise).float().contiguous()
     if scaling is Scaling.NVFP4:
         amax = gt.columnwise_amax if columnwise else gt.amax
         return (1.0 / nvfp4_tensor_scale(amax)).contiguous()
@@ -166,7 +167,7 @@ def _factor(gt, scaling: Scaling, columnwise: bool) -> torch.Tensor | None:
 def _with_scales(op: _Operand, gt, scaling: Scaling, columnwise: bool) -> _Operand:
     op.factor = _factor(gt, scaling, columnwise)
     if scaling in (Scaling.BLOCK, Scaling.MX, Scaling.NVFP4):
-        s = _scale_tensor(gt.columnwise_scale_inv if columnwise else gt.rowwise_scale_inv)
+        s = _scale_tensor(gemm_scale(gt, columnwise))
         op.scale, op.s_stride_r, op.s_stride_k = s, s.stride(0), s.stride(1)
         op.block = tuple(gt.quantizer.block)
     return op

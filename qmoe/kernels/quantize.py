@@ -39,7 +39,7 @@ from qmoe.kernels._cast_tensorwise import MAX_TENSORWISE_GROUPS, _fp8_tensorwise
 from qmoe.kernels._cast_variants import (BLOCK128_CONFIGS, CAST_CONFIGS, ORIENTED_KEY, TILE_KEY, block_quads, is_forced,
                                          launch_cast, mx_multiplier, mx_quads, mx_rows, prune_variants)
 from qmoe.kernels._launch import kernel_op, launch, prune_oversized, tile_configs, wrapped
-from qmoe.kernels._layout import as_rows, group_pow2
+from qmoe.kernels._layout import as_rows, group_pow2, steps_major
 from qmoe.kernels._tiles import (block_amax_2d, block_amax_first, block_amax_last, scale_2d, scale_last,
                                 store8, tile_pids, tile_rows, tile_span)
 
@@ -208,8 +208,8 @@ def _fp8_block_kernel(
         x_ptr, probs_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr,
         # sizes
         M, K, G, eps,
-        # strides (scales: row scales [*, ceil(K/B)]; columnwise scales [*, stride_cs])
-        stride_xm, stride_rs, stride_cs,
+        # strides (scales: both of each scale tensor, any layout)
+        stride_xm, stride_rs, stride_rsk, stride_cs, stride_csm,
         # meta
         ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, FMT_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr,
         POW2: tl.constexpr, B: tl.constexpr,
@@ -229,8 +229,8 @@ def _fp8_block_kernel(
     col0 = pid_k * BK
     if QUAD:
         block_quads(x_ptr, probs_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk0, col0, M, K, eps,
-                     stride_xm, stride_rs, stride_cs, ACT, GLU_BLOCK, FMT_MAX, OUT_DTYPE, POW2, B, BLOCK_2D, ROWWISE,
-                     COLWISE, BKC)
+                     stride_xm, stride_rs, stride_rsk, stride_cs, stride_csm, ACT, GLU_BLOCK, FMT_MAX, OUT_DTYPE,
+                     POW2, B, BLOCK_2D, ROWWISE, COLWISE, BKC)
         return
     rows = row0 + tl.arange(0, BM)
     cols = col0 + tl.arange(0, BK)
@@ -246,16 +246,18 @@ def _fp8_block_kernel(
         q = cast_codes(scale_2d(x, scale, BM, BK, B), FMT_MAX, OUT_DTYPE)
         if ROWWISE:
             store8(row_ptr, q, row0, col0, K, row_end, K, BM, BK)
-            tl.store(row_s_ptr + mb[:, None] * stride_rs + kb[None, :], inv, mask=mb_ok[:, None] & kb_ok[None, :])
+            tl.store(row_s_ptr + mb[:, None] * stride_rs + kb[None, :] * stride_rsk, inv,
+                     mask=mb_ok[:, None] & kb_ok[None, :])
         if COLWISE:  # the same scales, so the same codes, transposed
             store8(col_ptr, tl.trans(q), col0, row0, M, K, row_end, BK, BM)
-            tl.store(col_s_ptr + kb[None, :] * stride_cs + mb[:, None], inv, mask=mb_ok[:, None] & kb_ok[None, :])
+            tl.store(col_s_ptr + kb[None, :] * stride_cs + mb[:, None] * stride_csm, inv,
+                     mask=mb_ok[:, None] & kb_ok[None, :])
     else:
         if ROWWISE:
             scale = fp8_scale_from_amax(block_amax_last(x, BM, BK, B, False), FMT_MAX, POW2, eps)
             store8(row_ptr, cast_codes(scale_last(x, scale, BM, BK, B), FMT_MAX, OUT_DTYPE), row0, col0, K, row_end,
                    K, BM, BK)
-            tl.store(row_s_ptr + rows[:, None].to(tl.int64) * stride_rs + kb[None, :], reciprocal(scale),
+            tl.store(row_s_ptr + rows[:, None].to(tl.int64) * stride_rs + kb[None, :] * stride_rsk, reciprocal(scale),
                      mask=m_ok[:, None] & kb_ok[None, :])
         if COLWISE:  # scales of runs along M from the loaded tile; codes cast from the transposed input
             mb = sblk0 + tl.arange(0, BM // B)
@@ -263,8 +265,13 @@ def _fp8_block_kernel(
             scale_t = tl.trans(fp8_scale_from_amax(block_amax_first(x, BM, BK, B, False), FMT_MAX, POW2, eps))
             q_t = cast_codes(scale_last(tl.trans(x), scale_t, BK, BM, B), FMT_MAX, OUT_DTYPE)
             store8(col_ptr, q_t, col0, row0, M, K, row_end, BK, BM)
-            tl.store(col_s_ptr + cols[:, None].to(tl.int64) * stride_cs + mb[None, :], reciprocal(scale_t),
+            tl.store(col_s_ptr + cols[:, None].to(tl.int64) * stride_cs + mb[None, :] * stride_csm, reciprocal(scale_t),
                      mask=k_ok[:, None] & mb_ok[None, :])
+
+
+def _strides(scale: torch.Tensor) -> tuple[int, int]:
+    """A scale output's two strides (an unrequested, empty one: any)."""
+    return tuple(scale.stride()) if scale.dim() == 2 else (0, 0)
 
 
 def scale_width(m: int, block: int, num_groups: int, grouped: bool) -> int:
@@ -277,7 +284,8 @@ def fp8_block_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: in
                  block_cols: int, out_dtype: torch.dtype, fmt_max: float, power_2_scale: bool, amax_epsilon: float,
                  rowwise: bool, columnwise: bool, probs: Optional[torch.Tensor] = None, act: int = NO_ACTIVATION,
                  glu_block: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(row [M, K], row_si, col [K, M], col_si); unrequested outputs are empty. Layouts: reference.
+    """(row [M, K], row_si, col [K, M], col_si); unrequested outputs are empty. Shapes: reference;
+    1 x B scales are stored steps-major (`steps_major`), 2-D block scales row-major.
 
     Calls with a columnwise copy run the Gluon kernel of `_cast_transpose_gl` where it applies
     (same bits; rowwise codes alone stay with the Triton kernel, which runs them near the copy
@@ -294,9 +302,9 @@ def fp8_block_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: in
     if two_d:
         row_s = alloc((width, nkb) if rowwise else (0,), dtype=f32, device=dev)
         col_s = alloc((nkb, width) if columnwise else (0,), dtype=f32, device=dev)
-    else:
-        row_s = torch.empty((m, nkb) if rowwise else (0,), dtype=f32, device=dev)
-        col_s = alloc((k, width) if columnwise else (0,), dtype=f32, device=dev)
+    else:  # steps-major (`steps_major`): the block GEMMs' layout, read canonically through ScaleSlot
+        row_s = steps_major(m, nkb, f32, dev) if rowwise else torch.empty((0,), dtype=f32, device=dev)
+        col_s = steps_major(k, width, f32, dev, zeros) if columnwise else torch.empty((0,), dtype=f32, device=dev)
     gluon_cast = m * k and columnwise and not is_forced(_fp8_block_kernel)
     if gluon_cast and _block_cast_gl.launch_dispatched(x, splits, num_groups, two_d, b, act, glu_block, probs,
                                                        _TL_FP8[out_dtype], fmt_max, power_2_scale, amax_epsilon,
@@ -308,7 +316,7 @@ def fp8_block_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: in
         launch_cast(_fp8_block_kernel, tile_grid(m, k, num_groups, grouped),
                     (x, probs if probs is not None else x, row.view(torch.uint8), row_s, col.view(torch.uint8), col_s,
                      splits if grouped else x, m, k, num_groups, amax_epsilon,
-                     x.stride(0), nkb, width),
+                     x.stride(0), *_strides(row_s), *_strides(col_s)),
                     small, m * k, ACT=act, GLU_BLOCK=glu_block, FMT_MAX=fmt_max, OUT_DTYPE=_TL_FP8[out_dtype],
                     POW2=power_2_scale, B=b,
                     BLOCK_2D=two_d, ROWWISE=rowwise, COLWISE=columnwise, GROUPED=grouped, G_P2=group_pow2(num_groups))

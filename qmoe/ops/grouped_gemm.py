@@ -24,6 +24,7 @@ import torch
 from qmoe.backend import backend_override
 from qmoe.contracts.enums import GroupedPath, Scaling, parse_grouped_path, scaling_of
 from qmoe.contracts.errors import UnsupportedError
+from qmoe.contracts.scales import gemm_scale
 from qmoe.contracts.validate import OUT_DTYPES, check_out_dtype, check_split_sizes, host_readable
 from qmoe.dispatch import GROUPED_GEMM
 from qmoe.quant import GroupedTensor, Quantizer
@@ -90,8 +91,8 @@ def _check_grouped_pair(a, b) -> Scaling:
 
 
 def _tensors(gt, columnwise: bool):
-    return [t for t in ((gt.columnwise_data, gt.columnwise_scale_inv) if columnwise
-                        else (gt.rowwise_data, gt.rowwise_scale_inv)) if t is not None]
+    return [t for t in (gt.columnwise_data if columnwise else gt.rowwise_data, gemm_scale(gt, columnwise))
+            if t is not None]
 
 
 # ---------------------------------------------------------------- the ops

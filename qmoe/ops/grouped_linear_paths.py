@@ -30,6 +30,7 @@ import torch
 
 from qmoe.contracts.carriers import ActivatedRows, RowsWithAmax
 from qmoe.contracts.enums import GroupedPath
+from qmoe.contracts.scales import gemm_scale
 from qmoe.ops.grouped_gemm import k_grouped_gemm, m_grouped_gemm, quantize_weights
 from qmoe.quant import GroupedTensor, QuantizedTensor, Quantizer
 
@@ -176,7 +177,7 @@ class GroupedLinearPath(LinearPath):
         if wgrad:
             cols = GroupedTensor.quantize(x, groups.split_sizes, quantizer, rowwise=False, columnwise=True,
                                           validate=False)
-            xq.columnwise_data, xq.columnwise_scale_inv = cols.columnwise_data, cols.columnwise_scale_inv
+            xq.columnwise_data, xq.columnwise_scale_inv = cols.columnwise_data, gemm_scale(cols, True)
         return xq
 
     def quantize_weight(self, weight, quantizer, dgrad, rowwise=True):
@@ -227,7 +228,7 @@ class SplitLinearPath(LinearPath):
         if wgrad:
             for t, c in zip(xs, self._per_group(x, groups.bounds, quantizer, False, True)):
                 if c is not None:
-                    t.columnwise_data, t.columnwise_scale_inv = c.columnwise_data, c.columnwise_scale_inv
+                    t.columnwise_data, t.columnwise_scale_inv = c.columnwise_data, gemm_scale(c, True)
         return xs
 
     def quantize_weight(self, weight, quantizer, dgrad, rowwise=True):

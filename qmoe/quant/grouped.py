@@ -11,6 +11,7 @@ import torch
 from qmoe.backend import use_kernels
 from qmoe.contracts.carriers import ActivatedRows, RowsWithAmax
 from qmoe.contracts.formats import pack_e2m1, unpack_e2m1
+from qmoe.contracts.scales import ScaleSlot, gemm_scale
 from qmoe.contracts.validate import check_dequantize_dtype, check_flag, check_group_amax, check_split_sizes
 from qmoe.dispatch import ACTIVATION
 from qmoe.quant.quantizer import NVFP4Quantizer, Quantizer, check_float_input
@@ -32,7 +33,8 @@ class GroupedTensor:
 
     rowwise_data: [sum M, K] (NVFP4: [sum M, K/2]); columnwise_data: [K, sum M] (NVFP4: [K, sum M / 2]).
     rowwise_scale_inv / columnwise_scale_inv: [G] per-tensor scales, or grouped block scales whose
-    per-group start is `rowwise_scale_offsets` / `columnwise_scale_offsets` ([G+1], device).
+    per-group start is `rowwise_scale_offsets` / `columnwise_scale_offsets` ([G+1], device);
+    kept as the quantizer wrote them and read in the canonical layout (`ScaleSlot`).
     amax / columnwise_amax: [G] NVFP4 tensor amaxes.
     bf16_copies: None, or (weights kept across calls, `qmoe.quant.weight_cache`) a dict in which
     the emulated MXFP8 / NVFP4 GEMMs' dequantize-first route keeps the exact bf16 values it
@@ -40,6 +42,8 @@ class GroupedTensor:
     """
 
     bf16_copies: dict | None = None
+    rowwise_scale_inv = ScaleSlot()
+    columnwise_scale_inv = ScaleSlot()
 
     def __init__(self, quantizer: Quantizer, shape: torch.Size, dtype: torch.dtype, split_sizes: torch.Tensor,
                  rowwise_data=None, rowwise_scale_inv=None, columnwise_data=None, columnwise_scale_inv=None,
@@ -140,7 +144,7 @@ class GroupedTensor:
                              f"quantize them inside the GroupedTensor instead")
         m, k = qt.shape_2d
         splits = _device_splits(split_sizes, m, qt.device, validate=False)
-        scale = qt.rowwise_scale_inv
+        scale = gemm_scale(qt, False)
         if q.block is None:
             scale = scale.reshape(1).expand(splits.numel()).contiguous()
         return cls(q, torch.Size((m, k)), qt.dtype, splits, rowwise_data=qt.rowwise_data, rowwise_scale_inv=scale)
@@ -183,9 +187,9 @@ class GroupedTensor:
                        else self.columnwise_data[:, a:b])
             out.append(QuantizedTensor(
                 self.quantizer, torch.Size((b - a, self.shape[1])), self.dtype,
-                rowwise_data=row, rowwise_scale_inv=self._group_scales(self.rowwise_scale_inv, g, a, b, False),
+                rowwise_data=row, rowwise_scale_inv=self._group_scales(gemm_scale(self, False), g, a, b, False),
                 columnwise_data=col,
-                columnwise_scale_inv=self._group_scales(self.columnwise_scale_inv, g, a, b, True),
+                columnwise_scale_inv=self._group_scales(gemm_scale(self, True), g, a, b, True),
                 amax=self.amax[g] if self.amax is not None else None,
                 columnwise_amax=self.columnwise_amax[g] if self.columnwise_amax is not None else None))
         return out

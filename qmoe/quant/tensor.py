@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qmoe.contracts.scales import ScaleSlot
 from qmoe.contracts.validate import check_dequantize_dtype, check_flag
 
 
@@ -21,6 +22,8 @@ class QuantizedTensor:
     rowwise_data: [M, K] fp8, or [M, K/2] uint8 for NVFP4; None when not requested.
     rowwise_scale_inv: 0-dim fp32 (per tensor), [M, ceil(K/b)] (1-D blocks) or the 2-D block grid.
     columnwise_data / columnwise_scale_inv: the same for x.T; None when not requested.
+    The scales are kept as the quantizer wrote them and read in the canonical layout
+    (`qmoe.contracts.scales.ScaleSlot`).
     amax: fp32 per-tensor amax for NVFP4 (the tensor scale), else None.
     columnwise_amax: NVFP4's amax of the columnwise copy (after the Hadamard transform, if any).
     """
@@ -29,9 +32,9 @@ class QuantizedTensor:
     shape: torch.Size
     dtype: torch.dtype
     rowwise_data: torch.Tensor | None = None
-    rowwise_scale_inv: torch.Tensor | None = None
+    rowwise_scale_inv: torch.Tensor | None = ScaleSlot()
     columnwise_data: torch.Tensor | None = None
-    columnwise_scale_inv: torch.Tensor | None = None
+    columnwise_scale_inv: torch.Tensor | None = ScaleSlot()
     amax: torch.Tensor | None = None
     columnwise_amax: torch.Tensor | None = None
 

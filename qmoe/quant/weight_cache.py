@@ -67,6 +67,7 @@ from typing import Callable
 
 import torch
 
+from qmoe.contracts.scales import gemm_scale
 from qmoe.quant.grouped import GroupedTensor
 from qmoe.quant.quantizer import Quantizer
 
@@ -191,8 +192,8 @@ class WeightCache:
         for gt in (self.kept, self.kept_for_graphs):
             if gt is None:
                 continue
-            tensors = [getattr(gt, name) for name in ("rowwise_data", "rowwise_scale_inv", "columnwise_data",
-                                                       "columnwise_scale_inv", "amax", "columnwise_amax")]
+            tensors = [gt.rowwise_data, gemm_scale(gt, False), gt.columnwise_data, gemm_scale(gt, True), gt.amax,
+                       gt.columnwise_amax]
             tensors += list((gt.bf16_copies or {}).values())
             total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
         return total

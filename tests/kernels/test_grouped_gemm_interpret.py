@@ -48,6 +48,19 @@ def _case(recipe, layout):
     return splits, _quantize(recipe, layout, splits, x, w, dy)
 
 
+def _check_steps_major_activations(recipe, gt, columnwise):
+    """The block cast's 1 x 128 scales reach the GEMM as it stored them (steps-major, rows padded
+    to 16 bytes), while the attribute users read holds the same values row-major."""
+    from qmoe.contracts.scales import gemm_scale
+
+    if not isinstance(recipe, Float8BlockScaling):
+        return
+    stored = gemm_scale(gt, columnwise)
+    assert stored.stride(0) == 1 and stored.stride(1) % 4 == 0 and stored.stride(1) >= stored.shape[0]
+    public = gt.columnwise_scale_inv if columnwise else gt.rowwise_scale_inv
+    assert public.is_contiguous() and torch.equal(public, stored)
+
+
 def _routes(recipe):
     return ["fused", "dequant"] if isinstance(recipe, (MXFP8BlockScaling, NVFP4BlockScaling)) else ["auto"]
 
@@ -62,6 +75,7 @@ def test_m_grouped_kernel_matches_reference(recipe, layout):
 
     _, (a, b) = _case(recipe, layout)
     columnwise = layout == "dgrad"
+    _check_steps_major_activations(recipe, a, False)
     ref = reference.m_grouped_gemm(a, b, b_columnwise=columnwise, out_dtype=torch.float32)
     small = kernels.tile_configs(scaling_of(a), small_m=True, rows_per_group=16)
     configs = [None, next(c for c in small if c.swap), next(c for c in small if not c.swap)]
@@ -85,6 +99,8 @@ def test_k_grouped_kernel_matches_reference_and_zeros_empty_experts(recipe):
     from qmoe.reference import grouped_gemm as reference
 
     splits, (a, b) = _case(recipe, "wgrad")
+    _check_steps_major_activations(recipe, a, True)
+    _check_steps_major_activations(recipe, b, True)
     ref = reference.k_grouped_gemm(a, b, out_dtype=torch.float32)
     for route in _routes(recipe):
         out = torch.full(ref.shape, float("nan"))  # every element must be written

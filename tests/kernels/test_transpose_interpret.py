@@ -90,6 +90,12 @@ def _check_steps_major(device):
         view, _ = sm90.steps_major_scales(scale)
         assert view.stride(0) % 4 == 0 and view.stride(1) == 1
         assert torch.equal(view, scale.t())
+    from qmoe.kernels._layout import steps_major
+    for rows, steps in ((70, 9), (5, 1), (1, 3), (128, 56)):  # as the block cast stores them: taken, not copied
+        scale = steps_major(rows, steps, torch.float32, device)
+        scale.copy_(torch.randn(rows, steps, generator=g))
+        view, _ = sm90.steps_major_scales(scale)
+        assert view.data_ptr() == scale.data_ptr() and torch.equal(view, scale.t())
 
 
 @inside
