@@ -16,8 +16,9 @@ class ScaleSlot:
     """A scale attribute (`rowwise_scale_inv`, `columnwise_scale_inv`) of a quantized tensor class.
 
     Assigning stores the tensor as given. Reading gives the canonical layout: the stored tensor
-    itself where it is row-major and dense, else a dense copy of it (same shape and values).
-    `gemm_scale` gives the stored tensor, for the kernels that take any strides.
+    itself where its strides are row-major and dense, else a row-major copy of it (same shape and
+    values; writing into that copy changes nothing stored). `gemm_scale` gives the stored tensor,
+    for the kernels that take any strides.
     """
 
     def __set_name__(self, owner, name: str):
@@ -27,8 +28,9 @@ class ScaleSlot:
         if obj is None:  # the class attribute: a dataclass field's default
             return None
         s = obj.__dict__.get(self.key)
-        if isinstance(s, torch.Tensor) and s.dim() == 2 and not s.is_contiguous():
-            return s.contiguous()
+        if isinstance(s, torch.Tensor) and s.dim() == 2 and s.stride() != (s.shape[1], 1):
+            # is_contiguous() also holds for a one-column steps-major view, whose last stride is not 1
+            return torch.empty(s.shape, dtype=s.dtype, device=s.device).copy_(s)
         return s
 
     def __set__(self, obj, value):

@@ -150,10 +150,12 @@ def _fresh_outputs(outs):
     """New outputs shaped like fp8_block_op's, filled with a pattern a missed store would leave."""
     fresh = []
     for t in outs:
-        f = torch.empty_like(t)
-        f.view(torch.uint8).fill_(0x5A)
-        if t.dtype == torch.float32 and t.numel():  # scale entries no group uses are zero there
+        f = torch.empty_like(t)  # the same strides (FP8 block scales: steps-major)
+        if t.dtype == torch.float32:  # scale entries no group uses are zero there
             f.copy_(torch.where(t == 0, t, torch.full_like(t, 77.0)))
+            fresh.append(f)
+            continue
+        f.view(torch.uint8).fill_(0x5A)
         if t.dtype == torch.float8_e8m0fnu and t.numel():  # the same for E8M0 scale bytes
             b = t.view(torch.uint8)
             f.view(torch.uint8).copy_(torch.where(b == 0, b, torch.full_like(b, 0x5A)))

@@ -11,6 +11,8 @@ import warnings
 import pytest
 import torch
 
+from qmoe.contracts.scales import gemm_scale
+
 from tests.kernels.gluon import assert_a_compile_failure_falls_back_once, pretend_sm90
 from tests.kernels.interpret import INTERPRETING
 
@@ -164,8 +166,9 @@ def test_k_grouped_gemm_dispatches_the_gluon_kernel_sync_free_and_capturable():
     new_splits = [0, 640, 100, 33, 300, 141]  # the same total
     fresh_dy, fresh_x = _operands(new_splits, 256, 384, seed=11)
     for old, new in ((dyq, fresh_dy), (xq, fresh_x)):
-        for name in ("split_sizes", "offsets", "columnwise_data", "columnwise_scale_inv", "columnwise_scale_offsets"):
+        for name in ("split_sizes", "offsets", "columnwise_data", "columnwise_scale_offsets"):
             getattr(old, name).copy_(getattr(new, name))
+        gemm_scale(old, True).copy_(gemm_scale(new, True))  # the scales the GEMM reads, as stored
     graph.replay()
     assert torch.equal(static, _triton(fresh_dy, fresh_x))
 

@@ -24,6 +24,7 @@ from qmoe.quant import GroupedTensor
 from qmoe.recipes import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling,
                           NVFP4BlockScaling)
 from qmoe.contracts.carriers import RowsWithAmax
+from qmoe.contracts.scales import gemm_scale
 from qmoe.ops.activation import activation_forward
 from qmoe.reference.grouped_quantize import grouped_tensor_amax
 from tests.tolerances import assert_bit_identical, assert_gemm_within_contract
@@ -138,7 +139,7 @@ def _same_object(a, b) -> bool:
     if a is b:
         return True
     return (type(a) is type(b) and getattr(a, "rowwise_data", 0) is None and b.rowwise_data is not None
-            and a.columnwise_data is b.columnwise_data and a.columnwise_scale_inv is b.columnwise_scale_inv
+            and a.columnwise_data is b.columnwise_data and gemm_scale(a, True) is gemm_scale(b, True)
             and a.columnwise_data is not None)
 
 

@@ -58,3 +58,16 @@ def test_a_grouped_tensor_and_its_groups_show_canonical_scales():
         assert t.rowwise_scale_inv.is_contiguous() and torch.equal(t.rowwise_scale_inv, row)
         assert t.columnwise_scale_inv.is_contiguous() and torch.equal(t.columnwise_scale_inv, col)
     assert torch.equal(gt.dequantize(), GroupedTensor.quantize(x, splits, q).dequantize())
+
+
+def test_one_block_per_row_reads_row_major_too():
+    """A one-column steps-major view counts as contiguous to torch but its last stride is the
+    padded row count: the attribute users read has unit stride, so byte views of it work."""
+    q = Float8BlockScaling().quantizer("input")
+    qt = q.quantize(torch.randn(13, 128), rowwise=True)
+    canonical = qt.rowwise_scale_inv
+    stored = _steps_major_copy(canonical)
+    assert stored.is_contiguous() and stored.stride() == (1, 16)
+    qt.rowwise_scale_inv = stored
+    public = qt.rowwise_scale_inv
+    assert public.stride() == (1, 1) and torch.equal(public.view(torch.uint8), canonical.view(torch.uint8))
