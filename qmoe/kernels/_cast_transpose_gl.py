@@ -536,11 +536,12 @@ def unsupported(x: torch.Tensor, block_cols: int, act: int = NO_ACTIVATION, glu_
 
 
 def _scales_in_tile_order(row_s: torch.Tensor, col_s: torch.Tensor, grouped: bool) -> tuple[torch.Tensor, ...]:
-    """Stand-ins for the 1-D block scales, of the same shapes, laid out transposed in memory: a
-    tile's scales (one per row, and one per column) then land in runs of consecutive words rather
-    than a canonical row apart each, which the kernel's stores cannot combine into whole sectors.
-    `_copy_scales` moves them to the canonical outputs. Grouped columnwise scales that no group
-    uses stay zero, as fp8_block_op's and mxfp8_op's do."""
+    """Stand-ins for MXFP8's scales, of the same shapes, laid out transposed in memory: a tile's
+    exponents (one per row block, and one per column block) then land in runs of consecutive
+    bytes rather than a canonical row apart each, which the kernel's stores cannot combine into
+    whole sectors. `_copy_scales` moves them to the canonical outputs. Grouped columnwise scales
+    that no group uses stay zero, as mxfp8_op's do. (FP8 block scales need none: fp8_block_op
+    stores them steps-major.)"""
     def transposed(s: torch.Tensor, zeros: bool) -> torch.Tensor:
         if s.dim() != 2:  # an orientation not requested
             return s

@@ -47,7 +47,7 @@ def steps_major(rows: int, steps: int, dtype: torch.dtype, device, zeros: bool =
     buffer whose rows are padded to 16 bytes. One step's scales of a 128-row tile are then
     consecutive words, which the block cast stores in runs and the block GEMMs load as one TMA
     box (`gemm_steps_major`). zeros: scale entries nobody writes read as zero."""
-    per = max(1, 16 // torch.empty((), dtype=dtype).element_size())
+    per = max(1, 16 // dtype.itemsize)
     buf = (torch.zeros if zeros else torch.empty)((steps, -(-rows // per) * per), dtype=dtype, device=device)
     return buf[:, :rows].t()
 

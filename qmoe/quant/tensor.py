@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qmoe.contracts.scales import ScaleSlot
+from qmoe.contracts.scales import ScaleSlot, gemm_scale
 from qmoe.contracts.validate import check_dequantize_dtype, check_flag
 
 
@@ -66,7 +66,7 @@ class QuantizedTensor:
     def __repr__(self) -> str:
         parts = [f"shape={tuple(self.shape)}", f"quantizer={self.quantizer!r}"]
         for name in ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"):
-            t = getattr(self, name)
+            t = gemm_scale(self, name.startswith("col")) if name.endswith("scale_inv") else getattr(self, name)
             if t is not None:
                 parts.append(f"{name}={tuple(t.shape)}:{str(t.dtype).replace('torch.', '')}")
         return f"QuantizedTensor({', '.join(parts)})"
