@@ -1,9 +1,10 @@
 """The block casts' scale copies: `qmoe.kernels._transpose.transpose_into` against torch's `copy_`
 from a transposed view, same run.
 
-The Gluon block cast writes 1x128 and MXFP8 scales in tile order and moves them to their
-canonical layout afterwards (`_cast_transpose_gl._scales_in_tile_order`); this times that move
-at the benchmark cast's scale shapes (65536x7168 bf16: FP8 1x128 fp32 scales [65536, 56] and
+The Gluon cast writes MXFP8 scales in tile order and moves them to their canonical layout
+afterwards (`_cast_transpose_gl._scales_in_tile_order`; 1x128 scales stay steps-major,
+`_layout.steps_major`, and the block GEMMs copy scales stored otherwise the same way); this
+times such moves at the benchmark cast's scale shapes (65536x7168 bf16: FP8 1x128 fp32 scales [65536, 56] and
 [7168, 512], MXFP8 E8M0 bytes [65536, 224] and [7168, 2048]) and checks both give the same bits.
 GB/s counts the scales read once and written once.
 
