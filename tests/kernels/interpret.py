@@ -5,6 +5,7 @@ itself in a fresh interpreter with TRITON_INTERPRET=1 and QMOE_BACKEND=triton; t
 `inside`-marked tests run and the launcher test skips.
 """
 import os
+import re
 import subprocess
 import sys
 
@@ -23,3 +24,11 @@ def run_under_interpreter(test_file: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", os.path.abspath(test_file)],
         cwd=root, env=env, capture_output=True, text=True, timeout=300)
+
+
+def assert_passed_under_interpreter(test_file: str, summary: str) -> None:
+    """run_under_interpreter(test_file) exits 0, and its pytest summary matches the regex `summary`
+    (how many tests ran there, so a subprocess that collected nothing does not pass)."""
+    proc = run_under_interpreter(test_file)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert re.search(summary, proc.stdout), proc.stdout[-2000:]

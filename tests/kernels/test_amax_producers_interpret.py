@@ -10,22 +10,19 @@ these kernels must skip the amax passes the producers replace, with the same ope
 As in test_routing_interpret.py, the one test of the normal session re-runs this file in a
 fresh interpreter with TRITON_INTERPRET=1 and QMOE_BACKEND=triton.
 """
-import re
 import warnings
 
 import pytest
 import torch
 
-from tests.kernels.interpret import INTERPRETING, inside, launcher, run_under_interpreter  # noqa: F401
+from tests.kernels.interpret import INTERPRETING, inside, launcher, assert_passed_under_interpreter  # noqa: F401
 
 SPECIALS = (float("nan"), float("inf"), float("-inf"))
 
 
 @launcher
 def test_amax_producers_under_the_interpreter():
-    proc = run_under_interpreter(__file__)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert re.search(r"\b\d+ passed, 1 skipped in ", proc.stdout), proc.stdout[-2000:]
+    assert_passed_under_interpreter(__file__, r"\b\d+ passed, 1 skipped in ")
 
 
 @pytest.fixture(autouse=True)

@@ -11,22 +11,19 @@ does the reference's fp32 operations in its order (bias * scale, then + y): exac
 fp16; the interpreter truncates fp32 -> bf16 where the GPU rounds to nearest even, so bf16 may
 be one ulp (2^-7) off here and is compared exactly on the GPU (tests/kernels/test_bias_kernels.py).
 """
-import re
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.kernels.interpret import inside, launcher, run_under_interpreter  # noqa: F401
+from tests.kernels.interpret import inside, launcher, assert_passed_under_interpreter  # noqa: F401
 
 
 @launcher
 def test_bias_kernel_under_the_interpreter():
-    proc = run_under_interpreter(__file__)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     # everything passed there; the one skip is this launcher test itself
-    assert re.search(r"\b\d+ passed, 1 skipped in ", proc.stdout), proc.stdout[-2000:]
+    assert_passed_under_interpreter(__file__, r"\b\d+ passed, 1 skipped in ")
 
 
 def _offsets(sizes):

@@ -9,14 +9,13 @@ Gluon kernel has no interpreter, so it is checked on the GPU only (marked gpu, a
 the interpreter's subprocess). Triton's own Hopper warp specialisation (ws=True) deadlocked on
 the GPU: it runs under the interpreter only.
 """
-import re
 import warnings
 
 import pytest
 import torch
 
 from tests.kernels.gluon import assert_a_compile_failure_falls_back_once, grouped_operands, pretend_sm90
-from tests.kernels.interpret import INTERPRETING, inside, launcher, run_under_interpreter
+from tests.kernels.interpret import INTERPRETING, inside, launcher, assert_passed_under_interpreter
 
 SPLITS = [40, 0, 150, 7]  # an empty expert; no group boundary on a 128-row tile edge
 BIG_SPLITS = [300, 0, 450, 77]  # enough rows per group for the dispatched Gluon kernel
@@ -82,10 +81,8 @@ def _check_variants(launch, variants, device, fit=None):
 
 @launcher
 def test_block_gemm_variants_under_the_interpreter():
-    proc = run_under_interpreter(__file__)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     # the one `inside` test passed there; everything else skips in the subprocess
-    assert re.search(r"\b1 passed, \d+ skipped(, \d+ warnings?)? in ", proc.stdout), proc.stdout[-2000:]
+    assert_passed_under_interpreter(__file__, r"\b1 passed, \d+ skipped(, \d+ warnings?)? in ")
 
 
 @inside

@@ -8,12 +8,11 @@ nothing (newest 0), NaN and inf amaxes in the newest row (not recorded: row 0 cl
 scale kept, `nonfinite_steps` counted) and deeper in the window (a state loaded from elsewhere),
 margins and both amax algorithms.
 """
-import re
 
 import pytest
 import torch
 
-from tests.kernels.interpret import inside, launcher, run_under_interpreter
+from tests.kernels.interpret import inside, launcher, assert_passed_under_interpreter
 
 CASES = [  # (window rows, slots or None for a per-tensor [L] history, margin, algo)
     (1, None, 0, "max"), (2, 3, 0, "max"), (7, 1, 2, "most_recent"), (300, 40, 0, "max"),
@@ -75,9 +74,7 @@ def check_update(device):
 
 @launcher
 def test_delayed_scaling_update_under_the_interpreter():
-    proc = run_under_interpreter(__file__)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert re.search(r"\b1 passed, 2 skipped(, \d+ warnings?)? in ", proc.stdout), proc.stdout[-2000:]
+    assert_passed_under_interpreter(__file__, r"\b1 passed, 2 skipped(, \d+ warnings?)? in ")
 
 
 @inside

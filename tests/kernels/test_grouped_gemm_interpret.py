@@ -10,7 +10,6 @@ tiles (the kernels hand it bf16 tiles as the same fp32 values, see _grouped_gemm
 and the NVFP4 decode takes its arithmetic path instead of the inline-PTX one, so both sides
 are exact products summed in fp32 in different orders: rtol 1e-5 of the output's norm.
 """
-import re
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from hypothesis import strategies as st
 
 from qmoe.recipes import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling,
                           NVFP4BlockScaling)
-from tests.kernels.interpret import inside, launcher, run_under_interpreter
+from tests.kernels.interpret import inside, launcher, assert_passed_under_interpreter
 from tests.ops.test_grouped_gemm import (JAGGED_CASES, _data, _quantize, _rel, check_token_grouped_dequantize,
                                         draw_jagged_case)
 
@@ -34,11 +33,9 @@ RECIPES = [pytest.param(DelayedScaling(), id="delayed"), pytest.param(Float8Curr
 
 @launcher
 def test_grouped_gemm_kernels_under_the_interpreter():
-    proc = run_under_interpreter(__file__)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     # everything passed there (the interpreter warns of the divisions its masked lanes do); the
     # one skip is this launcher test itself
-    assert re.search(r"\b\d+ passed, 1 skipped(, \d+ warnings)? in ", proc.stdout), proc.stdout[-2000:]
+    assert_passed_under_interpreter(__file__, r"\b\d+ passed, 1 skipped(, \d+ warnings)? in ")
 
 
 def _case(recipe, layout):

@@ -2,14 +2,13 @@
 the GPU where there is one): tiles cut by both edges, one-row and one-column tensors, every
 element width, NaN payloads and E8M0 bytes copied as bits, rows padded on either side; and the
 block GEMMs' steps-major scales made with it."""
-import re
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.kernels.interpret import INTERPRETING, inside, launcher, run_under_interpreter
+from tests.kernels.interpret import INTERPRETING, inside, launcher, assert_passed_under_interpreter
 
 on_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DTYPES = [torch.float32, torch.uint8, torch.float8_e8m0fnu, torch.bfloat16]
@@ -35,9 +34,7 @@ def _check(r, c, dtype, device, seed=0):
 
 @launcher
 def test_transpose_under_the_interpreter():
-    proc = run_under_interpreter(__file__)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert re.search(r"\b\d+ passed, \d+ skipped in ", proc.stdout), proc.stdout[-2000:]
+    assert_passed_under_interpreter(__file__, r"\b\d+ passed, \d+ skipped in ")
 
 
 @inside

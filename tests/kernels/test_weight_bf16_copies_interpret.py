@@ -8,13 +8,12 @@ every scale, keep one that fprop and dgrad share. On the CPU through Triton's in
 test_grouped_gemm_interpret.py), and on the GPU at a size where the route is the default.
 """
 import copy
-import re
 
 import pytest
 import torch
 
 from qmoe.recipes import MXFP8BlockScaling, NVFP4BlockScaling
-from tests.kernels.interpret import inside, launcher, run_under_interpreter
+from tests.kernels.interpret import inside, launcher, assert_passed_under_interpreter
 
 RECIPES = [pytest.param(MXFP8BlockScaling(), {"rowwise", "columnwise"}, id="mxfp8"),
            pytest.param(NVFP4BlockScaling(disable_stochastic_rounding=True), {"2d"}, id="nvfp4"),
@@ -24,9 +23,7 @@ RECIPES = [pytest.param(MXFP8BlockScaling(), {"rowwise", "columnwise"}, id="mxfp
 
 @launcher
 def test_kept_bf16_weights_under_the_interpreter():
-    proc = run_under_interpreter(__file__)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert re.search(r"\b\d+ passed, \d+ skipped(, \d+ warnings)? in ", proc.stdout), proc.stdout[-2000:]
+    assert_passed_under_interpreter(__file__, r"\b\d+ passed, \d+ skipped(, \d+ warnings)? in ")
 
 
 def check_kept_bf16_weights(recipe, slots, splits, n, k, device, monkeypatch):
