@@ -1,0 +1,90 @@
+"""The Gluon casts' walk over their tiles (private helper of `qmoe/kernels/_cast_transpose_gl.py`):
+which 128 x 128 tile a persistent program takes next, where its rows lie when the input is
+grouped, and the TMA load that puts it (or, for a fused GLU, its gate and linear halves) into a
+slot of the program's ring.
+
+Order: bands of row tiles (`_tile_order`), so the tiles in flight at once share DRAM pages of the
+columnwise copy as well as of the input. Groups: row tiles and scale blocks start afresh at every
+group, as `tiles.tile_rows` lays them out for the Triton kernels.
+"""
+from __future__ import annotations
+
+from qmoe.kernels import _gluon_sm90 as sm90
+from qmoe.kernels._gluon_sm90 import gluon
+
+if gluon is not None:
+    from qmoe.kernels._gluon_sm90 import gl, mbarrier
+
+    @gluon.jit
+    def _group_table(splits_ptr, G, BM: gl.constexpr, SB: gl.constexpr, GP: gl.constexpr, GROUPED: gl.constexpr,
+                     WARPS: gl.constexpr):
+        """Per group: index, first row, rows, row tiles, cumulative row tiles, first SB-row scale
+        block (all zero ungrouped: splits_ptr is then never read)."""
+        SPT: gl.constexpr = GP // 32 if GP >= 32 else 1
+        layout: gl.constexpr = gl.BlockedLayout([SPT], [32], [WARPS], [0])  # replicated over warps
+        gi = gl.arange(0, GP, layout=layout)
+        sizes = gl.load(splits_ptr + gi, mask=(gi < G) & GROUPED, other=0).to(gl.int32)
+        starts = gl.associative_scan(sizes, 0, sm90.add) - sizes
+        tiles = gl.cdiv(sizes, BM)
+        tile_end = gl.associative_scan(tiles, 0, sm90.add)
+        blocks = gl.cdiv(sizes, SB)
+        return gi, starts, sizes, tiles, tile_end, gl.associative_scan(blocks, 0, sm90.add) - blocks
+
+    @gluon.jit
+    def _tile_order(t, nk, nm, TILE_GROUP: gl.constexpr):
+        """Tile t -> (row tile, column tile) of nm x nk: bands of TILE_GROUP row tiles, each walked
+        down its rows first, then along K (TILE_GROUP 1: every row tile along K). The tiles that run
+        at once then cover a few kilobytes of each row they read and of each columnwise row they
+        write, rather than whole input rows and 128 bytes of each columnwise row."""
+        if TILE_GROUP == 1:
+            vt = t // nk
+            kt = t % nk
+        else:
+            band = t // (TILE_GROUP * nk)
+            first = band * TILE_GROUP
+            height = gl.minimum(nm - first, TILE_GROUP)
+            inner = t - band * (TILE_GROUP * nk)
+            vt = first + inner % height
+            kt = inner // height
+        return vt, kt
+
+    @gluon.jit
+    def _locate(t, nk, nm, M, gi, starts, sizes, tiles, tile_end, first_block, BM: gl.constexpr, SB: gl.constexpr,
+                GROUPED: gl.constexpr, TILE_GROUP: gl.constexpr):
+        """Tile t (in _tile_order) -> (first row, end row of its group, first SB-row scale block,
+        column tile). Row tiles and scale blocks along M start afresh at every group."""
+        vt, kt = _tile_order(t, nk, nm, TILE_GROUP)
+        if GROUPED:
+            g = gl.sum((tile_end <= vt).to(gl.int32), 0)
+            sel = gi == g
+            start = gl.sum(gl.where(sel, starts, 0), 0)
+            local = (vt - gl.sum(gl.where(sel, tile_end - tiles, 0), 0)) * BM
+            row0 = start + local
+            row_end = start + gl.sum(gl.where(sel, sizes, 0), 0)
+            sblk = gl.sum(gl.where(sel, first_block, 0), 0) + local // SB
+        else:
+            row0 = vt * BM
+            row_end = M
+            sblk = vt * (BM // SB)
+        return row0, row_end, sblk, kt
+
+    @gluon.jit
+    def _issue(desc, bufs, ready, t, slot, nk, nm, M, K, gi, starts, sizes, tiles, tile_end, BM: gl.constexpr,
+               BK: gl.constexpr, GROUPED: gl.constexpr, TILE_GROUP: gl.constexpr, GLU: gl.constexpr,
+               GLU_BLOCK: gl.constexpr):
+        """Load tile t into ring slot `slot`: x's tile, or with GLU the gate's and the linear part's
+        tiles of h for output columns kt * BK + [0, BK) (K: the output width)."""
+        row0, _, _, kt = _locate(t, nk, nm, M, gi, starts, sizes, tiles, tile_end, tiles, BM, BM, GROUPED, TILE_GROUP)
+        if GLU:
+            mbarrier.expect(ready.index(slot), 2 * desc.block_type.nbytes)
+            if GLU_BLOCK == 0:  # gate columns first, then linear columns
+                gate = kt * BK
+                linear = K + kt * BK
+            else:  # blocks of GLU_BLOCK gate columns, each followed by its linear columns
+                gate = (kt * BK // GLU_BLOCK) * (2 * GLU_BLOCK) + kt * BK % GLU_BLOCK
+                linear = gate + GLU_BLOCK
+            sm90.tma_load(desc, [row0, gate], ready.index(slot), bufs.index(2 * slot))
+            sm90.tma_load(desc, [row0, linear], ready.index(slot), bufs.index(2 * slot + 1))
+        else:
+            mbarrier.expect(ready.index(slot), desc.block_type.nbytes)
+            sm90.tma_load(desc, [row0, kt * BK], ready.index(slot), bufs.index(slot))
