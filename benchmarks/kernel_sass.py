@@ -142,12 +142,13 @@ def cast_launch(dtype: torch.dtype = torch.bfloat16, mx: bool = False, activatio
                 canonical_scales: bool = False, **config):
     """A launch of the Gluon block cast (both orientations, FP8 E4M3) of a 256 x 384 tensor of
     `dtype` on the CPU: 1x128 blocks, or MXFP8's 1x32 with `mx`; with a GLU `activation`, of
-    act(h) * probs for an h of 256 x 768; its scales in tile order as the dispatched path writes
+    act(h) * probs for an h of 256 x 768; its scales steps-major (tile order) as fp8_block_op stores
     them, or in their canonical layout; config: the launcher's keywords (default: its dispatched
     ones)."""
     from qmoe.contracts.formats import E4M3
     from qmoe.kernels import _cast_transpose_gl as ct
     from qmoe.kernels import quantize as K
+    from qmoe.kernels._layout import steps_major
     from qmoe.kernels.activation import activation_code
 
     m, k = 256, 384
@@ -156,9 +157,10 @@ def cast_launch(dtype: torch.dtype = torch.bfloat16, mx: bool = False, activatio
         config = dict(config, act=activation_code(activation), probs=torch.ones(m))
     row, col = torch.empty(m, k, dtype=torch.float8_e4m3fn), torch.empty(k, m, dtype=torch.float8_e4m3fn)
     block, scale_dtype = (32, torch.uint8) if mx else (128, torch.float32)
-    row_s, col_s = torch.empty(m, k // block, dtype=scale_dtype), torch.empty(k, m // block, dtype=scale_dtype)
-    if not canonical_scales:
-        row_s, col_s = ct._scales_in_tile_order(row_s, col_s, grouped=False)
+    if canonical_scales:
+        row_s, col_s = torch.empty(m, k // block, dtype=scale_dtype), torch.empty(k, m // block, dtype=scale_dtype)
+    else:  # steps-major, as fp8_block_op stores them (its tile order)
+        row_s, col_s = steps_major(m, k // block, scale_dtype, "cpu"), steps_major(k, m // block, scale_dtype, "cpu")
     config = {**{key: v for key, v in ct.DISPATCH.items() if key != "per_sm"}, **config}
     return lambda: ct.launch(x, None, 1, False, K.fp8_meta(E4M3), E4M3.max, True, 0.0, True, True, row, row_s, col,
                              col_s, programs=4, mx=(E4M3.emax, True) if mx else None, **config)
