@@ -25,10 +25,8 @@ as well as of the input.
 
 Scales: in the canonical layout a tile's 128 row scales lie a row of the scale tensor apart, and
 so do its column scales, so every one is a store of its own. The kernel takes both strides of
-each scale tensor. FP8 block scales come steps-major from `fp8_block_op` (`_layout.steps_major`),
-so a tile's scales are consecutive, and stay that way for the block GEMMs. MXFP8's go to
-transposed stand-ins (`_scales_in_tile_order`), then to the canonical outputs with one
-transpose each (`kernels._transpose`).
+each scale tensor, and `fp8_block_op` and `mxfp8_op` store their 1-D block scales steps-major
+(`_layout.steps_major`): a tile's scales are consecutive, and stay that way for the GEMMs.
 
 A fused GLU activation (FC2's input, act(h) * probs): each ring slot holds the tile's gate and
 linear halves of h, and the activated tile, rounded as the activation op rounds it, goes through
@@ -50,7 +48,6 @@ from qmoe.kernels._arith import (abs_bits, bits_to_float, cast_codes, exp2_int, 
 from qmoe.kernels._launch import num_sms
 from qmoe.kernels.activation import NO_ACTIVATION, _activation, input_width
 from qmoe.kernels._layout import group_pow2
-from qmoe.kernels._transpose import transpose_into
 
 from qmoe.kernels._gluon_sm90 import gluon
 
@@ -462,27 +459,6 @@ def unsupported(x: torch.Tensor, block_cols: int, act: int = NO_ACTIVATION, glu_
     return None
 
 
-def _scales_in_tile_order(row_s: torch.Tensor, col_s: torch.Tensor, grouped: bool) -> tuple[torch.Tensor, ...]:
-    """Stand-ins for MXFP8's scales, of the same shapes, laid out transposed in memory: a tile's
-    exponents (one per row block, and one per column block) then land in runs of consecutive
-    bytes rather than a canonical row apart each, which the kernel's stores cannot combine into
-    whole sectors. `_copy_scales` moves them to the canonical outputs. Grouped columnwise scales
-    that no group uses stay zero, as mxfp8_op's do. (FP8 block scales need none: fp8_block_op
-    stores them steps-major.)"""
-    def transposed(s: torch.Tensor, zeros: bool) -> torch.Tensor:
-        if s.dim() != 2:  # an orientation not requested
-            return s
-        return (torch.zeros if zeros else torch.empty)(s.shape[::-1], dtype=s.dtype, device=s.device).t()
-    return transposed(row_s, False), transposed(col_s, grouped)
-
-
-def _copy_scales(outs, scales) -> None:
-    """The stand-ins of `_scales_in_tile_order` into the canonical outputs."""
-    for out, s in zip(outs, scales):
-        if s is not out:
-            transpose_into(out, s.t())
-
-
 # Calls whose kernel failed to compile (a Triton without this Gluon API): they take the Triton kernel.
 FAILED: dict[tuple, str] = {}
 
@@ -516,10 +492,8 @@ def launch_dispatched_mx(x: torch.Tensor, splits, num_groups: int, block: int, a
         return False
 
     def go():
-        scales = _scales_in_tile_order(row_s, col_s, splits is not None)
-        launch(x, splits, num_groups, False, out_code, fmt_max, False, 0.0, rowwise, True, row, scales[0], col,
-               scales[1], mx=(emax, round_up), act=act, glu_block=glu_block, probs=probs, **DISPATCH)
-        _copy_scales((row_s, col_s), scales)
+        launch(x, splits, num_groups, False, out_code, fmt_max, False, 0.0, rowwise, True, row, row_s, col, col_s,
+               mx=(emax, round_up), act=act, glu_block=glu_block, probs=probs, **DISPATCH)
         return True
 
     return sm90.launch_once(FAILED, ("mx", splits is not None, rowwise, act, glu_block), "MXFP8 cast", go) is True

@@ -246,32 +246,32 @@ def mx_multiplier(amax, FMT_MAX: tl.constexpr, EMAX: tl.constexpr, ROUND_UP: tl.
 
 
 @triton.jit
-def mx_rows(x, row_s_ptr, rows, row_end, kb, K, stride_rs, FMT_MAX: tl.constexpr, EMAX: tl.constexpr,
+def mx_rows(x, row_s_ptr, rows, row_end, kb, K, stride_rs, stride_rsk, FMT_MAX: tl.constexpr, EMAX: tl.constexpr,
             ROUND_UP: tl.constexpr, B: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
     """x [R, C] (rows `rows`) times its rowwise MXFP8 multipliers, ready to cast; the E8M0 bytes go
     to row_s_ptr."""
     mult, e = mx_multiplier(block_amax_last(x, R, C, B, False), FMT_MAX, EMAX, ROUND_UP)
-    tl.store(row_s_ptr + rows[:, None].to(tl.int64) * stride_rs + kb[None, :], e,
+    tl.store(row_s_ptr + rows[:, None].to(tl.int64) * stride_rs + kb[None, :] * stride_rsk, e,
              mask=(rows < row_end)[:, None] & (kb * B < K)[None, :])
     return scale_last(x, mult, R, C, B)
 
 
 @triton.jit
 def mx_quads(x_ptr, probs_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, col0, cols, kb, mb, mb_ok, M, K,
-             stride_xm, stride_rs, stride_cs, ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, FMT_MAX: tl.constexpr,
-             EMAX: tl.constexpr, ROUND_UP: tl.constexpr, OUT_DTYPE: tl.constexpr, B: tl.constexpr,
-             ROWWISE: tl.constexpr, COLWISE: tl.constexpr, R4: tl.constexpr, BK: tl.constexpr):
+             stride_xm, stride_rs, stride_rsk, stride_cs, stride_csm, ACT: tl.constexpr, GLU_BLOCK: tl.constexpr,
+             FMT_MAX: tl.constexpr, EMAX: tl.constexpr, ROUND_UP: tl.constexpr, OUT_DTYPE: tl.constexpr,
+             B: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr, R4: tl.constexpr, BK: tl.constexpr):
     """The MXFP8 kernel's tile as a row quad: 1 x B runs along K per quad row; a run of B rows
     along M is B / 4 rows of every quad tile. Scale bytes at kb (rowwise) and mb (columnwise)."""
     r = row0 + tl.arange(0, R4) * 4
     k_ok = cols < K
     x0, x1, x2, x3 = load_quads(x_ptr, probs_ptr, row0, row_end, cols, k_ok, stride_xm, K, ACT, GLU_BLOCK, R4)
     if ROWWISE:
-        store_quads(row_ptr, col_ptr,
-                    mx_rows(x0, row_s_ptr, r, row_end, kb, K, stride_rs, FMT_MAX, EMAX, ROUND_UP, B, R4, BK),
-                    mx_rows(x1, row_s_ptr, r + 1, row_end, kb, K, stride_rs, FMT_MAX, EMAX, ROUND_UP, B, R4, BK),
-                    mx_rows(x2, row_s_ptr, r + 2, row_end, kb, K, stride_rs, FMT_MAX, EMAX, ROUND_UP, B, R4, BK),
-                    mx_rows(x3, row_s_ptr, r + 3, row_end, kb, K, stride_rs, FMT_MAX, EMAX, ROUND_UP, B, R4, BK),
+        y0 = mx_rows(x0, row_s_ptr, r, row_end, kb, K, stride_rs, stride_rsk, FMT_MAX, EMAX, ROUND_UP, B, R4, BK)
+        y1 = mx_rows(x1, row_s_ptr, r + 1, row_end, kb, K, stride_rs, stride_rsk, FMT_MAX, EMAX, ROUND_UP, B, R4, BK)
+        y2 = mx_rows(x2, row_s_ptr, r + 2, row_end, kb, K, stride_rs, stride_rsk, FMT_MAX, EMAX, ROUND_UP, B, R4, BK)
+        y3 = mx_rows(x3, row_s_ptr, r + 3, row_end, kb, K, stride_rs, stride_rsk, FMT_MAX, EMAX, ROUND_UP, B, R4, BK)
+        store_quads(row_ptr, col_ptr, y0, y1, y2, y3,
                     row0, col0, M, K, row_end, FMT_MAX, OUT_DTYPE, True, False, R4, BK)
     if COLWISE:  # a run of B rows along M is B / 4 rows of every quad tile
         amax = bits_to_float(runs_max_first(quad_abs_bits(x0, x1, x2, x3), R4, BK, B // 4))  # [BM // B, BK]
@@ -279,5 +279,5 @@ def mx_quads(x_ptr, probs_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row
         store_quads(row_ptr, col_ptr, scale_first(x0, mult, R4, BK, B // 4), scale_first(x1, mult, R4, BK, B // 4),
                     scale_first(x2, mult, R4, BK, B // 4), scale_first(x3, mult, R4, BK, B // 4), row0, col0, M, K,
                     row_end, FMT_MAX, OUT_DTYPE, False, True, R4, BK)
-        tl.store(col_s_ptr + cols[None, :].to(tl.int64) * stride_cs + mb[:, None], e,
+        tl.store(col_s_ptr + cols[None, :].to(tl.int64) * stride_cs + mb[:, None] * stride_csm, e,
                  mask=k_ok[None, :] & mb_ok[:, None])

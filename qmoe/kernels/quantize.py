@@ -354,8 +354,8 @@ def _mxfp8_kernel(
         x_ptr, probs_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr,
         # sizes
         M, K, G,
-        # strides
-        stride_xm, stride_rs, stride_cs,
+        # strides (scales: both of each scale tensor, any layout)
+        stride_xm, stride_rs, stride_rsk, stride_cs, stride_csm,
         # meta
         ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, FMT_MAX: tl.constexpr, EMAX: tl.constexpr, ROUND_UP: tl.constexpr,
         OUT_DTYPE: tl.constexpr,
@@ -378,19 +378,19 @@ def _mxfp8_kernel(
     mb_ok = row0 + tl.arange(0, BM // B) * B < row_end
     if QUAD:
         mx_quads(x_ptr, probs_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, col0, cols, kb, mb, mb_ok, M,
-                 K, stride_xm, stride_rs, stride_cs, ACT, GLU_BLOCK, FMT_MAX, EMAX, ROUND_UP, OUT_DTYPE, B, ROWWISE,
-                 COLWISE, BM // 4, BK)
+                 K, stride_xm, stride_rs, stride_rsk, stride_cs, stride_csm, ACT, GLU_BLOCK, FMT_MAX, EMAX, ROUND_UP,
+                 OUT_DTYPE, B, ROWWISE, COLWISE, BM // 4, BK)
     else:
         rows = row0 + tl.arange(0, BM)
         x = load_rows(x_ptr, probs_ptr, rows, cols, rows < row_end, k_ok, stride_xm, K, ACT, GLU_BLOCK).to(tl.float32)
         if ROWWISE:
-            y = mx_rows(x, row_s_ptr, rows, row_end, kb, K, stride_rs, FMT_MAX, EMAX, ROUND_UP, B, BM, BK)
+            y = mx_rows(x, row_s_ptr, rows, row_end, kb, K, stride_rs, stride_rsk, FMT_MAX, EMAX, ROUND_UP, B, BM, BK)
             store8(row_ptr, cast_codes(y, FMT_MAX, OUT_DTYPE), row0, col0, K, row_end, K, BM, BK)
         if COLWISE:  # exponents of runs along M from the loaded tile; codes cast from the transposed input
             mult, e = mx_multiplier(tl.trans(block_amax_first(x, BM, BK, B, False)), FMT_MAX, EMAX, ROUND_UP)
             store8(col_ptr, cast_codes(scale_last(tl.trans(x), mult, BK, BM, B), FMT_MAX, OUT_DTYPE), col0, row0, M, K,
                    row_end, BK, BM)
-            tl.store(col_s_ptr + cols[:, None].to(tl.int64) * stride_cs + mb[None, :], e,
+            tl.store(col_s_ptr + cols[:, None].to(tl.int64) * stride_cs + mb[None, :] * stride_csm, e,
                      mask=k_ok[:, None] & mb_ok[None, :])
 
 
@@ -400,6 +400,7 @@ def mxfp8_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, o
              probs: Optional[torch.Tensor] = None, act: int = NO_ACTIVATION,
              glu_block: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(row [M, K], row_s [M, ceil(K/b)] e8m0, col [K, M], col_s [K, width] e8m0); unrequested: empty.
+    The scales are stored steps-major (`steps_major`), as fp8_block_op's 1 x B scales are.
 
     Calls with a columnwise copy of bf16 run the Gluon kernel of `_cast_transpose_gl` where it
     applies (same bits; rowwise codes alone stay with the Triton kernel)."""
@@ -409,8 +410,8 @@ def mxfp8_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, o
     dev, u8 = x.device, torch.uint8
     row = torch.empty((m, k) if rowwise else (0,), dtype=out_dtype, device=dev)
     col = torch.empty((k, m) if columnwise else (0,), dtype=out_dtype, device=dev)
-    row_s = torch.empty((m, nkb) if rowwise else (0,), dtype=u8, device=dev)
-    col_s = (torch.zeros if grouped else torch.empty)((k, width) if columnwise else (0,), dtype=u8, device=dev)
+    row_s = steps_major(m, nkb, u8, dev) if rowwise else torch.empty((0,), dtype=u8, device=dev)
+    col_s = steps_major(k, width, u8, dev, grouped) if columnwise else torch.empty((0,), dtype=u8, device=dev)
     gluon_cast = m * k and columnwise and not is_forced(_mxfp8_kernel)
     if gluon_cast and _block_cast_gl.launch_dispatched_mx(x, splits, num_groups, block, act, glu_block, probs,
                                                           _TL_FP8[out_dtype], fmt_max, emax, round_up, rowwise, row,
@@ -419,7 +420,7 @@ def mxfp8_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, o
     if m * k:
         launch_cast(_mxfp8_kernel, tile_grid(m, k, num_groups, grouped),
                     (x, probs if probs is not None else x, row.view(torch.uint8), row_s, col.view(torch.uint8), col_s,
-                     splits if grouped else x, m, k, num_groups, x.stride(0), nkb, width),
+                     splits if grouped else x, m, k, num_groups, x.stride(0), *_strides(row_s), *_strides(col_s)),
                     _SMALL_CAST, m * k, ACT=act, GLU_BLOCK=glu_block, FMT_MAX=fmt_max, EMAX=emax, ROUND_UP=round_up,
                     OUT_DTYPE=_TL_FP8[out_dtype], B=block, ROWWISE=rowwise, COLWISE=columnwise, GROUPED=grouped,
                     G_P2=group_pow2(num_groups))

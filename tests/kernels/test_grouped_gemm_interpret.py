@@ -46,14 +46,16 @@ def _case(recipe, layout):
 
 
 def _check_steps_major_activations(recipe, gt, columnwise):
-    """The block cast's 1 x 128 scales reach the GEMM as it stored them (steps-major, rows padded
-    to 16 bytes), while the attribute users read holds the same values row-major."""
+    """The casts' 1-D block scales (FP8 1 x 128, MXFP8) reach the GEMM as they were stored
+    (steps-major, rows padded to 16 bytes), while the attribute users read holds the same values
+    row-major."""
     from qmoe.contracts.scales import gemm_scale
 
-    if not isinstance(recipe, Float8BlockScaling):
+    if not isinstance(recipe, (Float8BlockScaling, MXFP8BlockScaling)):
         return
     stored = gemm_scale(gt, columnwise)
-    assert stored.stride(0) == 1 and stored.stride(1) % 4 == 0 and stored.stride(1) >= stored.shape[0]
+    per_16_bytes = 16 // stored.element_size()
+    assert stored.stride(0) == 1 and stored.stride(1) % per_16_bytes == 0 and stored.stride(1) >= stored.shape[0]
     public = gt.columnwise_scale_inv if columnwise else gt.rowwise_scale_inv
     assert public.is_contiguous() and torch.equal(public, stored)
 
