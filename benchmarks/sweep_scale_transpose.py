@@ -1,11 +1,10 @@
 """The block casts' scale copies: `qmoe.kernels._transpose.transpose_into` against torch's `copy_`
 from a transposed view, same run.
 
-The Gluon cast writes MXFP8 scales in tile order and moves them to their canonical layout
-afterwards (`_cast_transpose_gl._scales_in_tile_order`; 1x128 scales stay steps-major,
-`_layout.steps_major`, and the block GEMMs copy scales stored otherwise the same way); this
-times such moves at the benchmark cast's scale shapes (65536x7168 bf16: FP8 1x128 fp32 scales [65536, 56] and
-[7168, 512], MXFP8 E8M0 bytes [65536, 224] and [7168, 2048]) and checks both give the same bits.
+The casts store 1x128 and MXFP8 scales steps-major (`_layout.steps_major`); canonical copies
+of them, and the block GEMMs' steps-major copies of scales stored otherwise, are such moves.
+This times them at the benchmark cast's scale shapes (65536x7168 bf16: FP8 1x128 fp32 scales
+[65536, 56] and [7168, 512], MXFP8 E8M0 bytes [65536, 224] and [7168, 2048]) and checks both give the same bits.
 GB/s counts the scales read once and written once.
 
     PYTHONPATH=. python3 -m benchmarks.sweep_scale_transpose --out $OUT/scale_transpose.json
