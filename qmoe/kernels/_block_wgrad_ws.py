@@ -150,16 +150,49 @@ if gluon is not None:
         past N, K: TMA fills them)."""
         return sa_rows.index(s).slice(HALF * HM, HM).load(row_l), sb_rows.index(s).load(col_l)
 
+    # PINGPONG: how the two consumers take turns at the tensor cores
+    TURNS_NONE = gl.constexpr(0)
+    TURNS_MBARRIER = gl.constexpr(1)  # the `turn` mbarrier pair
+    TURNS_NAMED = gl.constexpr(2)  # hardware named barriers 14 and 15, 256 threads each (both consumers)
+
+    @gluon.jit
+    def _named_barrier(BARRIER: gl.constexpr, WAIT: gl.constexpr):
+        """This consumer's 128 threads at named barrier BARRIER (14 or 15) of 256 threads: WAIT
+        (bar.sync) returns once the other consumer's 128 have arrived; else arrive (bar.arrive)
+        and go on. Every thread runs it, so no elected thread (no thread-index test) is needed."""
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # one element per thread: one instruction each
+        x = gl.zeros([128], gl.int32, one)
+        if BARRIER == 14:
+            if WAIT:
+                gl.inline_asm_elementwise("bar.sync 14, 256; mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
+                                          is_pure=False, pack=1)
+            else:
+                gl.inline_asm_elementwise("bar.arrive 14, 256; mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
+                                          is_pure=False, pack=1)
+        else:
+            if WAIT:
+                gl.inline_asm_elementwise("bar.sync 15, 256; mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
+                                          is_pure=False, pack=1)
+            else:
+                gl.inline_asm_elementwise("bar.arrive 15, 256; mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
+                                          is_pure=False, pack=1)
+
     @gluon.jit
     def _issue(a_s, b_s, zero, turn, u, HALF: gl.constexpr, PINGPONG: gl.constexpr):
-        """Start the product a_s @ b_s^T of one step; under PINGPONG only after the other half
-        started its product u - 1 (half 0 first), so the tensor cores hold one half's MMA while
-        the other half promotes."""
-        if PINGPONG:
+        """Start the product a_s @ b_s^T of one step; when taking turns (PINGPONG) only after the
+        other half started its product u - 1 (half 0 first), so the tensor cores hold one half's
+        MMA while the other half promotes. TURNS_NAMED: half 0 waits at barrier 14, which half 1
+        passes after each product (and once before its first), and half 1 waits at barrier 15,
+        which half 0 passes; half 0 takes the surplus pass at its end (`_named_barrier`)."""
+        if PINGPONG == TURNS_MBARRIER:
             mbarrier.wait(turn.index(HALF), (u & 1) ^ (1 - HALF))
+        if PINGPONG == TURNS_NAMED:
+            _named_barrier(14 + HALF, True)
         tok = warpgroup_mma(a_s, b_s.permute((1, 0)), zero, use_acc=False, is_async=True)
-        if PINGPONG:
+        if PINGPONG == TURNS_MBARRIER:
             mbarrier.arrive(turn.index(1 - HALF), count=1)
+        if PINGPONG == TURNS_NAMED:
+            _named_barrier(15 - HALF, False)
         return tok
 
     @gluon.jit
@@ -267,7 +300,7 @@ if gluon is not None:
                     tail_to_smem(a_ptr, a_mine, row0, N, t16, tail, stride_an, ld)
                     tail_to_smem(b_ptr, b_mine, col0, K, t16, tail, stride_bk, ld)
                     acc = _own_step(acc, a_mine, b_mine, zero, turn, 0, sa_tile, sb_tile, N - row0, K - col0, nk,
-                                    s_stride_an, s_stride_at, s_stride_bk, s_stride_bt, HALF, False, HM, BN, row_l,
+                                    s_stride_an, s_stride_at, s_stride_bk, s_stride_bt, HALF, TURNS_NONE, HM, BN, row_l,
                                     col_l)
             else:  # TMA cannot start off a 16-byte boundary: every step through masked byte loads
                 for ki in range(gl.cdiv(length, BK)):
@@ -275,7 +308,7 @@ if gluon is not None:
                     tail_to_smem(a_ptr, a_mine, row0, N, t0, length - ki * BK, stride_an, ld)
                     tail_to_smem(b_ptr, b_mine, col0, K, t0, length - ki * BK, stride_bk, ld)
                     acc = _own_step(acc, a_mine, b_mine, zero, turn, 0, sa_tile, sb_tile, N - row0, K - col0, ki,
-                                    s_stride_an, s_stride_at, s_stride_bk, s_stride_bt, HALF, False, HM, BN, row_l,
+                                    s_stride_an, s_stride_at, s_stride_bk, s_stride_bt, HALF, TURNS_NONE, HM, BN, row_l,
                                     col_l)
             _store_result(acc, c_bufs.index(HALF), c_desc, out_ptr, g, rows, row_ok, row0, col0, N, K, stride_og,
                           stride_on, HM, col_l, ACCUMULATE, TMA_OUT, True)
@@ -298,7 +331,7 @@ if gluon is not None:
         its results on their way to a TMA store (`c_view`, C_SLOTS 128-column blocks)."""
         HM: gl.constexpr = BM // 2
         SUB: gl.constexpr = BN // 2
-        PINGPONG: gl.constexpr = PIPE == 3
+        PINGPONG: gl.constexpr = TURNS_MBARRIER if PIPE == 3 else (TURNS_NAMED if PIPE == 4 else TURNS_NONE)
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SUB, 32])
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
         col_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -309,6 +342,8 @@ if gluon is not None:
         c_mine = c_view.index(HALF)
         it = 0
         u = 0  # products started (two per step): the ping-pong's turn count
+        if PINGPONG == TURNS_NAMED and HALF == 1:
+            _named_barrier(14, False)  # half 0's first product waits for nobody
         for t in range(gl.program_id(0), total_tiles, NUM_PROGRAMS):
             g, pm, pn, start, length = _tile_of(t, offs_ptr, per_group, num_m, num_n, GROUP_M)
             row0, rows, row_ok = _half_rows(pm, N, HALF, BM, row_l)
@@ -354,6 +389,8 @@ if gluon is not None:
                         u += 1
                     _store_result(acc, c_mine.slice(0, HM), c_desc, out_ptr, g, rows, row_ok, row0, col0 + h * SUB,
                                   N, K, stride_og, stride_on, HM, col_l, ACCUMULATE, TMA_OUT, True)
+        if PINGPONG == TURNS_NAMED and HALF == 0:
+            _named_barrier(14, True)  # half 1's pass after its last product
         if TMA_OUT:
             tma.store_wait(0)
 
@@ -519,8 +556,8 @@ def launch_block_wgrad_ws(a, b, offsets: torch.Tensor, n: int, k: int, groups: i
     if bn == 128 and (pipe not in (0, 1) or tail not in TAILS):
         raise ValueError(f"pipe={pipe}, tail={tail!r}: 128-column tiles take pipe 0 or 1 and a tail in "
                          f"{sorted(TAILS)}")
-    if bn == 256 and (pipe not in (0, 3) or tail != "desc" or not scales_tma):
-        raise ValueError(f"pipe={pipe}, tail={tail!r}, scales_tma={scales_tma}: 256-column tiles take pipe 0 or 3, "
+    if bn == 256 and (pipe not in (0, 3, 4) or tail != "desc" or not scales_tma):
+        raise ValueError(f"pipe={pipe}, tail={tail!r}, scales_tma={scales_tma}: 256-column tiles take pipe 0, 3 or 4, "
                          f"tail 'desc' and scales_tma=True")
     if bn not in (128, 256):
         raise ValueError(f"bn={bn}: the wgrad kernel's tiles are 128 or 256 columns wide")
