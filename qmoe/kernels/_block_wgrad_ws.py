@@ -155,27 +155,30 @@ if gluon is not None:
     TURNS_MBARRIER = gl.constexpr(1)  # the `turn` mbarrier pair
     TURNS_NAMED = gl.constexpr(2)  # hardware named barriers 14 and 15, 256 threads each (both consumers)
 
+    def _barrier_asm(op: str, barrier: int):
+        """PTX for `_named_barrier`: the barrier op as the body of a loop on $1 (u) that runs once."""
+        return gl.constexpr(f"{{ .reg .pred p; again: bar.{op} {barrier}, 256; setp.lt.s32 p, $1, 0; "
+                            f"@p bra.uni again; mov.b32 $0, $1; }}")
+
+    _SYNC_14, _ARRIVE_14 = _barrier_asm("sync", 14), _barrier_asm("arrive", 14)
+    _SYNC_15, _ARRIVE_15 = _barrier_asm("sync", 15), _barrier_asm("arrive", 15)
+
     @gluon.jit
-    def _named_barrier(BARRIER: gl.constexpr, WAIT: gl.constexpr):
+    def _named_barrier(u, BARRIER: gl.constexpr, WAIT: gl.constexpr):
         """This consumer's 128 threads at named barrier BARRIER (14 or 15) of 256 threads: WAIT
         (bar.sync) returns once the other consumer's 128 have arrived; else arrive (bar.arrive)
-        and go on. Every thread runs it, so no elected thread (no thread-index test) is needed."""
+        and go on. Every thread runs it, so no elected thread (no thread-index test) is needed.
+        The barrier is the body of a loop on u that runs once (u >= 0): ptxas schedules no
+        arithmetic across a loop, as across the mbarrier waits' own, so a product's promotion
+        stays ahead of the next product's issue (without it, the two products' registers overlap
+        and the step loop spills)."""
         one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # one element per thread: one instruction each
-        x = gl.zeros([128], gl.int32, one)
+        x = gl.zeros([128], gl.int32, one) + u
         if BARRIER == 14:
-            if WAIT:
-                gl.inline_asm_elementwise("bar.sync 14, 256; mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
-                                          is_pure=False, pack=1)
-            else:
-                gl.inline_asm_elementwise("bar.arrive 14, 256; mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
-                                          is_pure=False, pack=1)
+            asm: gl.constexpr = _SYNC_14 if WAIT else _ARRIVE_14
         else:
-            if WAIT:
-                gl.inline_asm_elementwise("bar.sync 15, 256; mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
-                                          is_pure=False, pack=1)
-            else:
-                gl.inline_asm_elementwise("bar.arrive 15, 256; mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
-                                          is_pure=False, pack=1)
+            asm: gl.constexpr = _SYNC_15 if WAIT else _ARRIVE_15
+        gl.inline_asm_elementwise(asm, "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _issue(a_s, b_s, zero, turn, u, HALF: gl.constexpr, PINGPONG: gl.constexpr):
@@ -187,12 +190,12 @@ if gluon is not None:
         if PINGPONG == TURNS_MBARRIER:
             mbarrier.wait(turn.index(HALF), (u & 1) ^ (1 - HALF))
         if PINGPONG == TURNS_NAMED:
-            _named_barrier(14 + HALF, True)
+            _named_barrier(u, 14 + HALF, True)
         tok = warpgroup_mma(a_s, b_s.permute((1, 0)), zero, use_acc=False, is_async=True)
         if PINGPONG == TURNS_MBARRIER:
             mbarrier.arrive(turn.index(1 - HALF), count=1)
         if PINGPONG == TURNS_NAMED:
-            _named_barrier(15 - HALF, False)
+            _named_barrier(u, 15 - HALF, False)
         return tok
 
     @gluon.jit
@@ -325,7 +328,8 @@ if gluon is not None:
         """BN = 2 * 128: rows HALF*BM/2.. of each output tile as two 128-column sums. A step's two
         products are each promoted before the next is started: the fp32 sums (128 registers per
         thread) leave room for one 64-register product and its column factors, not two. PIPE 3
-        takes turns with the other half (`_issue`), PIPE 0 does not. Steps come through the TMA
+        takes turns with the other half through mbarriers, PIPE 4 through named barriers
+        (`_issue`), PIPE 0 does not. Steps come through the TMA
         ring with their scale rows (TAIL_DESC, SCALES_TMA); a group starting off 16 bytes goes
         through `own`, this half's 64 rows of A and 128 columns of B at a time, which also holds
         its results on their way to a TMA store (`c_view`, C_SLOTS 128-column blocks)."""
@@ -343,7 +347,7 @@ if gluon is not None:
         it = 0
         u = 0  # products started (two per step): the ping-pong's turn count
         if PINGPONG == TURNS_NAMED and HALF == 1:
-            _named_barrier(14, False)  # half 0's first product waits for nobody
+            _named_barrier(0, 14, False)  # half 0's first product waits for nobody
         for t in range(gl.program_id(0), total_tiles, NUM_PROGRAMS):
             g, pm, pn, start, length = _tile_of(t, offs_ptr, per_group, num_m, num_n, GROUP_M)
             row0, rows, row_ok = _half_rows(pm, N, HALF, BM, row_l)
@@ -390,7 +394,7 @@ if gluon is not None:
                     _store_result(acc, c_mine.slice(0, HM), c_desc, out_ptr, g, rows, row_ok, row0, col0 + h * SUB,
                                   N, K, stride_og, stride_on, HM, col_l, ACCUMULATE, TMA_OUT, True)
         if PINGPONG == TURNS_NAMED and HALF == 0:
-            _named_barrier(14, True)  # half 1's pass after its last product
+            _named_barrier(0, 14, True)  # half 1's pass after its last product
         if TMA_OUT:
             tma.store_wait(0)
 

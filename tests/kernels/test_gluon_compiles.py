@@ -56,12 +56,13 @@ def test_block_wgrad_compiles(compile_only):
 
     kernels = compile_only(wg, "block_wgrad_ws_kernel")
     a, b, offsets = wgrad_operands(384, seed=2)
+    named_turns = dict(wg.DISPATCH_WIDE, pipe=4)  # the ping-pong's turns through named barriers
     for cfg, dtype in ((wg.DISPATCH, torch.bfloat16), (wg.DISPATCH_WIDE, torch.bfloat16),
-                       (wg.DISPATCH_WIDE, torch.float32)):  # wide tiles hold 16-bit results in two slots, fp32 in one
-        out = torch.empty(3, 256, 384, dtype=dtype)
+                       (wg.DISPATCH_WIDE, torch.float32), (named_turns, torch.bfloat16)):
+        out = torch.empty(3, 256, 384, dtype=dtype)  # wide tiles hold 16-bit results in two slots, fp32 in one
         wg.launch_block_wgrad_ws(a, b, offsets, 256, 384, 3, out, programs=4, **cfg)
     _fits(kernels)
-    assert len(kernels) == 3
+    assert len(kernels) == 4
 
 
 @pytest.mark.parametrize("dtype,mx,activation,canonical", [
