@@ -231,10 +231,20 @@ _COUNTED = {"mma": ("GMMA",), "local_loads": ("LDL",), "local_stores": ("STL",),
             "ffma": ("FFMA",), "fmul": ("FMUL",), "shared_loads": ("LDS",)}
 
 
+_SPIN = 4  # instructions of a loop that only waits (a named barrier in a one-trip loop, a retry)
+
+
+def _spins(body) -> bool:
+    """A loop that only waits: a few instructions, a barrier or an mbarrier test among them, no MMA."""
+    ops = [text for _, text in body]
+    return (len(ops) <= _SPIN and any("BAR." in op or "SYNCS." in op for op in ops)
+            and not any("GMMA" in op for op in ops))
+
+
 def sass_loops(listing: str) -> list[dict]:
     """Every loop of a SASS listing (a backward branch and what lies between its target and it),
     innermost first within each function, with its instruction count and the counts of _COUNTED;
-    `inner`: no other loop lies inside it."""
+    `inner`: no other loop lies inside it, loops that only wait (`_spins`) aside."""
     instructions = [(int(a, 16), text) for a, text in _INSTRUCTION.findall(listing)]
     index = {address: i for i, (address, _) in enumerate(instructions)}
     spans = []
@@ -248,7 +258,8 @@ def sass_loops(listing: str) -> list[dict]:
         ops = [re.sub(r"^@!?U?P\w+\s+", "", text).split()[0] for _, text in instructions[start:end + 1]]
         counts = collections.Counter(key for op in ops for key, names in _COUNTED.items()
                                      if any(n in op for n in names))
-        inner = not any(s >= start and e <= end and (s, e) != (start, end) for s, e in spans)
+        inner = not any(s >= start and e <= end and (s, e) != (start, end) and not _spins(instructions[s:e + 1])
+                        for s, e in spans)
         loops.append(dict(start=hex(instructions[start][0]), end=hex(instructions[end][0]),
                           instructions=len(ops), inner=inner, **{k: counts[k] for k in _COUNTED}))
     return sorted(loops, key=lambda loop: (not loop["inner"], int(loop["start"], 16)))
