@@ -67,23 +67,29 @@ def e2m1_value(c):
 @triton.jit
 def e2m1_codes(y, STOCHASTIC: tl.constexpr, u):
     """4-bit E2M1 codes (int32) of y in [-6, 6]: RNE on the grid, or up with probability
-    (|y| - lo) / (hi - lo) when u < p (u uniform in [0, 1)); NaN -> 0, -0 -> +0."""
-    a = tl.abs(y)
+    (|y| - lo) / (hi - lo) when u < p (u uniform in [0, 1)); NaN -> 0, -0 -> +0.
+
+    From |y|'s bits rather than by comparing with the grid: from 1 up, a code is the exponent
+    and the first mantissa bit (1.0 is code 2), so keeping one mantissa bit rounds onto the
+    grid, and the 22 bits dropped are p exactly; below 1 the codes 0, 1, 2 are 2|y| rounded,
+    and p its fraction. Same codes as the reference's comparisons with far fewer instructions,
+    which bound the cast."""
+    bits = y.to(tl.int32, bitcast=True)
+    a_bits = bits & 0x7FFFFFFF
+    a = a_bits.to(tl.float32, bitcast=True)
     if STOCHASTIC:
-        lo = ((a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32)
-              + (a >= 2.0).to(tl.int32) + (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32)
-              + (a >= 6.0).to(tl.int32))
-        hi = tl.minimum(lo + 1, 7)
-        lo_v = e2m1_value(lo)
-        hi_v = e2m1_value(hi)
-        p = tl.where(hi_v > lo_v, tl.math.div_rn(a - lo_v, tl.maximum(hi_v - lo_v, 0.5)), 0.0)
-        mag = tl.where(u < p, hi, lo)
-    else:  # ties go to the even code: upper bounds inclusive after 0, 1, 2, 4
-        mag = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-               + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-               + (a > 5.0).to(tl.int32))
-    mag = tl.where(a != a, 0, mag)
-    return tl.where((y < 0) & (mag != 0), mag | 8, mag)
+        twice = a * 2.0
+        below = twice.to(tl.int32)  # toward zero: 0 or 1 under 1
+        lo = tl.where(a < 1.0, below, (a_bits >> 22) - 252)
+        p = tl.where(a < 1.0, twice - below.to(tl.float32), (a_bits & 0x3FFFFF).to(tl.float32) * (1.0 / 4194304.0))
+        mag = lo + (u < p).to(tl.int32)
+    else:  # RNE: add just under half of the dropped bits' unit, plus the kept bit (ties to even)
+        above = ((a_bits + (0x1FFFFF - (252 << 22)) + ((a_bits >> 22) & 1)) >> 22)
+        below = (a * 2.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000  # 2^23 rounds to an integer
+        mag = tl.where(a < 1.0, below, above)
+    # NaN's magnitude comes out above 7 (its exponent field is all ones): 0, as is -0
+    keep = (mag - 1).to(tl.uint32, bitcast=True) < 7
+    return tl.where(keep, mag | ((bits >> 28) & 8), 0)
 
 
 @triton.jit

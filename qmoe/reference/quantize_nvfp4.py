@@ -51,11 +51,16 @@ def _quantize_1d_or_2d(x: torch.Tensor, s_enc: torch.Tensor, block: tuple[int, i
     sb = cast_satfinite((block_amax(x, block) * (s_enc * _ONE_SIXTH)).clamp(max=FLT_MAX), E4M3)
     enc = (1.0 / (sb.float() * s_dec)).clamp(max=FLT_MAX)  # NaN stays NaN; 1/0 = inf -> FLT_MAX
     y = (x * expand_blocks(enc, block, tuple(x.shape))).clamp(-E2M1.max, E2M1.max)
+    return e2m1_codes(y, rand), sb
+
+
+def e2m1_codes(y: torch.Tensor, rand: torch.Tensor | None = None) -> torch.Tensor:
+    """4-bit codes (uint8) of y in [-6, 6] fp32: RNE, or stochastic with uniforms `rand`;
+    NaN -> 0, and a negative value that rounds to 0 -> the +0 code."""
     a = y.abs()
     mag = e2m1_round_nearest(a) if rand is None else e2m1_round_stochastic(a, rand)
     mag = torch.where(torch.isnan(y), torch.zeros_like(mag), mag)
-    codes = torch.where((y < 0) & (mag != 0), mag | 0x8, mag)  # -0 -> +0 code
-    return codes, sb
+    return torch.where((y < 0) & (mag != 0), mag | 0x8, mag)
 
 
 def hadamard_matrix(n: int = RHT_SIZE, dtype=torch.float64, device=None) -> torch.Tensor:
