@@ -84,7 +84,7 @@ def e2m1_codes(y, STOCHASTIC: tl.constexpr, u):
         p = tl.where(a < 1.0, twice - below.to(tl.float32), (a_bits & 0x3FFFFF).to(tl.float32) * (1.0 / 4194304.0))
         mag = lo + (u < p).to(tl.int32)
     else:  # RNE: add just under half of the dropped bits' unit, plus the kept bit (ties to even)
-        above = ((a_bits + (0x1FFFFF - (252 << 22)) + ((a_bits >> 22) & 1)) >> 22)
+        above = (a_bits + (0x1FFFFF - (252 << 22)) + ((a_bits >> 22) & 1)) >> 22
         below = (a * 2.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000  # 2^23 rounds to an integer
         mag = tl.where(a < 1.0, below, above)
     # NaN's magnitude comes out above 7 (its exponent field is all ones): 0, as is -0
