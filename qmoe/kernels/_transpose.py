@@ -1,5 +1,6 @@
-"""Dense transposed copies of small 2-D tensors (private helper of `_cast_transpose_gl`): the
-scales a cast kernel writes in the order its tiles produce them, moved to their canonical layout.
+"""Dense transposed copies of small 2-D tensors (private helper of `_gluon_sm90`): block scales
+stored row-major (from a user, or unpacked after an expert-parallel all-to-all) moved to the
+steps-major layout the block GEMMs stream; the casts store theirs that way already.
 Its spec is torch's `src.t()`, which the tests hold it to bit for bit.
 
 torch's `copy_` from a transposed view reads one side a row apart per element; this kernel

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from qmoe.contracts.scales import gemm_scale
 from qmoe.quant import QuantizedTensor
 
 
@@ -26,7 +27,7 @@ class PackedRows:
         if qt.rowwise_data.element_size() != 1 or qt.rowwise_data.shape[1] != self.width:
             raise ValueError(f"quantized dispatch sends 1-byte codes of K={self.width} per row, got "
                              f"{qt.rowwise_data.dtype} {tuple(qt.rowwise_data.shape)}")
-        scale = qt.rowwise_scale_inv
+        scale = gemm_scale(qt, False)  # its shape and dtype: no canonical copy needed here
         self.shared_scale = scale if scale.dim() == 0 else None  # per-tensor: one value for every row
         self.scale_dtype = scale.dtype
         self.scale_cols = 0 if scale.dim() == 0 else scale.shape[1]

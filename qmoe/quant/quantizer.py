@@ -13,6 +13,7 @@ import torch
 
 from qmoe.contracts.carriers import ActivatedRows, RowsWithAmax
 from qmoe.contracts.errors import refuse_compile
+from qmoe.contracts.scales import gemm_scale
 from qmoe.contracts.validate import check_flag
 from qmoe.contracts.formats import (E2M1, FP8_BLOCK, MXFP8_BLOCK, NVFP4_BLOCK, RHT_SIZE, ElementFormat, ScaleMode,
                                    ceil_div)
@@ -127,6 +128,13 @@ class Quantizer:
         """GroupedTensor parts for x [sum M_g, K] split by `splits` [G] (device int64)."""
         raise NotImplementedError
 
+    @staticmethod
+    def _stored(qt, columnwise: bool):
+        """(data, scales) of qt's rowwise or columnwise copy, the scales as the quantizer stored
+        them: the dequantize kernels and their twins take any strides, so a steps-major layout
+        needs no canonical copy first (`ScaleSlot`)."""
+        return (qt.columnwise_data if columnwise else qt.rowwise_data), gemm_scale(qt, columnwise)
+
     def _impl(self, family: Dispatch, name: str, *tensors):
         # an ActivatedRows input (GroupedTensor.quantize on the kernels' device) runs where its h is
         return family.pick(name, *(t.h if isinstance(t, ActivatedRows) else t for t in tensors))
@@ -209,8 +217,7 @@ class Float8CurrentQuantizer(Quantizer):
                     columnwise_data=col, columnwise_scale_inv=inv if columnwise else None)
 
     def dequantize(self, qt, dtype=torch.float32, columnwise=False):
-        data, si = ((qt.columnwise_data, qt.columnwise_scale_inv) if columnwise
-                    else (qt.rowwise_data, qt.rowwise_scale_inv))
+        data, si = self._stored(qt, columnwise)
         return self._impl(QUANTIZE, "dequantize_fp8_tensorwise", data)(data, si, dtype)
 
 
@@ -362,8 +369,7 @@ class Float8BlockQuantizer(Quantizer):
         return dict(rowwise_data=row, rowwise_scale_inv=rs, columnwise_data=col, columnwise_scale_inv=cs)
 
     def dequantize(self, qt, dtype=torch.float32, columnwise=False):
-        data, si = ((qt.columnwise_data, qt.columnwise_scale_inv) if columnwise
-                    else (qt.rowwise_data, qt.rowwise_scale_inv))
+        data, si = self._stored(qt, columnwise)
         return self._impl(QUANTIZE, "dequantize_fp8_block", data)(data, si, self.block[0], self.block[1], dtype)
 
 
@@ -389,8 +395,7 @@ class MXFP8Quantizer(Quantizer):
         return dict(rowwise_data=row, rowwise_scale_inv=rs, columnwise_data=col, columnwise_scale_inv=cs)
 
     def dequantize(self, qt, dtype=torch.float32, columnwise=False):
-        data, s = ((qt.columnwise_data, qt.columnwise_scale_inv) if columnwise
-                   else (qt.rowwise_data, qt.rowwise_scale_inv))
+        data, s = self._stored(qt, columnwise)
         return self._impl(QUANTIZE, "dequantize_mxfp8", data)(data, s, dtype)
 
 
@@ -452,6 +457,6 @@ class NVFP4Quantizer(Quantizer):
                     amax=amax, columnwise_amax=camax)
 
     def dequantize(self, qt, dtype=torch.float32, columnwise=False):
-        data, s, amax = ((qt.columnwise_data, qt.columnwise_scale_inv, qt.columnwise_amax) if columnwise
-                         else (qt.rowwise_data, qt.rowwise_scale_inv, qt.amax))
+        data, s = self._stored(qt, columnwise)
+        amax = qt.columnwise_amax if columnwise else qt.amax
         return self._impl(QUANTIZE_NVFP4, "dequantize_nvfp4", data)(data, s, amax, self.block_2d, dtype)
