@@ -1,7 +1,8 @@
 """The Gluon block cast (qmoe/kernels/_cast_transpose_gl.py) against the Triton kernels, same run.
 
 For 1x128 and 128x128 FP8 blocks and MXFP8 (round-up scales), rowwise + columnwise and
-columnwise alone, on bf16 65536x7168 and grouped 32 x 2048 x 7168 (one launch): the Triton
+columnwise alone, on bf16 65536x7168, grouped 32 x 2048 x 7168 (one launch) and 32 uneven groups
+of 16-row multiples around 2048 (as a layer's routing makes them, `uneven_sizes`): the Triton
 kernels (autotuned, QMOE_BLOCK_CAST=triton), the dispatched path, and Gluon variants (ring
 stages, warps, programs per SM; bf16 read as packed words or as fp32; the columnwise stage's
 swizzle phase; the tile order's bands of row tiles). Every variant's bytes are checked against
@@ -27,16 +28,20 @@ from benchmarks.harness import (add_tiny_flag, copy_gbps, environ_set, error_lin
                                 write_results)
 from benchmarks.sweep_quantize_tiles import make_input, mismatches, nbytes
 
-SHAPES = {"65536x7168": (65536, 7168, 0), "32x2048x7168": (65536, 7168, 32)}
-TINY = {"256x384": (256, 384, 0), "3x128x384": (384, 384, 3)}
-# (stages, warps, programs per SM, row tiles per band of the tile order); bf16 read as words
+# (rows, columns, groups, uneven group sizes)
+SHAPES = {"65536x7168": (65536, 7168, 0, False), "32x2048x7168": (65536, 7168, 32, False),
+          "32x~2048x7168 uneven": (65536, 7168, 32, True)}
+TINY = {"256x384": (256, 384, 0, False), "3x128x384": (384, 384, 3, False)}
+# (stages, warps, programs per SM, row tiles per band of the tile order, 0: column strips); bf16 read as words
 VARIANTS = [dict(stages=s, warps=w, per_sm=p, packed=True, stage_phase=None, tile_group=g)
-            for s, w, p, g in ((2, 8, 1, 1), (2, 8, 1, 8), (2, 8, 1, 16), (3, 8, 1, 1), (3, 8, 1, 8), (2, 8, 2, 8))]
+            for s, w, p, g in ((2, 8, 1, 1), (2, 8, 1, 8), (2, 8, 1, 16), (3, 8, 1, 1), (3, 8, 1, 8), (2, 8, 2, 8),
+                               (2, 8, 1, 0), (3, 8, 1, 0))]
 
 
 def variant_name(variant: dict) -> str:
     return "gluon s{stages} w{warps} x{per_sm}{}{}{}{}".format(
-        f" band {variant['tile_group']}" if variant["tile_group"] > 1 else "",
+        f" band {variant['tile_group']}" if variant["tile_group"] > 1 else
+        " strips" if variant["tile_group"] == 0 else "",
         f" maxnreg {variant['maxnreg']}" if variant.get("maxnreg") else "",
         "" if variant["packed"] else " fp32 reads",
         "" if variant["stage_phase"] is None else f" stage phase {variant['stage_phase']}", **variant)
@@ -71,6 +76,7 @@ def main(argv=None) -> int:
     p.add_argument("--variants", type=json.loads, default=None,
                    help="a JSON list of variants (launch keywords) to time instead of VARIANTS")
     p.add_argument("--blocks", nargs="+", default=["1x128", "128x128", "mx32"], choices=["1x128", "128x128", "mx32"])
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     add_tiny_flag(p)
     args = p.parse_args(argv)
     on_gpu = gpu_or_tiny(args.tiny)
@@ -80,8 +86,9 @@ def main(argv=None) -> int:
     copy = copy_gbps(args.rep) if on_gpu else None
     print(f"device-to-device copy: {copy:.0f} GB/s" if copy else "tiny shapes: bits only", flush=True)
     rows = []
-    for shape, (m, k, groups) in (TINY if args.tiny else SHAPES).items():
-        x, splits = make_input(m, k, groups, False, False, "cuda" if on_gpu else "cpu")
+    shapes = TINY if args.tiny else {s: SHAPES[s] for s in args.shapes}
+    for shape, (m, k, groups, uneven) in shapes.items():
+        x, splits = make_input(m, k, groups, uneven, False, "cuda" if on_gpu else "cpu")
         for block in args.blocks:
             for rowwise in (True, False):
                 case = dict(block=block, orientation="row+col" if rowwise else "col", shape=shape)

@@ -54,7 +54,7 @@ from qmoe.kernels._gluon_sm90 import gluon
 MX_VALUES = 32  # values per MXFP8 scale block
 
 if gluon is not None:
-    from qmoe.kernels._cast_walk_gl import _group_table, _issue, _locate
+    from qmoe.kernels._cast_walk_gl import _first_tile, _group_table, _issue, _locate, _tile_of
     from qmoe.kernels._gluon_sm90 import TensorDescriptor, gl, mbarrier
 
     MX_BLOCK = gl.constexpr(MX_VALUES)
@@ -97,6 +97,69 @@ if gluon is not None:
         else:
             rows = row0 + offs
             gl.store(base + rows[None, :], q, mask=(cols < K)[:, None] & (rows < row_end)[None, :])
+
+    @gluon.jit
+    def _shuffle(v, lane):
+        """v of lane `lane` of the warp, per element (every lane takes part)."""
+        return gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 31, -1;", "=r,r,r", [v, lane],
+                                         dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _write_column_lines(prev, cur, first, step, K, col_ptr, row0, M, carry, flush, BM: gl.constexpr,
+                            num_warps: gl.constexpr):
+        """_write_column_runs for a whole tile whose first row is 16-aligned but not BM-aligned (a
+        group starting inside a 128-byte line of the columnwise copy), as whole lines: each row of
+        the stage leaves as the aligned line that holds its first rows, completed in front by the
+        previous tile's last rows when `carry` (that tile, the row tile above in the same group,
+        was cast just before into `prev`, and left them unwritten); with `flush`, the tile's own
+        last rows then go out too, as the front of the next line. Stores that straddle two lines
+        run the copy far below the bandwidth. The stages are read as words, 16-byte chunks on
+        consecutive lanes; a line's chunk comes from the lane that holds it (a warp shuffle)."""
+        CH: gl.constexpr = BM // 16  # 16-byte chunks per row of the stage
+        LR: gl.constexpr = 32 // CH  # rows of the stage per warp and pass
+        out_l: gl.constexpr = gl.BlockedLayout([1, 4], [LR, CH], [num_warps, 1], [1, 0])
+        qc = cur.load(out_l)
+        qp = prev.load(out_l)
+        r = gl.arange(0, cur.shape[0], layout=gl.SliceLayout(1, out_l))
+        w = gl.arange(0, BM // 4, layout=gl.SliceLayout(0, out_l))
+        shift = (row0 % BM) // 16  # chunks of the line in front of the tile's first row
+        chunk = gl.expand_dims(w // 4, 0)
+        lane = gl.expand_dims((r % LR) * CH, 1) + ((chunk - shift) & (CH - 1))
+        mine = _shuffle(qc, lane)  # the line's chunk from this tile; in front of it, from the previous
+        cols = first + step * r
+        base = (col_ptr.to(gl.pointer_type(gl.int32)) + gl.expand_dims(cols.to(gl.int64) * (M // 4), 1)
+                + (row0 // BM) * (BM // 4) + gl.expand_dims(w, 0))
+        ok = gl.expand_dims(cols < K, 1)
+        gl.store(base, gl.where(chunk >= shift, mine, _shuffle(qp, lane)), mask=ok & ((chunk >= shift) | carry))
+        if flush:
+            gl.store(base + BM // 4, mine, mask=ok & (chunk < shift))
+
+    @gluon.jit
+    def _store_columns(stages, i, kt, K, col_ptr, row0, row_end, M, carry, flush, HALVES: gl.constexpr,
+                       LINES: gl.constexpr, PHASE: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
+                       num_warps: gl.constexpr):
+        """Store the columnwise codes of the program's i-th tile, staged in stages[i % 2] (LINES: the
+        previous tile's are in the other stage; else stages holds one), a row per column (HALVES: a
+        row per pair of columns, the low column's codes then the high one's): as whole lines
+        (_write_column_lines) where LINES and the tile allows, else as runs (_write_column_runs).
+        PHASE: the stages' swizzle (rows per phase of 16-byte chunks)."""
+        STEP: gl.constexpr = 2 if HALVES else 1
+        cur = stages.index(i % stages.shape[0])
+        # lines for a whole tile that starts on 16 rows inside a line (an aligned one's runs are lines)
+        if LINES and (row0 % 16 == 0) & (row0 % BM != 0) & (row0 + BM <= row_end) & (M % 16 == 0):
+            n: gl.constexpr = cur.shape[0]
+            W: gl.constexpr = cur.shape[1] // 4
+            word_l: gl.constexpr = gl.SwizzledSharedLayout(4, PHASE, 8, order=[1, 0])
+            pw = sm90.reinterpret(stages.index((i + 1) % 2), gl.int32, [n, W], word_l)
+            cw = sm90.reinterpret(cur, gl.int32, [n, W], word_l)
+            for half in gl.static_range(STEP):
+                _write_column_lines(pw.slice(half * (BM // 4), BM // 4, dim=1),
+                                    cw.slice(half * (BM // 4), BM // 4, dim=1),
+                                    kt * BK + half, STEP, K, col_ptr, row0, M, carry, flush, BM, num_warps)
+        else:
+            for half in gl.static_range(STEP):
+                _write_column_runs(cur.slice(half * BM, BM, dim=1), kt * BK + half, STEP, K, col_ptr, row0, row_end,
+                                   M, BM, num_warps)
 
     @gluon.jit
     def _max_u16x2(a, b):
@@ -172,8 +235,6 @@ if gluon is not None:
                 s_c = fp8_scale_from_amax(bits_to_float(gl.max(bits_c, 0)), FMT_MAX, POW2, eps)
                 gl.store(col_s_ptr + cols64 * stride_cs + sblk * stride_csm, scale_inverse(s_c, POW2), mask=ok_c)
             col_stage.permute([1, 0]).store(cast_codes(xc * gl.expand_dims(s_c, 0), FMT_MAX, OUT_DTYPE))
-            sm90.thread_barrier()
-            _write_column_runs(col_stage, col0, 1, K, col_ptr, row0, row_end, M, BM, num_warps)
 
     @triton.constexpr_function
     def _row_scale_layout(rows, warps):
@@ -254,10 +315,6 @@ if gluon is not None:
                 cast_codes(lo * gl.expand_dims(s_lo, 0), FMT_MAX, OUT_DTYPE))
             col_stage.slice(BM, BM, dim=1).permute([1, 0]).store(
                 cast_codes(hi * gl.expand_dims(s_hi, 0), FMT_MAX, OUT_DTYPE))
-            sm90.thread_barrier()
-            for half in gl.static_range(2):
-                _write_column_runs(col_stage.slice(half * BM, BM, dim=1), 2 * w0 + half, 2, K, col_ptr, row0, row_end,
-                                   M, BM, num_warps)
 
     @gluon.jit
     def _mx_multiplier(amax, FMT_MAX: gl.constexpr, EMAX: gl.constexpr, ROUND_UP: gl.constexpr):
@@ -339,10 +396,6 @@ if gluon is not None:
             q_hi = gl.reshape(cast_codes(hi * gl.expand_dims(mult_hi, 1), FMT_MAX, OUT_DTYPE), [BM, BW])
             col_stage.slice(0, BM, dim=1).permute([1, 0]).store(q_lo)
             col_stage.slice(BM, BM, dim=1).permute([1, 0]).store(q_hi)
-            sm90.thread_barrier()
-            for half in gl.static_range(2):
-                _write_column_runs(col_stage.slice(half * BM, BM, dim=1), 2 * w0 + half, 2, K, col_ptr, row0, row_end,
-                                   M, BM, num_warps)
 
     # M stays specialised: as the columnwise copy's row stride, its divisibility by 16 lets the
     # columnwise codes leave as 16-byte vectors
@@ -372,11 +425,15 @@ if gluon is not None:
         # the tile's columnwise codes on their way out: a row per column (bf16: per pair of columns),
         # 16-byte chunks swizzled per STAGE_PHASE rows so that the rows one store instruction writes
         # (every second row from words, every fourth from fp32 reads) fall on distinct banks
+        # (column strips: two, the tile's and the previous one's, whose last rows a line may still need)
         stage_l: gl.constexpr = gl.SwizzledSharedLayout(16, STAGE_PHASE, 8, order=[1, 0])
-        if PACKED or MX:
-            col_stage = gl.allocate_shared_memory(gl.uint8, [BK // 2, 2 * BM], stage_l)
+        LINES: gl.constexpr = TILE_GROUP == 0 and COLWISE
+        NSTAGE: gl.constexpr = 2 if LINES else 1
+        HALVES: gl.constexpr = PACKED or MX
+        if HALVES:
+            col_stages = gl.allocate_shared_memory(gl.uint8, [NSTAGE, BK // 2, 2 * BM], stage_l)
         else:
-            col_stage = gl.allocate_shared_memory(gl.uint8, [BK, BM], stage_l)
+            col_stages = gl.allocate_shared_memory(gl.uint8, [NSTAGE, BK, BM], stage_l)
 
         nk = gl.cdiv(K, BK)
         SB: gl.constexpr = MX_BLOCK if MX else BM  # rows per scale block along M
@@ -385,23 +442,26 @@ if gluon is not None:
             nm = gl.sum(tiles, 0)
         else:
             nm = gl.cdiv(M, BM)
-        pid = gl.program_id(0)
-        mine = gl.cdiv(gl.maximum(nm * nk - pid, 0), NUM_PROGRAMS)
+        first_tile, mine = _first_tile(gl.program_id(0), nm * nk, NUM_PROGRAMS, TILE_GROUP)
         for j in gl.static_range(STAGES - 1):
             if j < mine:
-                _issue(x_desc, bufs, ready, pid + j * NUM_PROGRAMS, j, nk, nm, M, K, gi, starts, sizes, tiles,
-                       tile_end, BM, BK, GROUPED, TILE_GROUP, GLU, GLU_BLOCK)
+                _issue(x_desc, bufs, ready, _tile_of(first_tile, j, NUM_PROGRAMS, TILE_GROUP), j, nk, nm, M, K, gi,
+                       starts, sizes, tiles, tile_end, BM, BK, GROUPED, TILE_GROUP, GLU, GLU_BLOCK)
 
+        prev_row0 = -1  # the last tile's first row and column tile (column strips: the carried lines)
+        prev_kt = -1
         for i in range(mine):
             sm90.thread_barrier()  # every warp is done with the slot the next load overwrites
             nxt = i + STAGES - 1
             if nxt < mine:
-                _issue(x_desc, bufs, ready, pid + nxt * NUM_PROGRAMS, nxt % STAGES, nk, nm, M, K, gi, starts,
-                       sizes, tiles, tile_end, BM, BK, GROUPED, TILE_GROUP, GLU, GLU_BLOCK)
+                _issue(x_desc, bufs, ready, _tile_of(first_tile, nxt, NUM_PROGRAMS, TILE_GROUP), nxt % STAGES, nk,
+                       nm, M, K, gi, starts, sizes, tiles, tile_end, BM, BK, GROUPED, TILE_GROUP, GLU, GLU_BLOCK)
             slot = i % STAGES
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-            row0, row_end, sblk, kt = _locate(pid + i * NUM_PROGRAMS, nk, nm, M, gi, starts, sizes, tiles,
-                                              tile_end, first_block, BM, SB, GROUPED, TILE_GROUP)
+            row0, row_end, sblk, kt = _locate(_tile_of(first_tile, i, NUM_PROGRAMS, TILE_GROUP), nk, nm, M, gi,
+                                              starts, sizes, tiles, tile_end, first_block, BM, SB, GROUPED,
+                                              TILE_GROUP)
+            col_stage = col_stages.index(i % NSTAGE)
             if GLU:
                 _activate_tile(bufs.index(2 * slot), bufs.index(2 * slot + 1), act_tile, probs_ptr, row0, kt * BK,
                                M, K, ACT, num_warps)
@@ -421,6 +481,16 @@ if gluon is not None:
                 _cast_tile(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M, K, eps,
                            stride_rs, stride_rsk, stride_cs, stride_csm, FMT_MAX, OUT_DTYPE, POW2, BLOCK_2D, ROWWISE,
                            COLWISE, VEC, num_warps)
+            if COLWISE:
+                sm90.thread_barrier()  # the stage is whole before any warp stores from it
+                # the row tile above, in this group, was the last one cast here: its last rows wait in the
+                # other stage; this tile's wait for the next one unless that is the tile below, whole
+                carry = (kt == prev_kt) & (row0 == prev_row0 + BM)
+                flush = (i + 1 == mine) | (row0 + 2 * BM > row_end)
+                _store_columns(col_stages, i, kt, K, col_ptr, row0, row_end, M, carry, flush, HALVES, LINES,
+                               STAGE_PHASE, BM, BK, num_warps)
+                prev_row0 = row0
+                prev_kt = kt
 
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
@@ -429,9 +499,13 @@ if gluon is not None:
 _TILE = 128
 # What fp8_block_op and mxfp8_op dispatch to: stages of the TMA ring, warps per program, programs
 # per SM, row tiles per band of the tile order. FP8 columnwise codes alone take a third stage
-# (benchmarks/results/sweeps/block_cast_bands.json, block_cast_dispatch.json).
+# (benchmarks/results/sweeps/block_cast_bands.json, block_cast_dispatch.json). Grouped inputs walk
+# column strips (tile_group 0), so groups that start inside a line of the columnwise copy still
+# write it in whole lines (benchmarks/results/sweeps/block_cast_lines.json).
 DISPATCH = dict(stages=2, warps=8, per_sm=1, tile_group=8)
 DISPATCH_COLUMNWISE = dict(DISPATCH, stages=3)
+GROUPED_TILE_GROUP = 0
+_SCRATCH = 8192  # shared memory the kernel takes besides its buffers (barriers, reductions' scratch)
 
 
 def unsupported(x: torch.Tensor, block_cols: int, act: int = NO_ACTIVATION, glu_block: int = 0,
@@ -474,9 +548,11 @@ def launch_dispatched(x: torch.Tensor, splits, num_groups: int, two_d: bool, blo
         return False
 
     def go():
+        config = dict(DISPATCH if rowwise else DISPATCH_COLUMNWISE)
+        if splits is not None:
+            config["tile_group"] = GROUPED_TILE_GROUP
         launch(x, splits, num_groups, two_d, out_code, fmt_max, power_2_scale, amax_epsilon, rowwise, True,
-               row, row_s, col, col_s, act=act, glu_block=glu_block, probs=probs,
-               **(DISPATCH if rowwise else DISPATCH_COLUMNWISE))
+               row, row_s, col, col_s, act=act, glu_block=glu_block, probs=probs, **config)
         return True
 
     key = (x.dtype, splits is not None, two_d, rowwise, act, glu_block)
@@ -492,8 +568,9 @@ def launch_dispatched_mx(x: torch.Tensor, splits, num_groups: int, block: int, a
         return False
 
     def go():
+        config = dict(DISPATCH, tile_group=GROUPED_TILE_GROUP if splits is not None else DISPATCH["tile_group"])
         launch(x, splits, num_groups, False, out_code, fmt_max, False, 0.0, rowwise, True, row, row_s, col, col_s,
-               mx=(emax, round_up), act=act, glu_block=glu_block, probs=probs, **DISPATCH)
+               mx=(emax, round_up), act=act, glu_block=glu_block, probs=probs, **config)
         return True
 
     return sm90.launch_once(FAILED, ("mx", splits is not None, rowwise, act, glu_block), "MXFP8 cast", go) is True
@@ -511,8 +588,10 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
     mx = (emax, round_up), MXFP8 of a bf16 x into mxfp8_op's outputs instead (two_d, power_2_scale
     and amax_epsilon unused; its E8M0 scales as bytes or as float8_e8m0fnu views). stage_phase:
     rows of the columnwise stage per swizzle phase (None: the read path's conflict-free one).
-    tile_group: row tiles per band of the tile order (`_cast_walk_gl._tile_order`). act (a GLU's code), glu_block,
-    probs ([M] fp32): x is h [M, 2K] and the quantized input act(h) * probs, as fp8_block_op's.
+    tile_group: row tiles per band of the tile order (`_cast_walk_gl._tile_order`; 0: column strips,
+    whose columnwise lines leave whole, with a second stage for them: bands where M is not a
+    multiple of 16 or shared memory lacks room). act (a GLU's code), glu_block, probs ([M] fp32):
+    x is h [M, 2K] and the quantized input act(h) * probs, as fp8_block_op's.
     The scale outputs may have any strides (the dispatched path's are transposed)."""
     m, k = x.shape[0], input_width(x, act)
     row_s, col_s = (s.view(torch.uint8) if s.dtype == torch.float8_e8m0fnu else s for s in (row_s, col_s))
@@ -521,6 +600,11 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
     if programs is None:
         programs = min(upper * -(-k // _TILE), num_sms(x.device) * per_sm)
     words = packed and x.dtype == torch.bfloat16
+    tile_bytes = _TILE * _TILE * x.element_size()
+    glu = act != NO_ACTIVATION
+    smem = stages * tile_bytes * (2 if glu else 1) + (tile_bytes if glu else 0) + 2 * _TILE * _TILE
+    if tile_group == 0 and (not columnwise or m % 16 or smem > sm90.SMEM_BYTES - _SCRATCH):
+        tile_group = DISPATCH["tile_group"]  # no lines to carry (16-byte rows), or no room for the second stage
     if stage_phase is None:  # a store instruction writes rows 2 apart (words of bf16), 4 apart (fp32 reads)
         stage_phase = 2 if words or mx is not None else 4
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=torch.finfo(x.dtype).bits, rank=2)

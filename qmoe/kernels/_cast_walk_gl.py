@@ -4,8 +4,9 @@ grouped, and the TMA load that puts it (or, for a fused GLU, its gate and linear
 slot of the program's ring.
 
 Order: bands of row tiles (`_tile_order`), so the tiles in flight at once share DRAM pages of the
-columnwise copy as well as of the input. Groups: row tiles and scale blocks start afresh at every
-group, as `tiles.tile_rows` lays them out for the Triton kernels.
+columnwise copy as well as of the input; or column strips, a contiguous run of tiles per program,
+so that one program casts a group's row tiles one after the other. Groups: row tiles and scale
+blocks start afresh at every group, as `tiles.tile_rows` lays them out for the Triton kernels.
 """
 from __future__ import annotations
 
@@ -35,8 +36,12 @@ if gluon is not None:
         """Tile t -> (row tile, column tile) of nm x nk: bands of TILE_GROUP row tiles, each walked
         down its rows first, then along K (TILE_GROUP 1: every row tile along K). The tiles that run
         at once then cover a few kilobytes of each row they read and of each columnwise row they
-        write, rather than whole input rows and 128 bytes of each columnwise row."""
-        if TILE_GROUP == 1:
+        write, rather than whole input rows and 128 bytes of each columnwise row. TILE_GROUP 0:
+        column strips, every row tile of a column tile before the next column tile (`_tile_of`)."""
+        if TILE_GROUP == 0:
+            vt = t % nm
+            kt = t // nm
+        elif TILE_GROUP == 1:
             vt = t // nk
             kt = t % nk
         else:
@@ -47,6 +52,23 @@ if gluon is not None:
             vt = first + inner % height
             kt = inner // height
         return vt, kt
+
+    @gluon.jit
+    def _first_tile(pid, total, NUM_PROGRAMS: gl.constexpr, TILE_GROUP: gl.constexpr):
+        """(program pid's first tile, how many it takes) of `total`: with column strips
+        (TILE_GROUP 0) a contiguous run, so a program takes a group's row tiles one after the other
+        and can write the columnwise lines two of them share whole; else every NUM_PROGRAMS-th tile."""
+        if TILE_GROUP == 0:
+            lo = pid * total // NUM_PROGRAMS
+            return lo, (pid + 1) * total // NUM_PROGRAMS - lo
+        return pid, gl.cdiv(gl.maximum(total - pid, 0), NUM_PROGRAMS)
+
+    @gluon.jit
+    def _tile_of(first, i, NUM_PROGRAMS: gl.constexpr, TILE_GROUP: gl.constexpr):
+        """The program's i-th tile (see _first_tile)."""
+        if TILE_GROUP == 0:
+            return first + i
+        return first + i * NUM_PROGRAMS
 
     @gluon.jit
     def _locate(t, nk, nm, M, gi, starts, sizes, tiles, tile_end, first_block, BM: gl.constexpr, SB: gl.constexpr,
