@@ -604,7 +604,7 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
     glu = act != NO_ACTIVATION
     smem = stages * tile_bytes * (2 if glu else 1) + (tile_bytes if glu else 0) + 2 * _TILE * _TILE
     if tile_group == 0 and (not columnwise or m % 16 or smem > sm90.SMEM_BYTES - _SCRATCH):
-        tile_group = DISPATCH["tile_group"]  # no lines to carry (16-byte rows), or no room for the second stage
+        tile_group = DISPATCH["tile_group"]  # nothing to carry (no columnwise copy, or rows off 16), or no room
     if stage_phase is None:  # a store instruction writes rows 2 apart (words of bf16), 4 apart (fp32 reads)
         stage_phase = 2 if words or mx is not None else 4
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=torch.finfo(x.dtype).bits, rank=2)
