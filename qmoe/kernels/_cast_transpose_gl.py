@@ -14,8 +14,8 @@ each tile in shared memory and the warps read it twice, once with a layout in wh
 holds a run of one row (rowwise amax, codes stored along rows) and once with one in which a
 thread holds a run of one column (columnwise amax and codes): no transpose in registers. The
 columnwise codes go back to shared memory, a row per column, and leave from there as whole
-128-byte lines (stored straight from the column layout, each warp's store would touch 32 lines
-16 bytes at a time, which holds the copy far below the bandwidth). bf16 tiles are
+128-byte lines (`_cast_columns_gl`; stored straight from the column layout, each warp's store
+would touch 32 lines 16 bytes at a time, which holds the copy far below the bandwidth). bf16 tiles are
 read as 32-bit words of two values (amaxes over packed 16-bit magnitudes, conversions to fp32 by
 shifts), and a tile's scales are computed once per row and column rather than on every thread
 that reduced them. The programs are persistent and prefetch STAGES - 1 tiles ahead, so loads
@@ -54,6 +54,7 @@ from qmoe.kernels._gluon_sm90 import gluon
 MX_VALUES = 32  # values per MXFP8 scale block
 
 if gluon is not None:
+    from qmoe.kernels._cast_columns_gl import _store_columns
     from qmoe.kernels._cast_walk_gl import _first_tile, _group_table, _issue, _locate, _tile_of
     from qmoe.kernels._gluon_sm90 import TensorDescriptor, gl, mbarrier
 
@@ -78,88 +79,6 @@ if gluon is not None:
             p = gl.load(probs_ptr + rows, mask=rows < M, other=0.0).to(gl.float32)
             a = gl.where(gl.expand_dims(cols < K, 0), a * gl.expand_dims(p, 1), 0.0)
             act.slice(r * RB, RB, dim=0).store(a.to(act.dtype))
-
-    @gluon.jit
-    def _write_column_runs(stage, first, step, K, col_ptr, row0, row_end, M, BM: gl.constexpr,
-                           num_warps: gl.constexpr):
-        """Store the staged columnwise codes: stage [n, BM] holds in row i the codes of column
-        first + i * step for rows row0 + [0, BM) of the tile, and col is [K, M]. A thread stores 16
-        bytes, a row of the stage leaves as one 128-byte line: 16-byte vectors where the tile is
-        whole and starts on 16 rows, masked bytes otherwise."""
-        out_l: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (BM // 16), BM // 16], [num_warps, 1], [1, 0])
-        q = stage.load(out_l)
-        cols = first + step * gl.arange(0, stage.shape[0], layout=gl.SliceLayout(1, out_l))
-        offs = gl.arange(0, BM, layout=gl.SliceLayout(0, out_l))
-        base = col_ptr + cols.to(gl.int64)[:, None] * M
-        if (row0 + BM <= row_end) & (row0 % 16 == 0):
-            rows = (row0 // 16) * 16 + offs  # the same rows, visibly 16-aligned
-            gl.store(base + rows[None, :], q, mask=(cols < K)[:, None])
-        else:
-            rows = row0 + offs
-            gl.store(base + rows[None, :], q, mask=(cols < K)[:, None] & (rows < row_end)[None, :])
-
-    @gluon.jit
-    def _shuffle(v, lane):
-        """v of lane `lane` of the warp, per element (every lane takes part)."""
-        return gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 31, -1;", "=r,r,r", [v, lane],
-                                         dtype=gl.int32, is_pure=True, pack=1)
-
-    @gluon.jit
-    def _write_column_lines(prev, cur, first, step, K, col_ptr, row0, M, carry, flush, BM: gl.constexpr,
-                            num_warps: gl.constexpr):
-        """_write_column_runs for a whole tile whose first row is 16-aligned but not BM-aligned (a
-        group starting inside a 128-byte line of the columnwise copy), as whole lines: each row of
-        the stage leaves as the aligned line that holds its first rows, completed in front by the
-        previous tile's last rows when `carry` (that tile, the row tile above in the same group,
-        was cast just before into `prev`, and left them unwritten); with `flush`, the tile's own
-        last rows then go out too, as the front of the next line. Stores that straddle two lines
-        run the copy far below the bandwidth. The stages are read as words, 16-byte chunks on
-        consecutive lanes; a line's chunk comes from the lane that holds it (a warp shuffle)."""
-        CH: gl.constexpr = BM // 16  # 16-byte chunks per row of the stage
-        LR: gl.constexpr = 32 // CH  # rows of the stage per warp and pass
-        out_l: gl.constexpr = gl.BlockedLayout([1, 4], [LR, CH], [num_warps, 1], [1, 0])
-        qc = cur.load(out_l)
-        qp = prev.load(out_l)
-        r = gl.arange(0, cur.shape[0], layout=gl.SliceLayout(1, out_l))
-        w = gl.arange(0, BM // 4, layout=gl.SliceLayout(0, out_l))
-        shift = (row0 % BM) // 16  # chunks of the line in front of the tile's first row
-        chunk = gl.expand_dims(w // 4, 0)
-        lane = gl.expand_dims((r % LR) * CH, 1) + ((chunk - shift) & (CH - 1))
-        mine = _shuffle(qc, lane)  # the line's chunk from this tile; in front of it, from the previous
-        cols = first + step * r
-        base = (col_ptr.to(gl.pointer_type(gl.int32)) + gl.expand_dims(cols.to(gl.int64) * (M // 4), 1)
-                + (row0 // BM) * (BM // 4) + gl.expand_dims(w, 0))
-        ok = gl.expand_dims(cols < K, 1)
-        gl.store(base, gl.where(chunk >= shift, mine, _shuffle(qp, lane)), mask=ok & ((chunk >= shift) | carry))
-        if flush:
-            gl.store(base + BM // 4, mine, mask=ok & (chunk < shift))
-
-    @gluon.jit
-    def _store_columns(stages, i, kt, K, col_ptr, row0, row_end, M, carry, flush, HALVES: gl.constexpr,
-                       LINES: gl.constexpr, PHASE: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
-                       num_warps: gl.constexpr):
-        """Store the columnwise codes of the program's i-th tile, staged in stages[i % 2] (LINES: the
-        previous tile's are in the other stage; else stages holds one), a row per column (HALVES: a
-        row per pair of columns, the low column's codes then the high one's): as whole lines
-        (_write_column_lines) where LINES and the tile allows, else as runs (_write_column_runs).
-        PHASE: the stages' swizzle (rows per phase of 16-byte chunks)."""
-        STEP: gl.constexpr = 2 if HALVES else 1
-        cur = stages.index(i % stages.shape[0])
-        # lines for a whole tile that starts on 16 rows inside a line (an aligned one's runs are lines)
-        if LINES and (row0 % 16 == 0) & (row0 % BM != 0) & (row0 + BM <= row_end) & (M % 16 == 0):
-            n: gl.constexpr = cur.shape[0]
-            W: gl.constexpr = cur.shape[1] // 4
-            word_l: gl.constexpr = gl.SwizzledSharedLayout(4, PHASE, 8, order=[1, 0])
-            pw = sm90.reinterpret(stages.index((i + 1) % 2), gl.int32, [n, W], word_l)
-            cw = sm90.reinterpret(cur, gl.int32, [n, W], word_l)
-            for half in gl.static_range(STEP):
-                _write_column_lines(pw.slice(half * (BM // 4), BM // 4, dim=1),
-                                    cw.slice(half * (BM // 4), BM // 4, dim=1),
-                                    kt * BK + half, STEP, K, col_ptr, row0, M, carry, flush, BM, num_warps)
-        else:
-            for half in gl.static_range(STEP):
-                _write_column_runs(cur.slice(half * BM, BM, dim=1), kt * BK + half, STEP, K, col_ptr, row0, row_end,
-                                   M, BM, num_warps)
 
     @gluon.jit
     def _max_u16x2(a, b):
@@ -487,7 +406,7 @@ if gluon is not None:
                 # other stage; this tile's wait for the next one unless that is the tile below, whole
                 carry = (kt == prev_kt) & (row0 == prev_row0 + BM)
                 flush = (i + 1 == mine) | (row0 + 2 * BM > row_end)
-                _store_columns(col_stages, i, kt, K, col_ptr, row0, row_end, M, carry, flush, HALVES, LINES,
+                _store_columns(col_stage, col_stages, i, kt, K, col_ptr, row0, row_end, M, carry, flush, HALVES, LINES,
                                STAGE_PHASE, BM, BK, num_warps)
                 prev_row0 = row0
                 prev_kt = kt
@@ -506,6 +425,11 @@ DISPATCH = dict(stages=2, warps=8, per_sm=1, tile_group=8)
 DISPATCH_COLUMNWISE = dict(DISPATCH, stages=3)
 GROUPED_TILE_GROUP = 0
 _SCRATCH = 8192  # shared memory the kernel takes besides its buffers (barriers, reductions' scratch)
+
+
+def _dispatched(config: dict, splits) -> dict:
+    """The launch keywords of a dispatched call: `config`, in column strips for grouped inputs."""
+    return dict(config, tile_group=GROUPED_TILE_GROUP) if splits is not None else config
 
 
 def unsupported(x: torch.Tensor, block_cols: int, act: int = NO_ACTIVATION, glu_block: int = 0,
@@ -548,11 +472,9 @@ def launch_dispatched(x: torch.Tensor, splits, num_groups: int, two_d: bool, blo
         return False
 
     def go():
-        config = dict(DISPATCH if rowwise else DISPATCH_COLUMNWISE)
-        if splits is not None:
-            config["tile_group"] = GROUPED_TILE_GROUP
         launch(x, splits, num_groups, two_d, out_code, fmt_max, power_2_scale, amax_epsilon, rowwise, True,
-               row, row_s, col, col_s, act=act, glu_block=glu_block, probs=probs, **config)
+               row, row_s, col, col_s, act=act, glu_block=glu_block, probs=probs,
+               **_dispatched(DISPATCH if rowwise else DISPATCH_COLUMNWISE, splits))
         return True
 
     key = (x.dtype, splits is not None, two_d, rowwise, act, glu_block)
@@ -568,9 +490,8 @@ def launch_dispatched_mx(x: torch.Tensor, splits, num_groups: int, block: int, a
         return False
 
     def go():
-        config = dict(DISPATCH, tile_group=GROUPED_TILE_GROUP if splits is not None else DISPATCH["tile_group"])
         launch(x, splits, num_groups, False, out_code, fmt_max, False, 0.0, rowwise, True, row, row_s, col, col_s,
-               mx=(emax, round_up), act=act, glu_block=glu_block, probs=probs, **config)
+               mx=(emax, round_up), act=act, glu_block=glu_block, probs=probs, **_dispatched(DISPATCH, splits))
         return True
 
     return sm90.launch_once(FAILED, ("mx", splits is not None, rowwise, act, glu_block), "MXFP8 cast", go) is True
