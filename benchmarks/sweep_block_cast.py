@@ -32,20 +32,16 @@ from benchmarks.sweep_quantize_tiles import make_input, mismatches, nbytes
 SHAPES = {"65536x7168": (65536, 7168, 0, False), "32x2048x7168": (65536, 7168, 32, False),
           "32x~2048x7168 uneven": (65536, 7168, 32, True)}
 TINY = {"256x384": (256, 384, 0, False), "3x128x384": (384, 384, 3, False)}
-# (stages, warps, programs per SM, row tiles per band of the tile order (0: column strips), tiles a
-# program takes at a time (None: the launch's default)); bf16 read as words
-VARIANTS = [dict(stages=s, warps=w, per_sm=p, packed=True, stage_phase=None, tile_group=g, tile_run=r)
-            for s, w, p, g, r in ((2, 8, 1, 1, None), (2, 8, 1, 8, None), (2, 8, 1, 16, None), (3, 8, 1, 1, None),
-                                  (3, 8, 1, 8, None), (2, 8, 2, 8, None), (2, 8, 1, 0, None), (3, 8, 1, 0, None),
-                                  (2, 8, 1, 8, 8), (3, 8, 1, 8, 8))]
+# (stages, warps, programs per SM, row tiles per band of the tile order, 0: column strips); bf16 read as words
+VARIANTS = [dict(stages=s, warps=w, per_sm=p, packed=True, stage_phase=None, tile_group=g)
+            for s, w, p, g in ((2, 8, 1, 1), (2, 8, 1, 8), (2, 8, 1, 16), (3, 8, 1, 1), (3, 8, 1, 8), (2, 8, 2, 8),
+                               (2, 8, 1, 0), (3, 8, 1, 0))]
 
 
 def variant_name(variant: dict) -> str:
-    run = variant.get("tile_run")
-    return "gluon s{stages} w{warps} x{per_sm}{}{}{}{}{}".format(
+    return "gluon s{stages} w{warps} x{per_sm}{}{}{}{}".format(
         f" band {variant['tile_group']}" if variant["tile_group"] > 1 else
         " strips" if variant["tile_group"] == 0 else "",
-        f" runs {run}" if run not in (None, 0, 1) else "",
         f" maxnreg {variant['maxnreg']}" if variant.get("maxnreg") else "",
         "" if variant["packed"] else " fp32 reads",
         "" if variant["stage_phase"] is None else f" stage phase {variant['stage_phase']}", **variant)

@@ -4,8 +4,8 @@ a tile's codes, staged in shared memory a row per column, go to the columnwise c
 lines two row tiles share, the previous tile's last rows carried in a second stage.
 
 Where a group starts on 16 rows but not on a line (a layer's expert groups are padded to 16 or
-32 rows, not to the cast's 128-row tiles), every run would straddle two lines; a program walks
-such inputs in runs of row tiles (`_cast_walk_gl`), so the tile above was cast just before and its
+32 rows, not to the cast's 128-row tiles), every run would straddle two lines; the casts walk
+such inputs in column strips (`_cast_walk_gl`), so the tile above was cast just before and its
 rows can complete the line.
 """
 from __future__ import annotations

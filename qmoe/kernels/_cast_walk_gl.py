@@ -4,9 +4,8 @@ grouped, and the TMA load that puts it (or, for a fused GLU, its gate and linear
 slot of the program's ring.
 
 Order: bands of row tiles (`_tile_order`), so the tiles in flight at once share DRAM pages of the
-columnwise copy as well as of the input; or column strips. A program takes runs of consecutive
-tiles of that order (`_first_tile`), one tile or a band's column tile, so that it casts a group's
-row tiles one after the other. Groups: row tiles and scale
+columnwise copy as well as of the input; or column strips, a contiguous run of tiles per program,
+so that one program casts a group's row tiles one after the other. Groups: row tiles and scale
 blocks start afresh at every group, as `tiles.tile_rows` lays them out for the Triton kernels.
 """
 from __future__ import annotations
@@ -55,30 +54,21 @@ if gluon is not None:
         return vt, kt
 
     @gluon.jit
-    def _first_tile(pid, total, NUM_PROGRAMS: gl.constexpr, RUN: gl.constexpr):
-        """(program pid's first tile, how many it takes) of `total` tiles in _tile_order: runs of RUN
-        consecutive tiles, every NUM_PROGRAMS-th run (RUN 1: every NUM_PROGRAMS-th tile; RUN 0: one
-        contiguous run per program). A run of a band's height is the band's column tile, row tile
-        by row tile, so the program can write the columnwise lines two of them share whole."""
-        if RUN == 0:
-            first = pid * total // NUM_PROGRAMS
-            count = (pid + 1) * total // NUM_PROGRAMS - first
-        else:
-            runs = gl.cdiv(total, RUN)
-            mine = gl.cdiv(gl.maximum(runs - pid, 0), NUM_PROGRAMS)
-            last = ((mine > 0) & ((runs - 1) % NUM_PROGRAMS == pid)).to(gl.int32)  # the last run is mine: cut short
-            first = pid * RUN
-            count = mine * RUN - last * (runs * RUN - total)
-        return first, count
+    def _first_tile(pid, total, NUM_PROGRAMS: gl.constexpr, TILE_GROUP: gl.constexpr):
+        """(program pid's first tile, how many it takes) of `total`: with column strips
+        (TILE_GROUP 0) a contiguous run, so a program takes a group's row tiles one after the other
+        and can write the columnwise lines two of them share whole; else every NUM_PROGRAMS-th tile."""
+        if TILE_GROUP == 0:
+            lo = pid * total // NUM_PROGRAMS
+            return lo, (pid + 1) * total // NUM_PROGRAMS - lo
+        return pid, gl.cdiv(gl.maximum(total - pid, 0), NUM_PROGRAMS)
 
     @gluon.jit
-    def _tile_of(first, i, NUM_PROGRAMS: gl.constexpr, RUN: gl.constexpr):
+    def _tile_of(first, i, NUM_PROGRAMS: gl.constexpr, TILE_GROUP: gl.constexpr):
         """The program's i-th tile (see _first_tile)."""
-        if RUN == 0:
-            t = first + i
-        else:
-            t = first + (i // RUN) * (NUM_PROGRAMS * RUN) + i % RUN
-        return t
+        if TILE_GROUP == 0:
+            return first + i
+        return first + i * NUM_PROGRAMS
 
     @gluon.jit
     def _locate(t, nk, nm, M, gi, starts, sizes, tiles, tile_end, first_block, BM: gl.constexpr, SB: gl.constexpr,

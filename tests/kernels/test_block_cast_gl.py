@@ -21,14 +21,9 @@ from tests.kernels.interpret import INTERPRETING
 on_gpu = pytest.mark.skipif(INTERPRETING or not torch.cuda.is_available(), reason="needs a CUDA GPU")
 SPLITS = [0, 37, 1, 0, 130, 64, 0, 29, 300]  # empty groups, starts off 16 rows, partial tiles
 # the tile order in bands of row tiles (3: the last band of an odd tile count is cut short), or
-# in column strips (0: a program's tiles are consecutive row tiles); a program taking one tile at a
-# time, or runs of them: a band's column tile (the grouped dispatch's walk), half of one
+# in column strips (0: a program's tiles are consecutive row tiles, the grouped dispatch's order)
 KERNELS = {"plain": dict(tile_group=1), "banded": dict(tile_group=3), "banded3": dict(tile_group=2, stages=3),
-           "strips": dict(tile_group=0), "runs": dict(tile_group=3, tile_run=3),
-           "half runs": dict(tile_group=4, tile_run=2)}
-# the walks that carry the columnwise lines: strips, a band's column tile, runs across column tiles
-LINE_WALKS = {"strips": dict(tile_group=0), "band columns": dict(tile_group=8, tile_run=8),
-              "runs of 3 in bands of 2": dict(tile_group=2, tile_run=3)}
+           "strips": dict(tile_group=0)}
 # groups that start on 16 rows inside a 128-byte line of the columnwise copy (at 48, 448, 704, 1488,
 # 1504), with runs of whole row tiles whose shared lines leave whole, a group of whole tiles only
 # (256), one shorter than a tile (16), partial last tiles, an empty group; M a multiple of 16
@@ -135,12 +130,11 @@ def test_grouped_every_mode_bits_equal_the_reference(block_rows, rowwise, kernel
 @pytest.mark.parametrize("mx", [False, True], ids=["fp8", "mxfp8"])
 @pytest.mark.parametrize("programs", [1, 3, 7, 16, None])
 @pytest.mark.parametrize("tail", [[], [13]], ids=["m16", "m_odd"])
-@pytest.mark.parametrize("walk", list(LINE_WALKS))
-def test_runs_of_tiles_write_the_lines_groups_share(mx, programs, tail, walk):
-    """Programs whose runs of tiles start and end anywhere in a group (and, runs of 3 in bands of
-    2, cross column tiles): the lines two row tiles share leave whole and carry the previous tile's
-    rows; with M not a multiple of 16 (a last group of 13 rows) every tile takes the runs instead.
-    Both orientations and the columnwise copy alone, 1x128 and 128x128 blocks, MXFP8."""
+def test_column_strips_write_the_lines_groups_share(mx, programs, tail):
+    """Column strips, with programs whose runs of tiles start and end anywhere in a group: the
+    lines two row tiles share leave whole and carry the previous tile's rows; with M not a multiple
+    of 16 (a last group of 13 rows) every tile takes the runs instead. Both orientations and the
+    columnwise copy alone, 1x128 and 128x128 blocks, MXFP8."""
     from qmoe.contracts.formats import ScaleMode
     from qmoe.kernels import quantize as K
     from qmoe.kernels._layout import device_splits
@@ -155,26 +149,25 @@ def test_runs_of_tiles_write_the_lines_groups_share(mx, programs, tail, walk):
             outs = _fresh_outputs(K.mxfp8_op(x, s, len(sizes), torch.float8_e4m3fn, E4M3.max, E4M3.emax, True, 32,
                                              rowwise, True))
             _gl().launch(x, s, len(sizes), False, K.fp8_meta(E4M3), E4M3.max, False, 0.0, rowwise, True, *outs,
-                         programs=programs, mx=(E4M3.emax, True), **LINE_WALKS[walk])
+                         programs=programs, mx=(E4M3.emax, True), tile_group=0)
             want = RG.grouped_quantize_mxfp8(x, splits, E4M3, ScaleMode.ROUND_UP, rowwise, True)
         else:
             outs = _fresh_outputs(K.fp8_block_op(x, s, len(sizes), block_rows, 128, torch.float8_e4m3fn, E4M3.max,
                                                  True, 0.0, rowwise, True))
             _gl().launch(x, s, len(sizes), block_rows > 1, K.fp8_meta(E4M3), E4M3.max, True, 0.0, rowwise, True,
-                         *outs, programs=programs, **LINE_WALKS[walk])
+                         *outs, programs=programs, tile_group=0)
             want = RG.grouped_quantize_fp8_block(x, splits, block_rows, 128, E4M3, True, 0.0, rowwise, True)
         _same(tuple(o if w is not None else None for o, w in zip(outs, want)), want,
-              f"{walk}, {programs} programs, {block_rows} rows a block, rowwise={rowwise}")
+              f"strips, {programs} programs, {block_rows} rows a block, rowwise={rowwise}")
 
 
 @on_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("programs,stages,warps,band,run", [
-    (1, 2, 8, 1, None), (3, 3, 8, 1, None), (5, 4, 4, 1, None), (7, 3, 4, 1, None), (3, 2, 8, 4, None),
-    (5, 2, 8, 16, None), (7, 3, 8, 3, None), (1, 2, 8, 0, None), (5, 3, 8, 0, None), (7, 4, 4, 0, None),
-    (3, 2, 8, 4, 4), (5, 3, 8, 3, 3), (7, 4, 4, 8, 5)])
+@pytest.mark.parametrize("programs,stages,warps,band", [(1, 2, 8, 1), (3, 3, 8, 1), (5, 4, 4, 1), (7, 3, 4, 1),
+                                                        (3, 2, 8, 4), (5, 2, 8, 16), (7, 3, 8, 3), (1, 2, 8, 0),
+                                                        (5, 3, 8, 0), (7, 4, 4, 0)])
 @pytest.mark.parametrize("grouped", [False, True])
-def test_persistent_programs_walk_every_tile(programs, stages, warps, band, run, grouped):
+def test_persistent_programs_walk_every_tile(programs, stages, warps, band, grouped):
     """Few programs, many tiles each: every slot of the ring is reused with its barrier phases."""
     from qmoe.kernels import quantize as K
     from qmoe.kernels._layout import device_splits
@@ -190,11 +183,10 @@ def test_persistent_programs_walk_every_tile(programs, stages, warps, band, run,
         outs = _fresh_outputs(got)
         _gl().launch(x, None if splits is None else device_splits(splits, x), 4 if grouped else 1, block_rows > 1,
                      K.fp8_meta(E4M3), E4M3.max, True, 0.0, True, True, *outs, stages=stages, warps=warps,
-                     programs=programs, tile_group=band, tile_run=run)
+                     programs=programs, tile_group=band)
         want = (RG.grouped_quantize_fp8_block(x, splits, block_rows, 128, E4M3, True, 0.0, True, True) if grouped
                 else R.quantize_fp8_block(x, block_rows, 128, E4M3, True, 0.0, True, True))
-        _same(tuple(outs), want, f"{programs} programs, {stages} stages, bands of {band}, runs of {run}, "
-                                 f"{block_rows}x128")
+        _same(tuple(outs), want, f"{programs} programs, {stages} stages, bands of {band}, {block_rows}x128")
 
 
 def _fresh_outputs(outs):
@@ -337,10 +329,9 @@ def test_mxfp8_grouped_bits_equal_the_reference(rowwise, launches):
 
 @on_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("programs,stages,warps,band,run", [(1, 2, 8, 1, None), (5, 4, 4, 1, None),
-                                                            (7, 3, 4, 3, None), (3, 2, 8, 8, None),
-                                                            (5, 3, 8, 0, None), (5, 3, 8, 4, 4)])
-def test_mxfp8_persistent_programs_walk_every_tile(programs, stages, warps, band, run):
+@pytest.mark.parametrize("programs,stages,warps,band", [(1, 2, 8, 1), (5, 4, 4, 1), (7, 3, 4, 3), (3, 2, 8, 8),
+                                                        (5, 3, 8, 0)])
+def test_mxfp8_persistent_programs_walk_every_tile(programs, stages, warps, band):
     from qmoe.contracts.formats import ScaleMode
     from qmoe.kernels import quantize as K
     from qmoe.kernels._layout import device_splits
@@ -351,8 +342,7 @@ def test_mxfp8_persistent_programs_walk_every_tile(programs, stages, warps, band
     s = device_splits(splits, x)
     outs = _fresh_outputs(K.mxfp8_op(x, s, 4, torch.float8_e4m3fn, E4M3.max, E4M3.emax, True, 32, True, True))
     _gl().launch(x, s, 4, False, K.fp8_meta(E4M3), E4M3.max, False, 0.0, True, True, *outs,
-                 stages=stages, warps=warps, programs=programs, mx=(E4M3.emax, True), tile_group=band,
-                 tile_run=run)
+                 stages=stages, warps=warps, programs=programs, mx=(E4M3.emax, True), tile_group=band)
     want = RG.grouped_quantize_mxfp8(x, splits, E4M3, ScaleMode.ROUND_UP, True, True)
     _same(tuple(outs), want, f"mxfp8: {programs} programs, {stages} stages, {warps} warps, bands of {band}")
 
