@@ -427,18 +427,31 @@ _TILE = 128
 # per SM, row tiles per band of the tile order. FP8 columnwise codes alone take a third stage
 # (benchmarks/results/sweeps/block_cast_bands.json, block_cast_dispatch.json). Grouped inputs walk
 # column strips where a group starts inside a row tile, so that the columnwise lines such a group
-# shares still leave whole; bands where every group starts on one
-# (benchmarks/results/sweeps/block_cast_lines.json, block_cast_runs.json).
+# shares still leave whole, bands where every group starts on one, with a third stage where it
+# fits beside the strips' second columnwise stage (sweeps/block_cast_lines.json, block_cast_walk.json).
 DISPATCH = dict(stages=2, warps=8, per_sm=1, tile_group=8)
 DISPATCH_COLUMNWISE = dict(DISPATCH, stages=3)
-GROUPED_STRIPS_OFF_TILES = True
+GROUPED_DISPATCH = dict(stages=3, strips_off_tiles=True)
 _SCRATCH = 8192  # shared memory the kernel takes besides its buffers (barriers, reductions' scratch)
 
 
-def _dispatched(config: dict, splits) -> dict:
-    """The launch keywords of a dispatched call: `config`, in column strips where a grouped input's
-    groups start inside a row tile."""
-    return dict(config, strips_off_tiles=GROUPED_STRIPS_OFF_TILES) if splits is not None else config
+def _shared_bytes(stages: int, x: torch.Tensor, act: int) -> int:
+    """Shared memory of the kernel's buffers: the TMA ring (a GLU's two halves a slot, and the
+    activated tile) and two columnwise stages."""
+    tile = _TILE * _TILE * x.element_size()
+    glu = act != NO_ACTIVATION
+    return stages * tile * (2 if glu else 1) + (tile if glu else 0) + 2 * _TILE * _TILE
+
+
+def _dispatched(config: dict, splits, x: torch.Tensor, act: int) -> dict:
+    """The launch keywords of a dispatched call: `config`, and for grouped inputs GROUPED_DISPATCH,
+    keeping config's stages where GROUPED_DISPATCH's leave no room for the strips."""
+    if splits is None:
+        return config
+    grouped = dict(config, **GROUPED_DISPATCH)
+    if _shared_bytes(grouped["stages"], x, act) > sm90.SMEM_BYTES - _SCRATCH:
+        grouped["stages"] = config["stages"]
+    return grouped
 
 
 def unsupported(x: torch.Tensor, block_cols: int, act: int = NO_ACTIVATION, glu_block: int = 0,
@@ -483,7 +496,7 @@ def launch_dispatched(x: torch.Tensor, splits, num_groups: int, two_d: bool, blo
     def go():
         launch(x, splits, num_groups, two_d, out_code, fmt_max, power_2_scale, amax_epsilon, rowwise, True,
                row, row_s, col, col_s, act=act, glu_block=glu_block, probs=probs,
-               **_dispatched(DISPATCH if rowwise else DISPATCH_COLUMNWISE, splits))
+               **_dispatched(DISPATCH if rowwise else DISPATCH_COLUMNWISE, splits, x, act))
         return True
 
     key = (x.dtype, splits is not None, two_d, rowwise, act, glu_block)
@@ -500,7 +513,8 @@ def launch_dispatched_mx(x: torch.Tensor, splits, num_groups: int, block: int, a
 
     def go():
         launch(x, splits, num_groups, False, out_code, fmt_max, False, 0.0, rowwise, True, row, row_s, col, col_s,
-               mx=(emax, round_up), act=act, glu_block=glu_block, probs=probs, **_dispatched(DISPATCH, splits))
+               mx=(emax, round_up), act=act, glu_block=glu_block, probs=probs,
+               **_dispatched(DISPATCH, splits, x, act))
         return True
 
     return sm90.launch_once(FAILED, ("mx", splits is not None, rowwise, act, glu_block), "MXFP8 cast", go) is True
@@ -532,11 +546,8 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
     if programs is None:
         programs = min(upper * -(-k // _TILE), num_sms(x.device) * per_sm)
     words = packed and x.dtype == torch.bfloat16
-    tile_bytes = _TILE * _TILE * x.element_size()
-    glu = act != NO_ACTIVATION
-    smem = stages * tile_bytes * (2 if glu else 1) + (tile_bytes if glu else 0) + 2 * _TILE * _TILE
     strips = 1 if tile_group == 0 else 2 if strips_off_tiles and grouped else 0
-    if strips and (not columnwise or m % 16 or smem > sm90.SMEM_BYTES - _SCRATCH):
+    if strips and (not columnwise or m % 16 or _shared_bytes(stages, x, act) > sm90.SMEM_BYTES - _SCRATCH):
         strips = 0  # nothing to carry (no columnwise copy, or rows off 16), or no room
     tile_group = tile_group or DISPATCH["tile_group"]
     if stage_phase is None:  # a store instruction writes rows 2 apart (words of bf16), 4 apart (fp32 reads)

@@ -269,6 +269,21 @@ def test_the_gluon_cast_is_dispatched_only_where_it_applies(sm90, monkeypatch):
     assert "sm90" in ct.unsupported(_Rows(), 128)
 
 
+def test_grouped_dispatch_takes_a_third_stage_only_where_the_strips_keep_their_room():
+    """Grouped inputs walk strips off tiles with three ring stages, unless those leave no room for
+    the strips' second columnwise stage (fp32 tiles, a GLU's two halves): then the config's."""
+    ct = _gl()
+    splits = torch.zeros(4, dtype=torch.int32)
+    bf16, fp32 = torch.empty(0, dtype=torch.bfloat16), torch.empty(0, dtype=torch.float32)
+    assert ct._dispatched(ct.DISPATCH, None, bf16, ct.NO_ACTIVATION) == ct.DISPATCH
+    grouped = ct._dispatched(ct.DISPATCH, splits, bf16, ct.NO_ACTIVATION)
+    assert grouped == dict(ct.DISPATCH, stages=3, strips_off_tiles=True)
+    assert ct._dispatched(ct.DISPATCH, splits, fp32, ct.NO_ACTIVATION)["stages"] == ct.DISPATCH["stages"]
+    assert ct._dispatched(ct.DISPATCH, splits, bf16, 0)["stages"] == ct.DISPATCH["stages"]  # SwiGLU
+    for x, act, stages in ((bf16, ct.NO_ACTIVATION, 3), (fp32, ct.NO_ACTIVATION, 2), (bf16, 0, 2)):
+        assert ct._shared_bytes(stages, x, act) <= ct.sm90.SMEM_BYTES - ct._SCRATCH
+
+
 def test_a_failed_compile_falls_back_with_one_warning(sm90, monkeypatch):
     outs = [torch.empty(0) for _ in range(4)]  # row, row_s, col, col_s: never written
     args = (_Rows(), None, 1, False, 128, -1, 0, None, None, 448.0, True, 0.0, True, *outs)
