@@ -32,19 +32,16 @@ from benchmarks.sweep_quantize_tiles import make_input, mismatches, nbytes
 SHAPES = {"65536x7168": (65536, 7168, 0, False), "32x2048x7168": (65536, 7168, 32, False),
           "32x~2048x7168 uneven": (65536, 7168, 32, True)}
 TINY = {"256x384": (256, 384, 0, False), "3x128x384": (384, 384, 3, False)}
-# (stages, warps, programs per SM, row tiles per band of the tile order (0: column strips), strips
-# where a group starts inside a row tile); bf16 read as words
-VARIANTS = [dict(stages=s, warps=w, per_sm=p, packed=True, stage_phase=None, tile_group=g, strips_off_tiles=o)
-            for s, w, p, g, o in ((2, 8, 1, 1, False), (2, 8, 1, 8, False), (2, 8, 1, 16, False), (3, 8, 1, 1, False),
-                                  (3, 8, 1, 8, False), (2, 8, 2, 8, False), (2, 8, 1, 0, False), (3, 8, 1, 0, False),
-                                  (2, 8, 1, 8, True), (3, 8, 1, 8, True))]
+# (stages, warps, programs per SM, row tiles per band of the tile order, 0: column strips); bf16 read as words
+VARIANTS = [dict(stages=s, warps=w, per_sm=p, packed=True, stage_phase=None, tile_group=g)
+            for s, w, p, g in ((2, 8, 1, 1), (2, 8, 1, 8), (2, 8, 1, 16), (3, 8, 1, 1), (3, 8, 1, 8), (2, 8, 2, 8),
+                               (2, 8, 1, 0), (3, 8, 1, 0))]
 
 
 def variant_name(variant: dict) -> str:
-    return "gluon s{stages} w{warps} x{per_sm}{}{}{}{}{}".format(
+    return "gluon s{stages} w{warps} x{per_sm}{}{}{}{}".format(
         f" band {variant['tile_group']}" if variant["tile_group"] > 1 else
         " strips" if variant["tile_group"] == 0 else "",
-        " strips off tiles" if variant.get("strips_off_tiles") else "",
         f" maxnreg {variant['maxnreg']}" if variant.get("maxnreg") else "",
         "" if variant["packed"] else " fp32 reads",
         "" if variant["stage_phase"] is None else f" stage phase {variant['stage_phase']}", **variant)

@@ -326,8 +326,8 @@ if gluon is not None:
                               GROUPED: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
                               NUM_PROGRAMS: gl.constexpr, VEC: gl.constexpr, PACKED: gl.constexpr,
                               MX: gl.constexpr, EMAX: gl.constexpr, ROUND_UP: gl.constexpr,
-                              STAGE_PHASE: gl.constexpr, TILE_GROUP: gl.constexpr, STRIPS: gl.constexpr,
-                              ACT: gl.constexpr, GLU_BLOCK: gl.constexpr, num_warps: gl.constexpr):
+                              STAGE_PHASE: gl.constexpr, TILE_GROUP: gl.constexpr, ACT: gl.constexpr,
+                              GLU_BLOCK: gl.constexpr, num_warps: gl.constexpr):
         """One 128 x 128 tile (FP8 block: one 128-wide scale block each way; MX: 32-wide E8M0 blocks)
         per trip of a persistent loop (see the module docstring). With a GLU activation (ACT >= 0),
         x_desc is over h and each slot holds the tile's gate and linear halves; the activated tile
@@ -345,10 +345,8 @@ if gluon is not None:
         # 16-byte chunks swizzled per STAGE_PHASE rows so that the rows one store instruction writes
         # (every second row from words, every fourth from fp32 reads) fall on distinct banks
         # (column strips: two, the tile's and the previous one's, whose last rows a line may still need)
-        # STRIPS: 0 bands of TILE_GROUP row tiles, 1 column strips, 2 strips where a group starts inside
-        # a row tile (so a columnwise line is shared by two tiles), bands where every group starts on one
         stage_l: gl.constexpr = gl.SwizzledSharedLayout(16, STAGE_PHASE, 8, order=[1, 0])
-        LINES: gl.constexpr = STRIPS != 0 and COLWISE
+        LINES: gl.constexpr = TILE_GROUP == 0 and COLWISE
         NSTAGE: gl.constexpr = 2 if LINES else 1
         HALVES: gl.constexpr = PACKED or MX
         if HALVES:
@@ -363,15 +361,11 @@ if gluon is not None:
             nm = gl.sum(tiles, 0)
         else:
             nm = gl.cdiv(M, BM)
-        if STRIPS == 2:
-            strips = gl.max(((sizes > 0) & (starts % BM != 0)).to(gl.int32), 0) > 0
-        else:
-            strips: gl.constexpr = STRIPS == 1
-        first_tile, mine = _first_tile(gl.program_id(0), nm * nk, NUM_PROGRAMS, strips)
+        first_tile, mine = _first_tile(gl.program_id(0), nm * nk, NUM_PROGRAMS, TILE_GROUP)
         for j in gl.static_range(STAGES - 1):
             if j < mine:
-                _issue(x_desc, bufs, ready, _tile_of(first_tile, j, NUM_PROGRAMS, strips), j, nk, nm, M, K, gi,
-                       starts, sizes, tiles, tile_end, BM, BK, GROUPED, TILE_GROUP, strips, GLU, GLU_BLOCK)
+                _issue(x_desc, bufs, ready, _tile_of(first_tile, j, NUM_PROGRAMS, TILE_GROUP), j, nk, nm, M, K, gi,
+                       starts, sizes, tiles, tile_end, BM, BK, GROUPED, TILE_GROUP, GLU, GLU_BLOCK)
 
         prev_row0 = -1  # the last tile's first row and column tile (column strips: the carried lines)
         prev_kt = -1
@@ -379,14 +373,13 @@ if gluon is not None:
             sm90.thread_barrier()  # every warp is done with the slot the next load overwrites
             nxt = i + STAGES - 1
             if nxt < mine:
-                _issue(x_desc, bufs, ready, _tile_of(first_tile, nxt, NUM_PROGRAMS, strips), nxt % STAGES, nk,
-                       nm, M, K, gi, starts, sizes, tiles, tile_end, BM, BK, GROUPED, TILE_GROUP, strips, GLU,
-                       GLU_BLOCK)
+                _issue(x_desc, bufs, ready, _tile_of(first_tile, nxt, NUM_PROGRAMS, TILE_GROUP), nxt % STAGES, nk,
+                       nm, M, K, gi, starts, sizes, tiles, tile_end, BM, BK, GROUPED, TILE_GROUP, GLU, GLU_BLOCK)
             slot = i % STAGES
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-            row0, row_end, sblk, kt = _locate(_tile_of(first_tile, i, NUM_PROGRAMS, strips), nk, nm, M, gi,
+            row0, row_end, sblk, kt = _locate(_tile_of(first_tile, i, NUM_PROGRAMS, TILE_GROUP), nk, nm, M, gi,
                                               starts, sizes, tiles, tile_end, first_block, BM, SB, GROUPED,
-                                              TILE_GROUP, strips)
+                                              TILE_GROUP)
             col_stage = col_stages.index(i % NSTAGE)
             if GLU:
                 _activate_tile(bufs.index(2 * slot), bufs.index(2 * slot + 1), act_tile, probs_ptr, row0, kt * BK,
@@ -426,32 +419,17 @@ _TILE = 128
 # What fp8_block_op and mxfp8_op dispatch to: stages of the TMA ring, warps per program, programs
 # per SM, row tiles per band of the tile order. FP8 columnwise codes alone take a third stage
 # (benchmarks/results/sweeps/block_cast_bands.json, block_cast_dispatch.json). Grouped inputs walk
-# column strips where a group starts inside a row tile, so that the columnwise lines such a group
-# shares still leave whole, bands where every group starts on one, with a third stage where it
-# fits beside the strips' second columnwise stage (sweeps/block_cast_lines.json, block_cast_walk.json).
+# column strips (tile_group 0), so groups that start inside a line of the columnwise copy still
+# write it in whole lines (benchmarks/results/sweeps/block_cast_lines.json).
 DISPATCH = dict(stages=2, warps=8, per_sm=1, tile_group=8)
 DISPATCH_COLUMNWISE = dict(DISPATCH, stages=3)
-GROUPED_DISPATCH = dict(stages=3, strips_off_tiles=True)
+GROUPED_TILE_GROUP = 0
 _SCRATCH = 8192  # shared memory the kernel takes besides its buffers (barriers, reductions' scratch)
 
 
-def _shared_bytes(stages: int, x: torch.Tensor, act: int) -> int:
-    """Shared memory of the kernel's buffers: the TMA ring (a GLU's two halves a slot, and the
-    activated tile) and two columnwise stages."""
-    tile = _TILE * _TILE * x.element_size()
-    glu = act != NO_ACTIVATION
-    return stages * tile * (2 if glu else 1) + (tile if glu else 0) + 2 * _TILE * _TILE
-
-
-def _dispatched(config: dict, splits, x: torch.Tensor, act: int) -> dict:
-    """The launch keywords of a dispatched call: `config`, and for grouped inputs GROUPED_DISPATCH,
-    keeping config's stages where GROUPED_DISPATCH's leave no room for the strips."""
-    if splits is None:
-        return config
-    grouped = dict(config, **GROUPED_DISPATCH)
-    if _shared_bytes(grouped["stages"], x, act) > sm90.SMEM_BYTES - _SCRATCH:
-        grouped["stages"] = config["stages"]
-    return grouped
+def _dispatched(config: dict, splits) -> dict:
+    """The launch keywords of a dispatched call: `config`, in column strips for grouped inputs."""
+    return dict(config, tile_group=GROUPED_TILE_GROUP) if splits is not None else config
 
 
 def unsupported(x: torch.Tensor, block_cols: int, act: int = NO_ACTIVATION, glu_block: int = 0,
@@ -496,7 +474,7 @@ def launch_dispatched(x: torch.Tensor, splits, num_groups: int, two_d: bool, blo
     def go():
         launch(x, splits, num_groups, two_d, out_code, fmt_max, power_2_scale, amax_epsilon, rowwise, True,
                row, row_s, col, col_s, act=act, glu_block=glu_block, probs=probs,
-               **_dispatched(DISPATCH if rowwise else DISPATCH_COLUMNWISE, splits, x, act))
+               **_dispatched(DISPATCH if rowwise else DISPATCH_COLUMNWISE, splits))
         return True
 
     key = (x.dtype, splits is not None, two_d, rowwise, act, glu_block)
@@ -513,8 +491,7 @@ def launch_dispatched_mx(x: torch.Tensor, splits, num_groups: int, block: int, a
 
     def go():
         launch(x, splits, num_groups, False, out_code, fmt_max, False, 0.0, rowwise, True, row, row_s, col, col_s,
-               mx=(emax, round_up), act=act, glu_block=glu_block, probs=probs,
-               **_dispatched(DISPATCH, splits, x, act))
+               mx=(emax, round_up), act=act, glu_block=glu_block, probs=probs, **_dispatched(DISPATCH, splits))
         return True
 
     return sm90.launch_once(FAILED, ("mx", splits is not None, rowwise, act, glu_block), "MXFP8 cast", go) is True
@@ -524,8 +501,8 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
            power_2_scale: bool, amax_epsilon: float, rowwise: bool, columnwise: bool, row, row_s, col, col_s, *,
            stages: int = 3, warps: int = 8, per_sm: int = 1, maxnreg: int | None = None,
            programs: int | None = None, packed: bool = True, mx: tuple[int, bool] | None = None,
-           stage_phase: int | None = None, tile_group: int = 1, strips_off_tiles: bool = False,
-           act: int = NO_ACTIVATION, glu_block: int = 0, probs: torch.Tensor | None = None) -> None:
+           stage_phase: int | None = None, tile_group: int = 1, act: int = NO_ACTIVATION, glu_block: int = 0,
+           probs: torch.Tensor | None = None) -> None:
     """Fill fp8_block_op's outputs (allocated by it, same layouts) for an [M, K] x; out_code is
     the codes' Triton FP8 dtype; maxnreg caps registers (two programs per SM need <= 128 at 8 warps);
     packed=False reads bf16 as fp32 as the other dtypes are (same bits, for comparison). With
@@ -533,11 +510,9 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
     and amax_epsilon unused; its E8M0 scales as bytes or as float8_e8m0fnu views). stage_phase:
     rows of the columnwise stage per swizzle phase (None: the read path's conflict-free one).
     tile_group: row tiles per band of the tile order (`_cast_walk_gl._tile_order`; 0: column strips,
-    whose columnwise lines leave whole, with a second stage for them). strips_off_tiles: column
-    strips where some group starts inside a 128-row tile, bands elsewhere (the kernel decides from
-    the splits). Bands where M is not a multiple of 16 or shared memory lacks room for strips.
-    act (a GLU's code), glu_block, probs ([M] fp32): x is h [M, 2K] and the quantized input
-    act(h) * probs, as fp8_block_op's.
+    whose columnwise lines leave whole, with a second stage for them: bands where M is not a
+    multiple of 16 or shared memory lacks room). act (a GLU's code), glu_block, probs ([M] fp32):
+    x is h [M, 2K] and the quantized input act(h) * probs, as fp8_block_op's.
     The scale outputs may have any strides (the dispatched path's are transposed)."""
     m, k = x.shape[0], input_width(x, act)
     row_s, col_s = (s.view(torch.uint8) if s.dtype == torch.float8_e8m0fnu else s for s in (row_s, col_s))
@@ -546,10 +521,11 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
     if programs is None:
         programs = min(upper * -(-k // _TILE), num_sms(x.device) * per_sm)
     words = packed and x.dtype == torch.bfloat16
-    strips = 1 if tile_group == 0 else 2 if strips_off_tiles and grouped else 0
-    if strips and (not columnwise or m % 16 or _shared_bytes(stages, x, act) > sm90.SMEM_BYTES - _SCRATCH):
-        strips = 0  # nothing to carry (no columnwise copy, or rows off 16), or no room
-    tile_group = tile_group or DISPATCH["tile_group"]
+    tile_bytes = _TILE * _TILE * x.element_size()
+    glu = act != NO_ACTIVATION
+    smem = stages * tile_bytes * (2 if glu else 1) + (tile_bytes if glu else 0) + 2 * _TILE * _TILE
+    if tile_group == 0 and (not columnwise or m % 16 or smem > sm90.SMEM_BYTES - _SCRATCH):
+        tile_group = DISPATCH["tile_group"]  # nothing to carry (no columnwise copy, or rows off 16), or no room
     if stage_phase is None:  # a store instruction writes rows 2 apart (words of bf16), 4 apart (fp32 reads)
         stage_phase = 2 if words or mx is not None else 4
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=torch.finfo(x.dtype).bits, rank=2)
@@ -562,4 +538,4 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
         COLWISE=columnwise, GROUPED=grouped, GP=max(32, group_pow2(num_groups)), STAGES=stages, NUM_PROGRAMS=programs,
         VEC=16 // x.element_size(), PACKED=words, MX=mx is not None,
         EMAX=mx[0] if mx else 0, ROUND_UP=bool(mx and mx[1]), STAGE_PHASE=stage_phase, TILE_GROUP=tile_group,
-        STRIPS=strips, ACT=act, GLU_BLOCK=glu_block, num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}))
+        ACT=act, GLU_BLOCK=glu_block, num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}))

@@ -5,8 +5,7 @@ slot of the program's ring.
 
 Order: bands of row tiles (`_tile_order`), so the tiles in flight at once share DRAM pages of the
 columnwise copy as well as of the input; or column strips, a contiguous run of tiles per program,
-so that one program casts a group's row tiles one after the other (the kernel may choose them at
-run time, from where its groups start). Groups: row tiles and scale
+so that one program casts a group's row tiles one after the other. Groups: row tiles and scale
 blocks start afresh at every group, as `tiles.tile_rows` lays them out for the Triton kernels.
 """
 from __future__ import annotations
@@ -33,14 +32,13 @@ if gluon is not None:
         return gi, starts, sizes, tiles, tile_end, gl.associative_scan(blocks, 0, sm90.add) - blocks
 
     @gluon.jit
-    def _tile_order(t, nk, nm, TILE_GROUP: gl.constexpr, strips):
+    def _tile_order(t, nk, nm, TILE_GROUP: gl.constexpr):
         """Tile t -> (row tile, column tile) of nm x nk: bands of TILE_GROUP row tiles, each walked
         down its rows first, then along K (TILE_GROUP 1: every row tile along K). The tiles that run
         at once then cover a few kilobytes of each row they read and of each columnwise row they
-        write, rather than whole input rows and 128 bytes of each columnwise row. With `strips`
-        (a constexpr or a flag the kernel computed): column strips, every row tile of a column tile
-        before the next column tile (`_tile_of`)."""
-        if strips:
+        write, rather than whole input rows and 128 bytes of each columnwise row. TILE_GROUP 0:
+        column strips, every row tile of a column tile before the next column tile (`_tile_of`)."""
+        if TILE_GROUP == 0:
             vt = t % nm
             kt = t // nm
         elif TILE_GROUP == 1:
@@ -56,33 +54,28 @@ if gluon is not None:
         return vt, kt
 
     @gluon.jit
-    def _first_tile(pid, total, NUM_PROGRAMS: gl.constexpr, strips):
-        """(program pid's first tile, how many it takes) of `total`: with column strips a
-        contiguous run, so a program takes a group's row tiles one after the other and can write
-        the columnwise lines two of them share whole; else every NUM_PROGRAMS-th tile."""
-        if strips:
-            first = pid * total // NUM_PROGRAMS
-            count = (pid + 1) * total // NUM_PROGRAMS - first
-        else:
-            first = pid
-            count = gl.cdiv(gl.maximum(total - pid, 0), NUM_PROGRAMS)
-        return first, count
+    def _first_tile(pid, total, NUM_PROGRAMS: gl.constexpr, TILE_GROUP: gl.constexpr):
+        """(program pid's first tile, how many it takes) of `total`: with column strips
+        (TILE_GROUP 0) a contiguous run, so a program takes a group's row tiles one after the other
+        and can write the columnwise lines two of them share whole; else every NUM_PROGRAMS-th tile."""
+        if TILE_GROUP == 0:
+            lo = pid * total // NUM_PROGRAMS
+            return lo, (pid + 1) * total // NUM_PROGRAMS - lo
+        return pid, gl.cdiv(gl.maximum(total - pid, 0), NUM_PROGRAMS)
 
     @gluon.jit
-    def _tile_of(first, i, NUM_PROGRAMS: gl.constexpr, strips):
+    def _tile_of(first, i, NUM_PROGRAMS: gl.constexpr, TILE_GROUP: gl.constexpr):
         """The program's i-th tile (see _first_tile)."""
-        if strips:
-            t = first + i
-        else:
-            t = first + i * NUM_PROGRAMS
-        return t
+        if TILE_GROUP == 0:
+            return first + i
+        return first + i * NUM_PROGRAMS
 
     @gluon.jit
     def _locate(t, nk, nm, M, gi, starts, sizes, tiles, tile_end, first_block, BM: gl.constexpr, SB: gl.constexpr,
-                GROUPED: gl.constexpr, TILE_GROUP: gl.constexpr, strips):
+                GROUPED: gl.constexpr, TILE_GROUP: gl.constexpr):
         """Tile t (in _tile_order) -> (first row, end row of its group, first SB-row scale block,
         column tile). Row tiles and scale blocks along M start afresh at every group."""
-        vt, kt = _tile_order(t, nk, nm, TILE_GROUP, strips)
+        vt, kt = _tile_order(t, nk, nm, TILE_GROUP)
         if GROUPED:
             g = gl.sum((tile_end <= vt).to(gl.int32), 0)
             sel = gi == g
@@ -99,12 +92,11 @@ if gluon is not None:
 
     @gluon.jit
     def _issue(desc, bufs, ready, t, slot, nk, nm, M, K, gi, starts, sizes, tiles, tile_end, BM: gl.constexpr,
-               BK: gl.constexpr, GROUPED: gl.constexpr, TILE_GROUP: gl.constexpr, strips, GLU: gl.constexpr,
+               BK: gl.constexpr, GROUPED: gl.constexpr, TILE_GROUP: gl.constexpr, GLU: gl.constexpr,
                GLU_BLOCK: gl.constexpr):
         """Load tile t into ring slot `slot`: x's tile, or with GLU the gate's and the linear part's
         tiles of h for output columns kt * BK + [0, BK) (K: the output width)."""
-        row0, _, _, kt = _locate(t, nk, nm, M, gi, starts, sizes, tiles, tile_end, tiles, BM, BM, GROUPED, TILE_GROUP,
-                                 strips)
+        row0, _, _, kt = _locate(t, nk, nm, M, gi, starts, sizes, tiles, tile_end, tiles, BM, BM, GROUPED, TILE_GROUP)
         if GLU:
             mbarrier.expect(ready.index(slot), 2 * desc.block_type.nbytes)
             if GLU_BLOCK == 0:  # gate columns first, then linear columns

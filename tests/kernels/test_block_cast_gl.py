@@ -21,19 +21,13 @@ from tests.kernels.interpret import INTERPRETING
 on_gpu = pytest.mark.skipif(INTERPRETING or not torch.cuda.is_available(), reason="needs a CUDA GPU")
 SPLITS = [0, 37, 1, 0, 130, 64, 0, 29, 300]  # empty groups, starts off 16 rows, partial tiles
 # the tile order in bands of row tiles (3: the last band of an odd tile count is cut short), or
-# in column strips (0: a program's tiles are consecutive row tiles), or strips where a group starts
-# inside a row tile, chosen in the kernel (the grouped dispatch's order; SPLITS: M off 16, bands)
+# in column strips (0: a program's tiles are consecutive row tiles, the grouped dispatch's order)
 KERNELS = {"plain": dict(tile_group=1), "banded": dict(tile_group=3), "banded3": dict(tile_group=2, stages=3),
-           "strips": dict(tile_group=0), "strips off tiles": dict(tile_group=3, strips_off_tiles=True)}
+           "strips": dict(tile_group=0)}
 # groups that start on 16 rows inside a 128-byte line of the columnwise copy (at 48, 448, 704, 1488,
 # 1504), with runs of whole row tiles whose shared lines leave whole, a group of whole tiles only
 # (256), one shorter than a tile (16), partial last tiles, an empty group; M a multiple of 16
 LINE_SPLITS = [48, 400, 256, 0, 784, 16, 336]
-# every group starting on a 128-row tile (the walk that chooses strips off tiles takes bands), an
-# empty group, a partial last tile
-TILE_SPLITS = [256, 0, 384, 128, 512, 48]
-# column strips always, or where a group starts inside a row tile (the grouped dispatch)
-STRIP_WALKS = {"strips": dict(tile_group=0), "strips off tiles": dict(tile_group=8, strips_off_tiles=True)}
 
 
 def _gl():
@@ -136,20 +130,17 @@ def test_grouped_every_mode_bits_equal_the_reference(block_rows, rowwise, kernel
 @pytest.mark.parametrize("mx", [False, True], ids=["fp8", "mxfp8"])
 @pytest.mark.parametrize("programs", [1, 3, 7, 16, None])
 @pytest.mark.parametrize("tail", [[], [13]], ids=["m16", "m_odd"])
-@pytest.mark.parametrize("walk", list(STRIP_WALKS))
-@pytest.mark.parametrize("split_set", ["lines", "tiles"])
-def test_column_strips_write_the_lines_groups_share(mx, programs, tail, walk, split_set):
+def test_column_strips_write_the_lines_groups_share(mx, programs, tail):
     """Column strips, with programs whose runs of tiles start and end anywhere in a group: the
     lines two row tiles share leave whole and carry the previous tile's rows; with M not a multiple
-    of 16 (a last group of 13 rows) every tile takes the runs instead. Strips chosen in the kernel
-    from the group starts: strips for groups inside a tile, bands for groups on tiles. Both
-    orientations and the columnwise copy alone, 1x128 and 128x128 blocks, MXFP8."""
+    of 16 (a last group of 13 rows) every tile takes the runs instead. Both orientations and the
+    columnwise copy alone, 1x128 and 128x128 blocks, MXFP8."""
     from qmoe.contracts.formats import ScaleMode
     from qmoe.kernels import quantize as K
     from qmoe.kernels._layout import device_splits
     from qmoe.reference import grouped_quantize as RG
 
-    sizes = (LINE_SPLITS if split_set == "lines" else TILE_SPLITS) + tail
+    sizes = LINE_SPLITS + tail
     splits = torch.tensor(sizes, device="cuda")
     x = _input(sum(sizes), 392, torch.bfloat16, seed=programs or 0)
     s = device_splits(splits, x)
@@ -158,16 +149,16 @@ def test_column_strips_write_the_lines_groups_share(mx, programs, tail, walk, sp
             outs = _fresh_outputs(K.mxfp8_op(x, s, len(sizes), torch.float8_e4m3fn, E4M3.max, E4M3.emax, True, 32,
                                              rowwise, True))
             _gl().launch(x, s, len(sizes), False, K.fp8_meta(E4M3), E4M3.max, False, 0.0, rowwise, True, *outs,
-                         programs=programs, mx=(E4M3.emax, True), **STRIP_WALKS[walk])
+                         programs=programs, mx=(E4M3.emax, True), tile_group=0)
             want = RG.grouped_quantize_mxfp8(x, splits, E4M3, ScaleMode.ROUND_UP, rowwise, True)
         else:
             outs = _fresh_outputs(K.fp8_block_op(x, s, len(sizes), block_rows, 128, torch.float8_e4m3fn, E4M3.max,
                                                  True, 0.0, rowwise, True))
             _gl().launch(x, s, len(sizes), block_rows > 1, K.fp8_meta(E4M3), E4M3.max, True, 0.0, rowwise, True,
-                         *outs, programs=programs, **STRIP_WALKS[walk])
+                         *outs, programs=programs, tile_group=0)
             want = RG.grouped_quantize_fp8_block(x, splits, block_rows, 128, E4M3, True, 0.0, rowwise, True)
         _same(tuple(o if w is not None else None for o, w in zip(outs, want)), want,
-              f"{walk}, {split_set}, {programs} programs, {block_rows} rows a block, rowwise={rowwise}")
+              f"strips, {programs} programs, {block_rows} rows a block, rowwise={rowwise}")
 
 
 @on_gpu
@@ -267,21 +258,6 @@ def test_the_gluon_cast_is_dispatched_only_where_it_applies(sm90, monkeypatch):
     monkeypatch.delenv("QMOE_BLOCK_CAST")
     monkeypatch.setattr(_gluon_sm90, "is_sm90", lambda index: False)
     assert "sm90" in ct.unsupported(_Rows(), 128)
-
-
-def test_grouped_dispatch_takes_a_third_stage_only_where_the_strips_keep_their_room():
-    """Grouped inputs walk strips off tiles with three ring stages, unless those leave no room for
-    the strips' second columnwise stage (fp32 tiles, a GLU's two halves): then the config's."""
-    ct = _gl()
-    splits = torch.zeros(4, dtype=torch.int32)
-    bf16, fp32 = torch.empty(0, dtype=torch.bfloat16), torch.empty(0, dtype=torch.float32)
-    assert ct._dispatched(ct.DISPATCH, None, bf16, ct.NO_ACTIVATION) == ct.DISPATCH
-    grouped = ct._dispatched(ct.DISPATCH, splits, bf16, ct.NO_ACTIVATION)
-    assert grouped == dict(ct.DISPATCH, stages=3, strips_off_tiles=True)
-    assert ct._dispatched(ct.DISPATCH, splits, fp32, ct.NO_ACTIVATION)["stages"] == ct.DISPATCH["stages"]
-    assert ct._dispatched(ct.DISPATCH, splits, bf16, 0)["stages"] == ct.DISPATCH["stages"]  # SwiGLU
-    for x, act, stages in ((bf16, ct.NO_ACTIVATION, 3), (fp32, ct.NO_ACTIVATION, 2), (bf16, 0, 2)):
-        assert ct._shared_bytes(stages, x, act) <= ct.sm90.SMEM_BYTES - ct._SCRATCH
 
 
 def test_a_failed_compile_falls_back_with_one_warning(sm90, monkeypatch):
