@@ -7,6 +7,10 @@ For each recipe and role, on bf16 inputs of 65536x7168, 16384x2048 and 32 groups
   time of the whole quantizer call (`triton.testing.do_bench`), amax launches included;
 - copy_gbps: a device-to-device copy measured in the same run (bytes read + written);
 - frac_copy = gbps / copy_gbps;
+- graphed_gbps, graphed_frac_copy: the same call captured in a CUDA graph and replayed, as a
+  graphed training step runs it: device time only. The eager call's time also holds whatever of
+  the host's work the device waits for, which varies from run to run on the grouped calls
+  (graph_error says why a call could not be captured);
 - torch_compile_gbps: `torch.compile` of the reference (`qmoe.reference`) doing the same work
   (grouped rows: the compiled per-tensor reference called once per group: the split path).
 
@@ -30,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import copy_gbps, median_ms, run_header, write_results
+from benchmarks.harness import capture_graph, copy_gbps, median_ms, run_header, write_results
 
 SHAPES = {"65536x7168": (65536, 7168, None), "16384x2048": (16384, 2048, None), "32x2048x7168": (65536, 7168, 32)}
 RECIPES = ("delayed", "current", "current-amax", "block", "mxfp8", "nvfp4")
@@ -215,12 +219,16 @@ def measure(args) -> list[dict]:
                 tensors = {shape: inputs(shape)}
                 torch.cuda.empty_cache()
             x, splits = tensors[shape]
-            gbps = peer = err = None
+            gbps = graphed = graph_err = peer = err = None
             try:
                 call = qmoe_call(q, x, splits, both, recipe)
                 with region(recipe):
                     nbytes = x.numel() * x.element_size() + output_bytes(call())
                     gbps = nbytes / bench_ms(call, args.rep) / 1e6
+                    graph, graph_err = capture_graph(call)
+                    if graph is not None:
+                        graphed = nbytes / bench_ms(graph.replay, args.rep) / 1e6
+                        del graph
             except Exception as e:  # keep measuring the rest; the row says what failed
                 err = f"{type(e).__name__}: {e}"[:300]
             if gbps is not None and not args.no_peer and recipe != "current-amax":  # the peer measures its amax
@@ -228,11 +236,14 @@ def measure(args) -> list[dict]:
                     peer = nbytes / bench_ms(peer_call(q, x, splits, both), args.rep) / 1e6
                 except Exception as e:
                     err = f"peer: {type(e).__name__}: {e}"[:300]
-            cache[key] = (gbps, peer, err)
-        gbps, peer, err = cache[key]
+            cache[key] = (gbps, graphed, graph_err, peer, err)
+        gbps, graphed, graph_err, peer, err = cache[key]
         row = {"recipe": recipe, "role": role, "shape": shape, "grouped": SHAPES[shape][2] is not None,
                "both_orientations": both, "gbps": gbps, "copy_gbps": copy,
-               "frac_copy": None if gbps is None else gbps / copy, "torch_compile_gbps": peer}
+               "frac_copy": None if gbps is None else gbps / copy, "graphed_gbps": graphed,
+               "graphed_frac_copy": None if graphed is None else graphed / copy, "torch_compile_gbps": peer}
+        if graph_err:
+            row["graph_error"] = graph_err
         if err:
             row["error"] = err
         rows.append(row)
@@ -247,13 +258,14 @@ def format_row(r) -> str:
     speed = r["gbps"] / r["torch_compile_gbps"] if r["gbps"] and r["torch_compile_gbps"] else None
     return (f"{r['recipe']:8} {r['role']:11} {r['shape']:13} {'grouped' if r['grouped'] else '':7} "
             f"{'row+col' if r['both_orientations'] else 'row':7} {f(r['gbps'], '8.0f')} {f(r['frac_copy'], '6.3f')} "
-            f"{f(r['torch_compile_gbps'], '8.0f')} {f(speed, '6.2f')}" + (f"  {r['error']}" if "error" in r else ""))
+            f"{f(r.get('graphed_frac_copy'), '6.3f')} {f(r['torch_compile_gbps'], '8.0f')} {f(speed, '6.2f')}"
+            + (f"  {r['error']}" if "error" in r else ""))
 
 
 def print_table(header, rows):
     print(f"\n{header['device']}, torch {header['torch']}, triton {header['triton']}")
-    print(f"{'recipe':8} {'role':11} {'shape':13} {'':7} {'copies':7} {'GB/s':>8} {'frac':>6} {'compile':>8} "
-          f"{'x':>6}")
+    print(f"{'recipe':8} {'role':11} {'shape':13} {'':7} {'copies':7} {'GB/s':>8} {'frac':>6} {'graph':>6} "
+          f"{'compile':>8} {'x':>6}")
     for r in rows:
         print(format_row(r))
 
