@@ -3,9 +3,10 @@
 The update is little GPU work, but written as torch ops it is some twenty launches per slot,
 and an MoE layer updates six slots a step (input, weight and grad_output of two grouped
 linears): their host time bounds small layers (docs/performance.md, Qwen3's small experts).
-Here one program per block of slots reads each slot's window once, writes the rolled window
-into a new buffer and the scale in place; the caller copies the window back (the history is
-updated in place: group slots are views of it).
+Here one program per block of slots reads each slot's window and writes it back rolled, in
+place (group slots are views of the history), and the scale. The window is a dependent chain of
+loads and stores within one program, so a program takes as many rows per step as its tile holds:
+a per-tensor slot's whole window in one step.
 """
 from __future__ import annotations
 
@@ -18,23 +19,25 @@ from qmoe.kernels._arith import INF_BITS, abs_bits
 from qmoe.kernels._launch import wrapped
 
 _FLT_MAX = tl.constexpr(FLT_MAX)
-_BLOCK_L = 128  # window rows per step of the loop
-_BLOCK_G = 32  # slots per program
+_BLOCK_G = 32  # slots per program, at most
+_TILE = 4096  # window entries per step of a program's loop
 
 
 @triton.jit
 def _update_amax_history_kernel(
         # pointers
-        hist_ptr, new_ptr, scale_ptr, count_ptr,
+        hist_ptr, scale_ptr, count_ptr,
         # sizes
         L, G,
-        # strides (the window's rows and slots; the new buffer is contiguous)
+        # strides (the window's rows and slots)
         stride_l, stride_g,
         # meta
         FMT_MAX: tl.constexpr, MARGIN_DIV: tl.constexpr, MOST_RECENT: tl.constexpr, COUNT: tl.constexpr,
         BL: tl.constexpr, BG: tl.constexpr):
-    """new = the rolled window of active slots (others copied, a non-finite newest amax cleared), scale
-    updated, non-finite steps counted (see the reference)."""
+    """The window of active slots rolled in place (others kept, a non-finite newest amax cleared),
+    scale updated, non-finite steps counted (see the reference). Rows go up by one: each step
+    loads its rows and the first row of the next step before any is stored (a barrier between),
+    and the last row takes the newest amax, loaded before anything was stored."""
     cols = tl.program_id(0) * BG + tl.arange(0, BG)
     c_ok = cols < G
     newest = tl.load(hist_ptr + cols * stride_g, mask=c_ok, other=0.0)
@@ -47,11 +50,14 @@ def _update_amax_history_kernel(
         h = tl.load(hist_ptr + rows[:, None] * stride_l + cols[None, :] * stride_g, mask=m, other=0.0)
         if not MOST_RECENT:
             amax_bits = tl.maximum(amax_bits, tl.max(abs_bits(h), 0))
-        src = tl.where(rows == L - 1, 0, rows + 1)  # rolled up by one: the newest moves to the last row
-        shifted = tl.load(hist_ptr + src[:, None] * stride_l + cols[None, :] * stride_g, mask=m, other=0.0)
+        below = m & (rows < L - 1)[:, None]
+        shifted = tl.load(hist_ptr + (rows + 1)[:, None] * stride_l + cols[None, :] * stride_g, mask=below, other=0.0)
+        shifted = tl.where(rows[:, None] == L - 1, newest[None, :], shifted)  # the newest moves to the last row
         shifted = tl.where(rows[:, None] == 0, 0.0, shifted)  # row 0 cleared for the next step
         kept = tl.where(finite[None, :] | (rows[:, None] != 0), h, 0.0)  # a non-finite newest is not recorded
-        tl.store(new_ptr + rows[:, None] * G + cols[None, :], tl.where(active[None, :], shifted, kept), mask=m)
+        tl.debug_barrier()  # every row of this step, and the next step's first, read before any is written
+        tl.store(hist_ptr + rows[:, None] * stride_l + cols[None, :] * stride_g,
+                 tl.where(active[None, :], shifted, kept), mask=m)
     amax = amax_bits.to(tl.float32, bitcast=True)
     new_scale = tl.math.div_rn(tl.full(amax.shape, FMT_MAX, tl.float32), amax)
     new_scale = tl.where(new_scale == float("inf"), _FLT_MAX, new_scale)
@@ -71,18 +77,18 @@ def update_amax_history(amax_history: torch.Tensor, scale: torch.Tensor, fmt_max
     slots = amax_history[0].numel()
     if length == 0 or slots == 0:
         return
-    new = torch.empty(amax_history.shape, dtype=amax_history.dtype, device=amax_history.device)
     s_l = amax_history.stride(0)
     s_g = amax_history.stride(1) if amax_history.dim() == 2 else 1
     dense_scale = scale if scale.is_contiguous() else scale.contiguous()
     count = nonfinite_steps
     if count is not None and (count.dtype != torch.int32 or not count.is_contiguous()):
         count = count.to(torch.int32).contiguous()
-    wrapped(_update_amax_history_kernel)[(triton.cdiv(slots, _BLOCK_G),)](
-        amax_history, new, dense_scale, count if count is not None else dense_scale, length, slots, s_l, s_g,
+    bg = min(_BLOCK_G, triton.next_power_of_2(slots))
+    bl = min(triton.next_power_of_2(length), _TILE // bg)
+    wrapped(_update_amax_history_kernel)[(triton.cdiv(slots, bg),)](
+        amax_history, dense_scale, count if count is not None else dense_scale, length, slots, s_l, s_g,
         FMT_MAX=float(fmt_max), MARGIN_DIV=float(2.0 ** margin), MOST_RECENT=algo == "most_recent",
-        COUNT=count is not None, BL=_BLOCK_L, BG=_BLOCK_G)
-    amax_history.copy_(new)
+        COUNT=count is not None, BL=bl, BG=bg)
     if dense_scale is not scale:
         scale.copy_(dense_scale)
     if count is not None and count is not nonfinite_steps:

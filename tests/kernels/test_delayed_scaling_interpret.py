@@ -2,7 +2,8 @@
 interpreter (as in test_bias_interpret.py, this file re-runs itself with TRITON_INTERPRET=1) and
 on the GPU (marked gpu).
 
-Windows of 1 to 1024 rows (the kernel walks 128 at a time) and 1 to 40 slots (32 a program),
+Windows of 1 to 5000 rows (the kernel rolls them in place, in steps of up to 4096 entries: one
+step for most windows, several for wide or long ones) and 1 to 40 slots (32 a program),
 per-tensor [L] and grouped [L, G] histories and a group slot's strided view; slots that recorded
 nothing (newest 0), NaN and inf amaxes in the newest row (not recorded: row 0 cleared, window and
 scale kept, `nonfinite_steps` counted) and deeper in the window (a state loaded from elsewhere),
@@ -16,7 +17,7 @@ from tests.kernels.interpret import inside, launcher, assert_passed_under_interp
 
 CASES = [  # (window rows, slots or None for a per-tensor [L] history, margin, algo)
     (1, None, 0, "max"), (2, 3, 0, "max"), (7, 1, 2, "most_recent"), (300, 40, 0, "max"),
-    (1024, 5, 1, "max"), (129, None, 0, "most_recent"), (5, 33, 3, "max"),
+    (1024, 5, 1, "max"), (129, None, 0, "most_recent"), (5, 33, 3, "max"), (5000, None, 0, "max"),
 ]
 
 
