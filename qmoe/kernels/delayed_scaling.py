@@ -5,8 +5,8 @@ and an MoE layer updates six slots a step (input, weight and grad_output of two 
 linears): their host time bounds small layers (docs/performance.md, Qwen3's small experts).
 Here one program per block of slots reads each slot's window and writes it back rolled, in
 place (group slots are views of the history), and the scale. The window is a dependent chain of
-loads and stores within one program, so a program takes as many rows per step as its tile holds:
-a per-tensor slot's whole window in one step.
+loads and stores within one program, so a program takes a whole window per step where its tile
+holds one, and fewer slots.
 """
 from __future__ import annotations
 
@@ -83,8 +83,8 @@ def update_amax_history(amax_history: torch.Tensor, scale: torch.Tensor, fmt_max
     count = nonfinite_steps
     if count is not None and (count.dtype != torch.int32 or not count.is_contiguous()):
         count = count.to(torch.int32).contiguous()
-    bg = min(_BLOCK_G, triton.next_power_of_2(slots))
-    bl = min(triton.next_power_of_2(length), _TILE // bg)
+    bl = min(triton.next_power_of_2(length), _TILE)  # the whole window in one step where it fits
+    bg = min(_BLOCK_G, triton.next_power_of_2(slots), max(1, _TILE // bl))  # more programs, fewer steps
     wrapped(_update_amax_history_kernel)[(triton.cdiv(slots, bg),)](
         amax_history, dense_scale, count if count is not None else dense_scale, length, slots, s_l, s_g,
         FMT_MAX=float(fmt_max), MARGIN_DIV=float(2.0 ** margin), MOST_RECENT=algo == "most_recent",

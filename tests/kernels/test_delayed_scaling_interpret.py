@@ -18,6 +18,7 @@ from tests.kernels.interpret import inside, launcher, assert_passed_under_interp
 CASES = [  # (window rows, slots or None for a per-tensor [L] history, margin, algo)
     (1, None, 0, "max"), (2, 3, 0, "max"), (7, 1, 2, "most_recent"), (300, 40, 0, "max"),
     (1024, 5, 1, "max"), (129, None, 0, "most_recent"), (5, 33, 3, "max"), (5000, None, 0, "max"),
+    (5000, 6, 0, "most_recent"),
 ]
 
 
