@@ -3,7 +3,7 @@ interpreter (as in test_bias_interpret.py, this file re-runs itself with TRITON_
 on the GPU (marked gpu).
 
 Windows of 1 to 5000 rows (the kernel rolls them in place, in steps of up to 4096 entries: one
-step for most windows, several for wide or long ones) and 1 to 40 slots (32 a program),
+step for most windows, several for long ones) and 1 to 40 slots (up to 32 a program),
 per-tensor [L] and grouped [L, G] histories and a group slot's strided view; slots that recorded
 nothing (newest 0), NaN and inf amaxes in the newest row (not recorded: row 0 cleared, window and
 scale kept, `nonfinite_steps` counted) and deeper in the window (a state loaded from elsewhere),
