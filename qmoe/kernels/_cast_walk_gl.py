@@ -59,16 +59,21 @@ if gluon is not None:
         (TILE_GROUP 0) a contiguous run, so a program takes a group's row tiles one after the other
         and can write the columnwise lines two of them share whole; else every NUM_PROGRAMS-th tile."""
         if TILE_GROUP == 0:
-            lo = pid * total // NUM_PROGRAMS
-            return lo, (pid + 1) * total // NUM_PROGRAMS - lo
-        return pid, gl.cdiv(gl.maximum(total - pid, 0), NUM_PROGRAMS)
+            first = pid * total // NUM_PROGRAMS
+            count = (pid + 1) * total // NUM_PROGRAMS - first
+        else:
+            first = pid
+            count = gl.cdiv(gl.maximum(total - pid, 0), NUM_PROGRAMS)
+        return first, count
 
     @gluon.jit
     def _tile_of(first, i, NUM_PROGRAMS: gl.constexpr, TILE_GROUP: gl.constexpr):
         """The program's i-th tile (see _first_tile)."""
         if TILE_GROUP == 0:
-            return first + i
-        return first + i * NUM_PROGRAMS
+            t = first + i
+        else:
+            t = first + i * NUM_PROGRAMS
+        return t
 
     @gluon.jit
     def _locate(t, nk, nm, M, gi, starts, sizes, tiles, tile_end, first_block, BM: gl.constexpr, SB: gl.constexpr,

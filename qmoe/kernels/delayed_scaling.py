@@ -84,7 +84,7 @@ def update_amax_history(amax_history: torch.Tensor, scale: torch.Tensor, fmt_max
     if count is not None and (count.dtype != torch.int32 or not count.is_contiguous()):
         count = count.to(torch.int32).contiguous()
     bl = min(triton.next_power_of_2(length), _TILE)  # the whole window in one step where it fits
-    bg = min(_BLOCK_G, triton.next_power_of_2(slots), max(1, _TILE // bl))  # more programs, fewer steps
+    bg = min(_BLOCK_G, triton.next_power_of_2(slots), _TILE // bl)  # more programs, fewer steps
     wrapped(_update_amax_history_kernel)[(triton.cdiv(slots, bg),)](
         amax_history, dense_scale, count if count is not None else dense_scale, length, slots, s_l, s_g,
         FMT_MAX=float(fmt_max), MARGIN_DIV=float(2.0 ** margin), MOST_RECENT=algo == "most_recent",
