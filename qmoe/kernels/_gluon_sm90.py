@@ -32,6 +32,7 @@ from qmoe.kernels._transpose import transpose_into
 
 GLUON_ERROR = None if gluon is not None else "triton.experimental.gluon is not available in this triton"
 BLOCK_GEMM_SWITCH = "QMOE_BLOCK_GEMM"  # "triton" turns the Gluon FP8 block GEMMs (m- and k-grouped) off
+TENSOR_GEMM_SWITCH = "QMOE_TENSOR_GEMM"  # "triton" turns the Gluon FP8 tensor-scaled GEMMs off
 # sm90's shared memory per block (227 KiB) and what a kernel keeps besides its buffers (barriers)
 SMEM_BYTES = 232448
 SMEM_SPARE = 1024

@@ -8,7 +8,8 @@ whole call is host-sync-free and CUDA-graph capturable. Routes:
   bf16 m-grouped               torch._grouped_mm, rows past the last group zeroed on device
   bf16 k-grouped, bf16 out     torch._grouped_mm, tokens as its grouped contraction (features contiguous)
   fp16/fp32, and other k-grouped plain GEMMs    Triton, SCALING NONE
-  FP8 tensor / block           Triton, FP8 codes into the tensor cores (block m-grouped, sm90: _block_gemm_ws)
+  FP8 tensor / block           Triton, FP8 codes into the tensor cores (sm90: block m- and k-grouped in
+                               _block_gemm_ws / _block_wgrad_ws, tensor in _tensor_gemm_ws)
   MXFP8 / NVFP4 (sm90: exact emulation) two exact routes:
       "fused"    dequantize in registers inside the GEMM (weights stay 8/4-bit in memory:
                  the memory-bound, few-rows-per-expert route)
@@ -36,7 +37,7 @@ import triton
 from qmoe.contracts.errors import UnsupportedError
 from qmoe.contracts.formats import ceil_div, nvfp4_tensor_scale
 from qmoe.contracts.scales import gemm_scale
-from qmoe.kernels import _block_gemm_ws, _block_wgrad_ws
+from qmoe.kernels import _block_gemm_ws, _block_wgrad_ws, _tensor_gemm_ws
 from qmoe.kernels import _grouped_gemm_jit as jit
 from qmoe.kernels._launch import capability, kernel_op, num_sms, wrapped
 from qmoe.kernels._layout import group_pow2
@@ -237,6 +238,9 @@ def _launch_m_tiles(a: _Operand, b: _Operand, offsets, total_rows, n_out, k, gro
     if total_rows == 0 or n_out == 0:
         return out
     if cfg is None and scaling is Scaling.BLOCK and _block_gemm_ws.launch_dispatched(  # Gluon, where it applies
+            a, b, offsets, total_rows, n_out, k, groups, out_dtype, out) is not None:
+        return out
+    if cfg is None and scaling is Scaling.TENSOR and _tensor_gemm_ws.launch_m_dispatched(  # Gluon, where it applies
             a, b, offsets, total_rows, n_out, k, groups, out_dtype, out) is not None:
         return out
     plain_fp32 = scaling is Scaling.NONE and a.data.dtype == torch.float32
@@ -451,6 +455,9 @@ def _launch_k_into(a: _Operand, b: _Operand, offsets, n, k, groups, scaling, out
     if n == 0 or k == 0 or groups == 0:
         return out
     if cfg is None and scaling is Scaling.BLOCK and _block_wgrad_ws.launch_dispatched(  # Gluon, where it applies
+            a, b, offsets, n, k, groups, out, accumulate) is not None:
+        return out
+    if cfg is None and scaling is Scaling.TENSOR and _tensor_gemm_ws.launch_k_dispatched(  # Gluon, where it applies
             a, b, offsets, n, k, groups, out, accumulate) is not None:
         return out
     plain_fp32 = scaling is Scaling.NONE and a.data.dtype == torch.float32

@@ -65,6 +65,35 @@ def test_block_wgrad_compiles(compile_only):
     assert len(kernels) == 4
 
 
+
+def test_tensor_gemms_compile(compile_only):
+    """The per-tensor m-grouped GEMM (both tile widths) and wgrad (16-bit results by TMA, and
+    added into `out`) on current-scaling operands: E5M2 gradients times E4M3 weights and inputs."""
+    from qmoe.contracts.enums import Scaling
+    from qmoe.kernels import _tensor_gemm_ws as tw
+    from qmoe.kernels import grouped_gemm as gg
+    from qmoe.ops.grouped_gemm import quantize_weights
+    from qmoe.quant import GroupedTensor
+    from qmoe.recipes import Float8CurrentScaling
+
+    recipe, g, sizes = Float8CurrentScaling(), torch.Generator().manual_seed(0), torch.tensor([150, 0, 106])
+    dy, x = (GroupedTensor.quantize(torch.randn(256, 512, generator=g), sizes, recipe.quantizer(role),
+                                    validate=False) for role in ("grad_output", "input"))
+    w = quantize_weights(torch.randn(3, 512, 512, generator=g), recipe.quantizer("weight"), rowwise=True,
+                         columnwise=True)
+    kernels = compile_only(tw, "tensor_gemm_ws_kernel")
+    compile_only(tw, "tensor_wgrad_ws_kernel")
+    b, n_out, k = gg.weight_operand(w, Scaling.TENSOR, True)
+    for bn in (256, 128):
+        tw.launch_tensor_gemm_ws(gg.activation_operand(dy, Scaling.TENSOR), b, dy.offsets, 256, n_out, k, 3,
+                                 programs=132, bn=bn, b_columnwise=True)
+    a, b = gg.tokens_operand(dy, Scaling.TENSOR), gg.tokens_operand(x, Scaling.TENSOR)
+    for accumulate in (False, True):
+        tw.launch_tensor_wgrad_ws(a, b, dy.offsets, 512, 512, 3, torch.empty(3, 512, 512, dtype=torch.bfloat16),
+                                  accumulate, programs=132)
+    _fits(kernels)
+    assert len(kernels) == 4
+
 @pytest.mark.parametrize("dtype,mx,activation,canonical", [
     (torch.bfloat16, False, None, False), (torch.bfloat16, True, None, False), (torch.float16, False, None, False),
     (torch.bfloat16, False, "swiglu", False), (torch.bfloat16, True, "clamped_qgeglu", False),
