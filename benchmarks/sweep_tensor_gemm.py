@@ -1,7 +1,7 @@
 """FP8 per-tensor grouped GEMMs (delayed / current scaling): the Triton kernels ("triton", their
 default tiles forced through `config`) against what the public GEMMs dispatch ("dispatched": the
 warp-specialised Gluon kernels of qmoe/kernels/_tensor_gemm_ws.py where they apply) and the Gluon
-kernels' other tiles, side by side at the layer's shapes (DeepSeek-V3 FC1 / FC2, Mixtral FC1,
+kernels' other tiles, side by side at the layer's shapes (DeepSeek-V3 FC1 / FC2, Mixtral FC1 / FC2,
 Qwen3's 128 small experts at the layer's token count), fprop, dgrad and wgrad, groups as the
 layer's permute pads them (starts on 16 tokens); the bf16 grouped GEMM (torch._grouped_mm) of the
 same work for scale.
@@ -26,6 +26,7 @@ SHAPES = {  # name: (experts, mean rows per expert, K, N) as in benchmarks/bench
     "dsv3-fc1": (32, 2048, 7168, 4096),
     "dsv3-fc2": (32, 2048, 2048, 7168),
     "mixtral-fc1": (8, 4096, 4096, 28672),
+    "mixtral-fc2": (8, 4096, 14336, 4096),
     "qwen3-fc1-layer": (128, 1024, 2048, 1536),
     "qwen3-fc2-layer": (128, 1024, 768, 2048),
 }

@@ -163,18 +163,22 @@ if gluon is not None:
                                  row0, col0 + SUB, N, K, stride_og, stride_on, HM, col_l, ACCUMULATE, TMA_OUT,
                                  C_SLOTS == 1)
             else:  # TMA cannot start off a 16-byte boundary: masked byte loads, a half at a time
+                if TMA_OUT:
+                    tma.store_wait(0)  # `own` may still feed the last TMA store of results
                 for h in gl.static_range(2):
-                    if TMA_OUT:
-                        tma.store_wait(0)  # `own` may still feed this half's last TMA store
                     acc = zero
                     for ki in range(gl.cdiv(length, BK)):
                         t0 = start + ki * BK
+                        sm90.thread_barrier()  # every warp's part of the last MMA (or store) is done with `own`
                         tail_to_smem(a_ptr, a_mine, row0, N, t0, length - ki * BK, stride_an, ld)
                         tail_to_smem(b_ptr, b_mine, col0 + h * SUB, K, t0, length - ki * BK, stride_bk, ld)
                         fence_async_shared()
+                        sm90.thread_barrier()  # the step is whole before the MMA reads it
                         acc = warpgroup_mma(a_mine, b_mine.permute((1, 0)), acc)
+                    # straight from registers: the next half's steps reuse `own`
                     bw._store_result(acc * f, c_mine.slice(0, HM), c_desc, out_ptr, g, rows, row_ok, row0,
-                                     col0 + h * SUB, N, K, stride_og, stride_on, HM, col_l, ACCUMULATE, TMA_OUT, True)
+                                     col0 + h * SUB, N, K, stride_og, stride_on, HM, col_l, ACCUMULATE, False, False)
+                sm90.thread_barrier()  # the last MMA is done with `own` before results are staged there again
         if TMA_OUT:
             tma.store_wait(0)
 
