@@ -31,9 +31,11 @@ SHAPES = {  # name: (experts, mean rows per expert, K, N) as in benchmarks/bench
     "qwen3-fc2-layer": (128, 1024, 768, 2048),
 }
 LAYOUTS = ("fprop", "dgrad", "wgrad")
-M_VARIANTS = {"gluon n128 s4": dict(bn=128, stages=4), "gluon n256 s2": dict(bn=256, stages=2),
-              "gluon n256 s3 gm16": dict(bn=256, stages=3, group_m=16)}
-K_VARIANTS = {"gluon s2": dict(stages=2), "gluon s3 gm4": dict(stages=3, group_m=4),
+M_VARIANTS = {"gluon n128 s4": dict(bn=128, stages=4), "gluon n256 s3 gm16": dict(bn=256, stages=3, group_m=16),
+              "gluon n256 s4 direct": dict(bn=256, stages=4, tma_store=False),
+              "gluon n256 s4 direct gm16": dict(bn=256, stages=4, group_m=16, tma_store=False),
+              "gluon n256 s3 direct": dict(bn=256, stages=3, tma_store=False)}
+K_VARIANTS = {"gluon s3 gm4": dict(stages=3, group_m=4),
               "gluon s3 gm16": dict(stages=3, group_m=16)}
 
 

@@ -46,9 +46,10 @@ if gluon is not None:
     def _m_consumer(a_bufs, b_bufs, c_bufs, full, empty, c_desc, out_ptr, offs_ptr, fa_ptr, fb_ptr, total_rows, N, K,
                     num_groups, stride_om, HALF: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                     BK: gl.constexpr, GROUP_M: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
-                    NUM_PROGRAMS: gl.constexpr):
+                    NUM_PROGRAMS: gl.constexpr, TMA_STORE: gl.constexpr):
         """One warpgroup: rows HALF*BM/2.. of each tile; step i's MMA issued before step i-1's is
-        waited for, then the factor and the store."""
+        waited for, then the factor and the store (TMA_STORE: through c_bufs, else straight from
+        registers)."""
         HM: gl.constexpr = BM // 2
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
@@ -79,9 +80,16 @@ if gluon is not None:
             if nk > 0:
                 _release(empty, it - 1, STAGES)
             acc = acc * (gl.load(fa_ptr + gb) * gl.load(fb_ptr + gb))
-            bg._store_half(acc, c_smem, c_desc, out_ptr, rows, rows < m_end, row0, pn * BN, m_end, N, stride_om, HM,
-                           col_l, True)
-        tma.store_wait(0)
+            if TMA_STORE:
+                bg._store_half(acc, c_smem, c_desc, out_ptr, rows, rows < m_end, row0, pn * BN, m_end, N, stride_om,
+                               HM, col_l, True)
+            else:
+                cols = pn * BN + gl.arange(0, BN, layout=col_l)
+                ptrs = out_ptr + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
+                gl.store(ptrs, acc.to(out_ptr.dtype.element_ty),
+                         mask=gl.expand_dims(rows < m_end, 1) & gl.expand_dims(cols < N, 0))
+        if TMA_STORE:
+            tma.store_wait(0)
 
     # sizes and strides that only index are not specialised (one compile for every shape)
     _M_SIZES = ["total_rows", "K", "num_groups", "b_group_rows", "b_group_cols"]
@@ -91,13 +99,16 @@ if gluon is not None:
                               num_groups, b_group_rows, b_group_cols, stride_om,
                               BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
                               GP: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                              TMA_STORE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         """out[T, N] = (A_g @ B_g^T) * fa[g] * fb[g] per group (see m_grouped_gemm_kernel), FP8
         tensor scaling. Partitions: two 4-warp consumers (the 64-row halves of each tile), a
         1-warp producer; `empty` counts both consumers' releases. sa_desc: a stand-in (no scales)."""
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
-        c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2, BM // 2, BN], c_desc.layout)
+        if TMA_STORE:
+            c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2, BM // 2, BN], c_desc.layout)
+        else:
+            c_bufs = a_bufs  # unused: the results leave straight from registers
         sa_bufs = gl.allocate_shared_memory(gl.float32, [1, 1, BM], sa_desc.layout)
         full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -106,16 +117,16 @@ if gluon is not None:
             mbarrier.init(empty.index(i), count=2)
         gl.warp_specialize([
             (_m_consumer, (a_bufs, b_bufs, c_bufs, full, empty, c_desc, out_ptr, offs_ptr, fa_ptr, fb_ptr, total_rows,
-                           N, K, num_groups, stride_om, 0, BM, BN, BK, GROUP_M, GP, STAGES, NUM_PROGRAMS)),
+                           N, K, num_groups, stride_om, 0, BM, BN, BK, GROUP_M, GP, STAGES, NUM_PROGRAMS, TMA_STORE)),
             (_m_consumer, (a_bufs, b_bufs, c_bufs, full, empty, c_desc, out_ptr, offs_ptr, fa_ptr, fb_ptr, total_rows,
-                           N, K, num_groups, stride_om, 1, BM, BN, BK, GROUP_M, GP, STAGES, NUM_PROGRAMS)),
+                           N, K, num_groups, stride_om, 1, BM, BN, BK, GROUP_M, GP, STAGES, NUM_PROGRAMS, TMA_STORE)),
             (bg._producer, (a_desc, b_desc, sa_desc, a_bufs, b_bufs, sa_bufs, full, empty, offs_ptr, total_rows, N,
                             K, num_groups, b_group_rows, b_group_cols, BM, BN, BK, GROUP_M, GP, STAGES, NUM_PROGRAMS,
                             False)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     @gluon.jit
-    def _k_consumer(a_bufs, b_bufs, own, c_view, full, empty, c_desc, a_ptr, b_ptr, out_ptr, offs_ptr, fa_ptr,
+    def _k_consumer(a_bufs, b_bufs, own, own_b, c_view, full, empty, c_desc, a_ptr, b_ptr, out_ptr, offs_ptr, fa_ptr,
                     fb_ptr, total_tiles, per_group, num_m, num_n, N, K, stride_an, stride_bk, stride_og, stride_on,
                     HALF: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
                     STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, ACCUMULATE: gl.constexpr,
@@ -132,7 +143,7 @@ if gluon is not None:
         ld: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
         zero = gl.zeros([HM, SUB], gl.float32, mma)
         a_mine = own.index(HALF).slice(0, HM)
-        b_mine = own.index(HALF).slice(SUB, SUB)  # a slice starts at a multiple of its length
+        b_mine = own_b.index(HALF).slice(SUB, SUB)  # in B's format; a slice starts at a multiple of its length
         c_mine = c_view.index(HALF)
         it = 0
         for t in range(gl.program_id(0), total_tiles, NUM_PROGRAMS):
@@ -209,12 +220,15 @@ if gluon is not None:
         C_LAYOUT: gl.constexpr = c_desc.layout
         C_SLOTS: gl.constexpr = 2 if C_DTYPE.primitive_bitwidth <= 16 else 1
         c_view = sm90.reinterpret(own, C_DTYPE, [2, C_SLOTS * BM // 2, BN // 2], C_LAYOUT)
+        B_DTYPE: gl.constexpr = b_desc.dtype
+        B_LAYOUT: gl.constexpr = b_desc.layout
+        own_b = sm90.reinterpret(own, B_DTYPE, [2, OWN_ROWS, BK], B_LAYOUT)  # E4M3 inputs under E5M2 gradients
         gl.warp_specialize([
-            (_k_consumer, (a_bufs, b_bufs, own, c_view, full, empty, c_desc, a_ptr, b_ptr, out_ptr, offs_ptr, fa_ptr,
-                           fb_ptr, total_tiles, per_group, num_m, num_n, N, K, stride_an, stride_bk, stride_og,
+            (_k_consumer, (a_bufs, b_bufs, own, own_b, c_view, full, empty, c_desc, a_ptr, b_ptr, out_ptr, offs_ptr,
+                           fa_ptr, fb_ptr, total_tiles, per_group, num_m, num_n, N, K, stride_an, stride_bk, stride_og,
                            stride_on, 0, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, ACCUMULATE, TMA_OUT, C_SLOTS)),
-            (_k_consumer, (a_bufs, b_bufs, own, c_view, full, empty, c_desc, a_ptr, b_ptr, out_ptr, offs_ptr, fa_ptr,
-                           fb_ptr, total_tiles, per_group, num_m, num_n, N, K, stride_an, stride_bk, stride_og,
+            (_k_consumer, (a_bufs, b_bufs, own, own_b, c_view, full, empty, c_desc, a_ptr, b_ptr, out_ptr, offs_ptr,
+                           fa_ptr, fb_ptr, total_tiles, per_group, num_m, num_n, N, K, stride_an, stride_bk, stride_og,
                            stride_on, 1, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, ACCUMULATE, TMA_OUT, C_SLOTS)),
             (bw._producer, (a_desc, b_desc, s_desc, s_desc, a_bufs, b_bufs, s_bufs, s_bufs, full, empty, offs_ptr,
                             offs_ptr, offs_ptr, a_ptr, b_ptr, total_tiles, per_group, num_m, num_n, N, K, stride_an,
@@ -254,8 +268,8 @@ def unsupported_m(a, b, n_out: int, k: int, out_dtype, total_rows: int, groups: 
     return None
 
 
-def _m_stages(stages: int, bn: int, out_dtype) -> int:
-    c = 2 * 64 * bn * torch.finfo(out_dtype).bits // 8
+def _m_stages(stages: int, bn: int, out_dtype, tma_store: bool = True) -> int:
+    c = 2 * 64 * bn * torch.finfo(out_dtype).bits // 8 if tma_store else 0
     return max(1, min(stages, (sm90.SMEM_BYTES - sm90.SMEM_SPARE - 512 - c) // ((128 + bn) * 128)))
 
 
@@ -272,15 +286,18 @@ def launch_m_dispatched(a, b, offsets, total_rows: int, n_out: int, k: int, grou
 
 def launch_tensor_gemm_ws(a, b, offsets: torch.Tensor, total_rows: int, n_out: int, k: int, groups: int,
                           out_dtype=torch.bfloat16, *, out: torch.Tensor | None = None, b_columnwise: bool = False,
-                          bn: int = 256, stages: int = 3, group_m: int = 8, programs: int | None = None,
+                          bn: int = 256, stages: int = 3, group_m: int = 8, tma_store: bool = True,
+                          programs: int | None = None,
                           consumer_regs: int = 232, producer_regs: int = 40, info: dict | None = None) -> torch.Tensor:
     """out [total_rows, n_out] of the FP8 tensor-scaled m-grouped GEMM; a, b: grouped_gemm._Operand
-    (TENSOR scaling: codes and per-group factors). Host-sync-free: the grid is the SM count."""
+    (TENSOR scaling: codes and per-group factors). tma_store: results through shared memory by TMA
+    (else straight from registers, which leaves room for a fourth stage). Host-sync-free: the grid
+    is the SM count."""
     if gluon is None:
         raise RuntimeError(sm90.GLUON_ERROR)
     if bn not in (128, 256) or n_out % bn:
         raise ValueError(f"bn={bn}, N={n_out}: the kernel takes 128- or 256-column tiles dividing N")
-    if _m_stages(stages, bn, out_dtype) < stages:
+    if _m_stages(stages, bn, out_dtype, tma_store) < stages:
         raise ValueError(f"{stages} stages of 128 x {bn} tiles with {out_dtype} results exceed shared memory")
     if out is None:
         out = torch.empty((total_rows, n_out), dtype=out_dtype, device=a.data.device)
@@ -292,8 +309,8 @@ def launch_tensor_gemm_ws(a, b, offsets: torch.Tensor, total_rows: int, n_out: i
         sm90.desc(a.data, [128, 128]), sm90.desc(b.data, [bn, 128]), sm90.desc(out, [64, bn]),
         sm90.stand_in_scale_desc(out), out, offsets, a.factor, b.factor, total_rows, n_out, k, groups, g_rows, g_cols,
         out.stride(0), BM=128, BN=bn, BK=128, GROUP_M=group_m, GP=triton.next_power_of_2(groups + 1),
-        STAGES=stages, NUM_PROGRAMS=programs, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
-        num_warps=4)
+        STAGES=stages, NUM_PROGRAMS=programs, TMA_STORE=tma_store, CONSUMER_REGS=consumer_regs,
+        PRODUCER_REGS=producer_regs, num_warps=4)
     kernel_info(compiled, info)
     return out
 

@@ -64,7 +64,8 @@ def test_gluon_m_grouped_gives_the_triton_kernels_bits(recipe, layout):
     a, b = grouped_operands(_recipes()[recipe], layout, 512, 768, "cuda", M_SPLITS, PAD, seed=3)
     for out_dtype in (torch.bfloat16, torch.float16):
         want = _m_triton(a, b, layout, out_dtype)
-        for cfg in (dict(bn=256, stages=3), dict(bn=128, stages=4), dict(bn=256, stages=2, group_m=1)):
+        for cfg in (dict(bn=256, stages=3), dict(bn=128, stages=4), dict(bn=256, stages=2, group_m=1),
+                    dict(bn=256, stages=4, tma_store=False)):
             for programs in (3, 132):
                 got = _m_gluon(a, b, layout, out_dtype, programs=programs, **cfg)
                 assert _same_bits(got, want), (out_dtype, cfg, programs, (got.float() - want.float()).abs().max())
