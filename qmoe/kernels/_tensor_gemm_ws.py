@@ -240,6 +240,11 @@ if gluon is not None:
 # kernel's 64 x 256 sum per consumer in one register set, the k-grouped kernel's as two.
 DISPATCH_M = dict(bn=256, stages=3, group_m=8)
 DISPATCH_K = dict(stages=3, group_m=8)
+# From this many rows per group on (on average), the m-grouped GEMM takes the Triton kernel: on
+# Mixtral's 8 groups of 4096 rows it ran 1-16 % faster than the Gluon one, whose lead lies in the
+# tile changes of many smaller groups (DeepSeek-V3's 2048 rows, Qwen3's 1024:
+# benchmarks/results/sweeps/tensor_gemm.json, moe_tensor_gemm.json).
+TRITON_ROWS_PER_GROUP = 4096
 # Calls whose kernel failed to compile (a Triton without this Gluon API): they take the Triton kernel.
 FAILED: dict[tuple, str] = {}
 _OUT_DTYPES = (torch.bfloat16, torch.float16)  # fp32 output promotes every step: the Triton kernel's
@@ -253,7 +258,8 @@ def unsupported_m(a, b, n_out: int, k: int, out_dtype, total_rows: int, groups: 
     """Why the Gluon kernel cannot run this m-grouped TENSOR call (None: it can): it needs Gluon's
     Hopper API on an sm90 device, a 16-bit output, FP8 codes with their factors, TMA-aligned
     operands and output rows, N a multiple of the tile, and enough rows per group for 128-row tiles
-    (fewer go to the Triton kernel's small-M tiles). QMOE_TENSOR_GEMM=triton turns it off."""
+    (fewer go to the Triton kernel's small-M tiles) but fewer than TRITON_ROWS_PER_GROUP.
+    QMOE_TENSOR_GEMM=triton turns it off."""
     why = sm90.gluon_unavailable(a.data.device, sm90.TENSOR_GEMM_SWITCH)
     if why is not None:
         return why
@@ -265,6 +271,8 @@ def unsupported_m(a, b, n_out: int, k: int, out_dtype, total_rows: int, groups: 
         return f"N={n_out} (a multiple of {DISPATCH_M['bn']} needed), K={k}"
     if total_rows <= 96 * groups:
         return "few rows per group (the Triton kernel's 64-row tiles)"
+    if total_rows >= TRITON_ROWS_PER_GROUP * groups:
+        return f"{TRITON_ROWS_PER_GROUP} rows per group or more (the Triton kernel is ahead there)"
     return None
 
 

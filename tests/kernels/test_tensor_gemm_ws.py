@@ -221,6 +221,8 @@ def test_m_dispatch_takes_the_gluon_kernel_only_where_it_applies(sm90, monkeypat
     assert "operands" in why(_op(factor=False), _op(), 512, 1024, torch.bfloat16, 4096, 8)
     assert "N=384" in why(_op(), _op(), 384, 1024, torch.bfloat16, 4096, 8)
     assert "few rows" in why(_op(), _op(), 512, 1024, torch.bfloat16, 96 * 8, 8)
+    assert why(_op(), _op(), 512, 1024, torch.bfloat16, tw.TRITON_ROWS_PER_GROUP * 8 - 1, 8) is None
+    assert "rows per group or more" in why(_op(), _op(), 512, 1024, torch.bfloat16, tw.TRITON_ROWS_PER_GROUP * 8, 8)
     assert "aligned" in why(_op(cols=1000), _op(), 512, 1000, torch.bfloat16, 4096, 8)
     assert "contiguous" in why(_op(stride_k=2), _op(), 512, 1024, torch.bfloat16, 4096, 8)
     assert "not a CUDA device" in why(_op(device="cpu"), _op(device="cpu"), 512, 1024, torch.bfloat16, 4096, 8)
