@@ -193,6 +193,63 @@ if gluon is not None:
         if TMA_OUT:
             tma.store_wait(0)
 
+    @gluon.jit
+    def _k_consumer_one(a_bufs, b_bufs, own_a, own_b, c_view, full, empty, c_desc, a_ptr, b_ptr, out_ptr, offs_ptr,
+                        fa_ptr, fb_ptr, total_tiles, per_group, num_m, num_n, N, K, stride_an, stride_bk, stride_og,
+                        stride_on, HALF: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                        GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+                        ACCUMULATE: gl.constexpr, TMA_OUT: gl.constexpr):
+        """As _k_consumer with one [BM/2, BN] sum (one MMA of the whole tile width per step); a group
+        off 16 bytes goes through `own`: this half's 64 rows of A and all BN columns of B."""
+        HM: gl.constexpr = BM // 2
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
+        row_l: gl.constexpr = gl.SliceLayout(1, mma)
+        col_l: gl.constexpr = gl.SliceLayout(0, mma)
+        ld: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+        zero = gl.zeros([HM, BN], gl.float32, mma)
+        a_mine = own_a.index(HALF)
+        b_mine = own_b.index(HALF)
+        c_mine = c_view.index(HALF)  # the same bytes as b_mine
+        it = 0
+        for t in range(gl.program_id(0), total_tiles, NUM_PROGRAMS):
+            g, pm, pn, start, length = bw._tile_of(t, offs_ptr, per_group, num_m, num_n, GROUP_M)
+            row0, rows, row_ok = bw._half_rows(pm, N, HALF, BM, row_l)
+            col0 = pn * BN
+            f = gl.load(fa_ptr + g) * gl.load(fb_ptr + g)
+            acc = zero
+            if start % 16 == 0:
+                nk = tma_steps(start, length, BK, TAIL_DESC)
+                for ki in range(nk):
+                    s = it % STAGES
+                    mbarrier.wait(full.index(s), (it // STAGES) & 1)
+                    acc = warpgroup_mma(a_bufs.index(s).slice(HALF * HM, HM), b_bufs.index(s).permute((1, 0)), acc,
+                                        is_async=True)
+                    acc = warpgroup_mma_wait(1, deps=(acc, ))
+                    if ki > 0:
+                        _release(empty, it - 1, STAGES)
+                    it += 1
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                if nk > 0:
+                    _release(empty, it - 1, STAGES)
+                bw._store_result(acc * f, c_mine, c_desc, out_ptr, g, rows, row_ok, row0, col0, N, K, stride_og,
+                                 stride_on, HM, col_l, ACCUMULATE, TMA_OUT, True)
+            else:  # TMA cannot start off a 16-byte boundary: masked byte loads
+                if TMA_OUT:
+                    tma.store_wait(0)  # `own` may still feed the last TMA store of results
+                for ki in range(gl.cdiv(length, BK)):
+                    t0 = start + ki * BK
+                    sm90.thread_barrier()  # every warp's part of the last MMA (or store) is done with `own`
+                    tail_to_smem(a_ptr, a_mine, row0, N, t0, length - ki * BK, stride_an, ld)
+                    tail_to_smem(b_ptr, b_mine, col0, K, t0, length - ki * BK, stride_bk, ld)
+                    fence_async_shared()
+                    sm90.thread_barrier()  # the step is whole before the MMA reads it
+                    acc = warpgroup_mma(a_mine, b_mine.permute((1, 0)), acc)
+                bw._store_result(acc * f, c_mine, c_desc, out_ptr, g, rows, row_ok, row0, col0, N, K, stride_og,
+                                 stride_on, HM, col_l, ACCUMULATE, False, False)
+                sm90.thread_barrier()  # the last MMA is done with `own` before results are staged there again
+        if TMA_OUT:
+            tma.store_wait(0)
+
     _K_SIZES = ["total_tiles", "per_group", "num_m", "num_n", "stride_og"]
 
     @gluon.jit(do_not_specialize=_K_SIZES)
@@ -200,8 +257,8 @@ if gluon is not None:
                                total_tiles, per_group, num_m, num_n, N, K, stride_an, stride_bk, stride_og,
                                stride_on, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                                GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-                               ACCUMULATE: gl.constexpr, TMA_OUT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                               PRODUCER_REGS: gl.constexpr):
+                               ACCUMULATE: gl.constexpr, TMA_OUT: gl.constexpr, ONE_ACC: gl.constexpr,
+                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         """out[g] = (A[:, tokens of g] @ B[:, tokens of g]^T) * fa[g] * fb[g] (see
         k_grouped_gemm_kernel), FP8 tensor scaling, BN = 2 x 128. Partitions as the m-grouped
         kernel's; s_desc: a stand-in for the block producer's scale rows (none here)."""
@@ -213,27 +270,46 @@ if gluon is not None:
         for i in gl.static_range(STAGES):
             mbarrier.init(full.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)
-        # per half: its 64 rows of A and 128 columns of B (a group off 16 bytes), or its results
-        OWN_ROWS: gl.constexpr = (BM // 2) * (BN // 2) * 4 // BK
-        own = gl.allocate_shared_memory(a_desc.dtype, [2, OWN_ROWS, BK], a_desc.layout)
         C_DTYPE: gl.constexpr = c_desc.dtype
         C_LAYOUT: gl.constexpr = c_desc.layout
-        C_SLOTS: gl.constexpr = 2 if C_DTYPE.primitive_bitwidth <= 16 else 1
-        c_view = sm90.reinterpret(own, C_DTYPE, [2, C_SLOTS * BM // 2, BN // 2], C_LAYOUT)
         B_DTYPE: gl.constexpr = b_desc.dtype
         B_LAYOUT: gl.constexpr = b_desc.layout
-        own_b = sm90.reinterpret(own, B_DTYPE, [2, OWN_ROWS, BK], B_LAYOUT)  # E4M3 inputs under E5M2 gradients
-        gl.warp_specialize([
-            (_k_consumer, (a_bufs, b_bufs, own, own_b, c_view, full, empty, c_desc, a_ptr, b_ptr, out_ptr, offs_ptr,
-                           fa_ptr, fb_ptr, total_tiles, per_group, num_m, num_n, N, K, stride_an, stride_bk, stride_og,
-                           stride_on, 0, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, ACCUMULATE, TMA_OUT, C_SLOTS)),
-            (_k_consumer, (a_bufs, b_bufs, own, own_b, c_view, full, empty, c_desc, a_ptr, b_ptr, out_ptr, offs_ptr,
-                           fa_ptr, fb_ptr, total_tiles, per_group, num_m, num_n, N, K, stride_an, stride_bk, stride_og,
-                           stride_on, 1, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, ACCUMULATE, TMA_OUT, C_SLOTS)),
-            (bw._producer, (a_desc, b_desc, s_desc, s_desc, a_bufs, b_bufs, s_bufs, s_bufs, full, empty, offs_ptr,
-                            offs_ptr, offs_ptr, a_ptr, b_ptr, total_tiles, per_group, num_m, num_n, N, K, stride_an,
-                            stride_bk, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, TAIL_DESC, False)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        if ONE_ACC:
+            # per half: all BN columns of B and its 64 rows of A (a group off 16 bytes), or its results
+            own_a = gl.allocate_shared_memory(a_desc.dtype, [2, BM // 2, BK], a_desc.layout)
+            own_b = gl.allocate_shared_memory(B_DTYPE, [2, BN, BK], B_LAYOUT)
+            c_view = sm90.reinterpret(own_b, C_DTYPE, [2, BM // 2, BN], C_LAYOUT)
+            gl.warp_specialize([
+                (_k_consumer_one, (a_bufs, b_bufs, own_a, own_b, c_view, full, empty, c_desc, a_ptr, b_ptr, out_ptr,
+                                   offs_ptr, fa_ptr, fb_ptr, total_tiles, per_group, num_m, num_n, N, K, stride_an,
+                                   stride_bk, stride_og, stride_on, 0, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS,
+                                   ACCUMULATE, TMA_OUT)),
+                (_k_consumer_one, (a_bufs, b_bufs, own_a, own_b, c_view, full, empty, c_desc, a_ptr, b_ptr, out_ptr,
+                                   offs_ptr, fa_ptr, fb_ptr, total_tiles, per_group, num_m, num_n, N, K, stride_an,
+                                   stride_bk, stride_og, stride_on, 1, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS,
+                                   ACCUMULATE, TMA_OUT)),
+                (bw._producer, (a_desc, b_desc, s_desc, s_desc, a_bufs, b_bufs, s_bufs, s_bufs, full, empty, offs_ptr,
+                                offs_ptr, offs_ptr, a_ptr, b_ptr, total_tiles, per_group, num_m, num_n, N, K,
+                                stride_an, stride_bk, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, TAIL_DESC, False)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            # per half: its 64 rows of A and 128 columns of B (a group off 16 bytes), or its results
+            OWN_ROWS2: gl.constexpr = (BM // 2) * (BN // 2) * 4 // BK
+            own2 = gl.allocate_shared_memory(a_desc.dtype, [2, OWN_ROWS2, BK], a_desc.layout)
+            C_SLOTS: gl.constexpr = 2 if C_DTYPE.primitive_bitwidth <= 16 else 1
+            c_view2 = sm90.reinterpret(own2, C_DTYPE, [2, C_SLOTS * BM // 2, BN // 2], C_LAYOUT)
+            own_b2 = sm90.reinterpret(own2, B_DTYPE, [2, OWN_ROWS2, BK], B_LAYOUT)
+            gl.warp_specialize([
+                (_k_consumer, (a_bufs, b_bufs, own2, own_b2, c_view2, full, empty, c_desc, a_ptr, b_ptr, out_ptr, offs_ptr,
+                               fa_ptr, fb_ptr, total_tiles, per_group, num_m, num_n, N, K, stride_an, stride_bk, stride_og,
+                               stride_on, 0, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, ACCUMULATE, TMA_OUT, C_SLOTS)),
+                (_k_consumer, (a_bufs, b_bufs, own2, own_b2, c_view2, full, empty, c_desc, a_ptr, b_ptr, out_ptr, offs_ptr,
+                               fa_ptr, fb_ptr, total_tiles, per_group, num_m, num_n, N, K, stride_an, stride_bk, stride_og,
+                               stride_on, 1, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, ACCUMULATE, TMA_OUT, C_SLOTS)),
+                (bw._producer, (a_desc, b_desc, s_desc, s_desc, a_bufs, b_bufs, s_bufs, s_bufs, full, empty, offs_ptr,
+                                offs_ptr, offs_ptr, a_ptr, b_ptr, total_tiles, per_group, num_m, num_n, N, K, stride_an,
+                                stride_bk, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, TAIL_DESC, False)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # What the TENSOR GEMMs dispatch to (the launchers' keywords): 128 x 256 tiles, the m-grouped
@@ -340,8 +416,8 @@ def unsupported_k(a, b, out: torch.Tensor, accumulate: bool) -> str | None:
     return None
 
 
-def _k_stages(stages: int) -> int:
-    own = 2 * 64 * 128 * 4
+def _k_stages(stages: int, one_acc: bool = False) -> int:
+    own = 2 * (256 + 64) * 128 if one_acc else 2 * 64 * 128 * 4
     return max(1, min(stages, (sm90.SMEM_BYTES - sm90.SMEM_SPARE - 1024 - own) // (384 * 128)))
 
 
@@ -356,7 +432,8 @@ def launch_k_dispatched(a, b, offsets, n: int, k: int, groups: int, out: torch.T
 
 
 def launch_tensor_wgrad_ws(a, b, offsets: torch.Tensor, n: int, k: int, groups: int, out: torch.Tensor,
-                           accumulate: bool = False, *, stages: int = 3, group_m: int = 8, programs: int | None = None,
+                           accumulate: bool = False, *, stages: int = 3, group_m: int = 8, one_acc: bool = False,
+                           programs: int | None = None,
                            consumer_regs: int = 232, producer_regs: int = 40,
                            info: dict | None = None) -> torch.Tensor:
     """out [groups, n, k] (+= with accumulate) of the FP8 tensor-scaled k-grouped GEMM; a [n, T],
@@ -366,7 +443,7 @@ def launch_tensor_wgrad_ws(a, b, offsets: torch.Tensor, n: int, k: int, groups: 
     if k % 256 or a.stride_k != 1 or b.stride_k != 1:
         raise ValueError(f"K={k}, token strides {a.stride_k}, {b.stride_k}: the kernel takes K % 256 == 0 and "
                          f"contiguous tokens")
-    if _k_stages(stages) < stages:
+    if _k_stages(stages, one_acc) < stages:
         raise ValueError(f"{stages} stages exceed shared memory")
     if n == 0 or k == 0 or groups == 0 or faking():
         return out
@@ -376,11 +453,12 @@ def launch_tensor_wgrad_ws(a, b, offsets: torch.Tensor, n: int, k: int, groups: 
     programs = num_sms(a.data.device) if programs is None else programs
     flat = out.view(groups * n, k) if tma_out else out.new_empty((64, 128))  # a stand-in never stored to
     compiled = sm90.with_scratch(a.data.device, lambda: tensor_wgrad_ws_kernel[(programs,)](
-        sm90.desc(a.data, [128, 128]), sm90.desc(b.data, [256, 128]), sm90.desc(flat, [64, 128]),
+        sm90.desc(a.data, [128, 128]), sm90.desc(b.data, [256, 128]), sm90.desc(flat, [64, 256 if one_acc else 128]),
         sm90.stand_in_scale_desc(out, 256), a.data.view(torch.uint8), b.data.view(torch.uint8), out, offsets,
         a.factor, b.factor, groups * per_group, per_group, num_m, num_n, n, k, a.stride_r, b.stride_r,
         out.stride(0), out.stride(1), BM=128, BN=256, BK=128, GROUP_M=group_m, STAGES=stages, NUM_PROGRAMS=programs,
-        ACCUMULATE=accumulate, TMA_OUT=tma_out, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
+        ACCUMULATE=accumulate, TMA_OUT=tma_out, ONE_ACC=one_acc, CONSUMER_REGS=consumer_regs,
+        PRODUCER_REGS=producer_regs,
         num_warps=4))  # the group descriptors of partial last steps live in its scratch
     kernel_info(compiled, info)
     return out
