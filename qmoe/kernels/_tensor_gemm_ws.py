@@ -16,10 +16,9 @@ producers, `_block_gemm_ws` and `_block_wgrad_ws`, without scales), running ahea
 tile while two consumer warpgroups, one per 64-row half of a tile, finish the last; each consumer
 keeps one MMA in flight and releases a step's stage when the next step's MMA has started.
 
-The k-grouped kernel takes 128 x 256 tiles as two 128-column sums per consumer, so a group that
-starts off 16 bytes (which TMA cannot load) goes through the block wgrad's per-consumer buffers a
-half at a time (`_block_wgrad_tails`); a group's partial last step comes through the group's own
-descriptors, zero past its end.
+In the k-grouped kernel a group that starts off 16 bytes (which TMA cannot load) goes through each
+consumer's own buffers by masked loads (`_block_wgrad_tails`); a group's partial last step comes
+through the group's own descriptors, zero past its end.
 """
 from __future__ import annotations
 
@@ -126,81 +125,15 @@ if gluon is not None:
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     @gluon.jit
-    def _k_consumer(a_bufs, b_bufs, own, own_b, c_view, full, empty, c_desc, a_ptr, b_ptr, out_ptr, offs_ptr, fa_ptr,
-                    fb_ptr, total_tiles, per_group, num_m, num_n, N, K, stride_an, stride_bk, stride_og, stride_on,
-                    HALF: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
-                    STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, ACCUMULATE: gl.constexpr,
-                    TMA_OUT: gl.constexpr, C_SLOTS: gl.constexpr):
-        """One warpgroup: rows HALF*BM/2.. of each [BM, 2 x 128] output tile as two 128-column sums,
-        each step's two MMAs issued before the previous step's are waited for. A group starting off
-        16 bytes: every step through `own` (this half's 64 rows of A and 128 columns of B at a
-        time, which also hold its results on their way to a TMA store: `c_view`)."""
-        HM: gl.constexpr = BM // 2
-        SUB: gl.constexpr = BN // 2
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SUB, 32])
-        row_l: gl.constexpr = gl.SliceLayout(1, mma)
-        col_l: gl.constexpr = gl.SliceLayout(0, mma)
-        ld: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
-        zero = gl.zeros([HM, SUB], gl.float32, mma)
-        a_mine = own.index(HALF).slice(0, HM)
-        b_mine = own_b.index(HALF).slice(SUB, SUB)  # in B's format; a slice starts at a multiple of its length
-        c_mine = c_view.index(HALF)
-        it = 0
-        for t in range(gl.program_id(0), total_tiles, NUM_PROGRAMS):
-            g, pm, pn, start, length = bw._tile_of(t, offs_ptr, per_group, num_m, num_n, GROUP_M)
-            row0, rows, row_ok = bw._half_rows(pm, N, HALF, BM, row_l)
-            col0 = pn * BN
-            f = gl.load(fa_ptr + g) * gl.load(fb_ptr + g)
-            if start % 16 == 0:
-                nk = tma_steps(start, length, BK, TAIL_DESC)
-                acc0 = zero
-                acc1 = zero
-                for ki in range(nk):
-                    s = it % STAGES
-                    mbarrier.wait(full.index(s), (it // STAGES) & 1)
-                    a_s = a_bufs.index(s).slice(HALF * HM, HM)
-                    acc0 = warpgroup_mma(a_s, b_bufs.index(s).slice(0, SUB).permute((1, 0)), acc0, is_async=True)
-                    acc1 = warpgroup_mma(a_s, b_bufs.index(s).slice(SUB, SUB).permute((1, 0)), acc1, is_async=True)
-                    acc0, acc1 = warpgroup_mma_wait(2, deps=(acc0, acc1))
-                    if ki > 0:
-                        _release(empty, it - 1, STAGES)
-                    it += 1
-                acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
-                if nk > 0:
-                    _release(empty, it - 1, STAGES)
-                bw._store_result(acc0 * f, c_mine.slice(0, HM), c_desc, out_ptr, g, rows, row_ok, row0, col0, N, K,
-                                 stride_og, stride_on, HM, col_l, ACCUMULATE, TMA_OUT, True)
-                bw._store_result(acc1 * f, c_mine.slice((C_SLOTS - 1) * HM, HM), c_desc, out_ptr, g, rows, row_ok,
-                                 row0, col0 + SUB, N, K, stride_og, stride_on, HM, col_l, ACCUMULATE, TMA_OUT,
-                                 C_SLOTS == 1)
-            else:  # TMA cannot start off a 16-byte boundary: masked byte loads, a half at a time
-                if TMA_OUT:
-                    tma.store_wait(0)  # `own` may still feed the last TMA store of results
-                for h in gl.static_range(2):
-                    acc = zero
-                    for ki in range(gl.cdiv(length, BK)):
-                        t0 = start + ki * BK
-                        sm90.thread_barrier()  # every warp's part of the last MMA (or store) is done with `own`
-                        tail_to_smem(a_ptr, a_mine, row0, N, t0, length - ki * BK, stride_an, ld)
-                        tail_to_smem(b_ptr, b_mine, col0 + h * SUB, K, t0, length - ki * BK, stride_bk, ld)
-                        fence_async_shared()
-                        sm90.thread_barrier()  # the step is whole before the MMA reads it
-                        acc = warpgroup_mma(a_mine, b_mine.permute((1, 0)), acc)
-                    # straight from registers: the next half's steps reuse `own`
-                    bw._store_result(acc * f, c_mine.slice(0, HM), c_desc, out_ptr, g, rows, row_ok, row0,
-                                     col0 + h * SUB, N, K, stride_og, stride_on, HM, col_l, ACCUMULATE, False, False)
-                sm90.thread_barrier()  # the last MMA is done with `own` before results are staged there again
-        if TMA_OUT:
-            tma.store_wait(0)
-
-    @gluon.jit
-    def _k_consumer_one(a_bufs, b_bufs, own_a, own_b, c_view, full, empty, c_desc, a_ptr, b_ptr, out_ptr, offs_ptr,
-                        fa_ptr, fb_ptr, total_tiles, per_group, num_m, num_n, N, K, stride_an, stride_bk, stride_og,
-                        stride_on, HALF: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                        GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-                        ACCUMULATE: gl.constexpr, TMA_OUT: gl.constexpr):
-        """As _k_consumer with one [BM/2, BN] sum (one MMA of the whole tile width per step); a group
-        off 16 bytes goes through `own`: this half's 64 rows of A and all BN columns of B."""
+    def _k_consumer(a_bufs, b_bufs, own_a, own_b, c_view, full, empty, c_desc, a_ptr, b_ptr, out_ptr, offs_ptr,
+                    fa_ptr, fb_ptr, total_tiles, per_group, num_m, num_n, N, K, stride_an, stride_bk, stride_og,
+                    stride_on, HALF: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                    GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+                    ACCUMULATE: gl.constexpr, TMA_OUT: gl.constexpr):
+        """One warpgroup: rows HALF*BM/2.. of each output tile, one MMA of the whole tile width per
+        step, issued before the previous step's is waited for. A group starting off 16 bytes: every
+        step through this half's own buffers (its 64 rows of A, all BN columns of B; the latter
+        also hold its results on their way to a TMA store: `c_view`)."""
         HM: gl.constexpr = BM // 2
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
@@ -235,10 +168,10 @@ if gluon is not None:
                                  stride_on, HM, col_l, ACCUMULATE, TMA_OUT, True)
             else:  # TMA cannot start off a 16-byte boundary: masked byte loads
                 if TMA_OUT:
-                    tma.store_wait(0)  # `own` may still feed the last TMA store of results
+                    tma.store_wait(0)  # B's buffer may still feed the last TMA store of results
                 for ki in range(gl.cdiv(length, BK)):
                     t0 = start + ki * BK
-                    sm90.thread_barrier()  # every warp's part of the last MMA (or store) is done with `own`
+                    sm90.thread_barrier()  # every warp's part of the last MMA (or store) is done with the buffers
                     tail_to_smem(a_ptr, a_mine, row0, N, t0, length - ki * BK, stride_an, ld)
                     tail_to_smem(b_ptr, b_mine, col0, K, t0, length - ki * BK, stride_bk, ld)
                     fence_async_shared()
@@ -246,7 +179,7 @@ if gluon is not None:
                     acc = warpgroup_mma(a_mine, b_mine.permute((1, 0)), acc)
                 bw._store_result(acc * f, c_mine, c_desc, out_ptr, g, rows, row_ok, row0, col0, N, K, stride_og,
                                  stride_on, HM, col_l, ACCUMULATE, False, False)
-                sm90.thread_barrier()  # the last MMA is done with `own` before results are staged there again
+                sm90.thread_barrier()  # the last MMA is done with B's buffer before results are staged there
         if TMA_OUT:
             tma.store_wait(0)
 
@@ -257,11 +190,11 @@ if gluon is not None:
                                total_tiles, per_group, num_m, num_n, N, K, stride_an, stride_bk, stride_og,
                                stride_on, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                                GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-                               ACCUMULATE: gl.constexpr, TMA_OUT: gl.constexpr, ONE_ACC: gl.constexpr,
-                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                               ACCUMULATE: gl.constexpr, TMA_OUT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                               PRODUCER_REGS: gl.constexpr):
         """out[g] = (A[:, tokens of g] @ B[:, tokens of g]^T) * fa[g] * fb[g] (see
-        k_grouped_gemm_kernel), FP8 tensor scaling, BN = 2 x 128. Partitions as the m-grouped
-        kernel's; s_desc: a stand-in for the block producer's scale rows (none here)."""
+        k_grouped_gemm_kernel), FP8 tensor scaling. Partitions as the m-grouped kernel's; s_desc: a
+        stand-in for the block producer's scale rows (none here)."""
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
         s_bufs = gl.allocate_shared_memory(gl.float32, [1, 1, BN], s_desc.layout)
@@ -274,46 +207,27 @@ if gluon is not None:
         C_LAYOUT: gl.constexpr = c_desc.layout
         B_DTYPE: gl.constexpr = b_desc.dtype
         B_LAYOUT: gl.constexpr = b_desc.layout
-        if ONE_ACC:
-            # per half: all BN columns of B and its 64 rows of A (a group off 16 bytes), or its results
-            own_a = gl.allocate_shared_memory(a_desc.dtype, [2, BM // 2, BK], a_desc.layout)
-            own_b = gl.allocate_shared_memory(B_DTYPE, [2, BN, BK], B_LAYOUT)
-            c_view = sm90.reinterpret(own_b, C_DTYPE, [2, BM // 2, BN], C_LAYOUT)
-            gl.warp_specialize([
-                (_k_consumer_one, (a_bufs, b_bufs, own_a, own_b, c_view, full, empty, c_desc, a_ptr, b_ptr, out_ptr,
-                                   offs_ptr, fa_ptr, fb_ptr, total_tiles, per_group, num_m, num_n, N, K, stride_an,
-                                   stride_bk, stride_og, stride_on, 0, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS,
-                                   ACCUMULATE, TMA_OUT)),
-                (_k_consumer_one, (a_bufs, b_bufs, own_a, own_b, c_view, full, empty, c_desc, a_ptr, b_ptr, out_ptr,
-                                   offs_ptr, fa_ptr, fb_ptr, total_tiles, per_group, num_m, num_n, N, K, stride_an,
-                                   stride_bk, stride_og, stride_on, 1, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS,
-                                   ACCUMULATE, TMA_OUT)),
-                (bw._producer, (a_desc, b_desc, s_desc, s_desc, a_bufs, b_bufs, s_bufs, s_bufs, full, empty, offs_ptr,
-                                offs_ptr, offs_ptr, a_ptr, b_ptr, total_tiles, per_group, num_m, num_n, N, K,
-                                stride_an, stride_bk, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, TAIL_DESC, False)),
-            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-        else:
-            # per half: its 64 rows of A and 128 columns of B (a group off 16 bytes), or its results
-            OWN_ROWS2: gl.constexpr = (BM // 2) * (BN // 2) * 4 // BK
-            own2 = gl.allocate_shared_memory(a_desc.dtype, [2, OWN_ROWS2, BK], a_desc.layout)
-            C_SLOTS: gl.constexpr = 2 if C_DTYPE.primitive_bitwidth <= 16 else 1
-            c_view2 = sm90.reinterpret(own2, C_DTYPE, [2, C_SLOTS * BM // 2, BN // 2], C_LAYOUT)
-            own_b2 = sm90.reinterpret(own2, B_DTYPE, [2, OWN_ROWS2, BK], B_LAYOUT)
-            gl.warp_specialize([
-                (_k_consumer, (a_bufs, b_bufs, own2, own_b2, c_view2, full, empty, c_desc, a_ptr, b_ptr, out_ptr, offs_ptr,
-                               fa_ptr, fb_ptr, total_tiles, per_group, num_m, num_n, N, K, stride_an, stride_bk, stride_og,
-                               stride_on, 0, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, ACCUMULATE, TMA_OUT, C_SLOTS)),
-                (_k_consumer, (a_bufs, b_bufs, own2, own_b2, c_view2, full, empty, c_desc, a_ptr, b_ptr, out_ptr, offs_ptr,
-                               fa_ptr, fb_ptr, total_tiles, per_group, num_m, num_n, N, K, stride_an, stride_bk, stride_og,
-                               stride_on, 1, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, ACCUMULATE, TMA_OUT, C_SLOTS)),
-                (bw._producer, (a_desc, b_desc, s_desc, s_desc, a_bufs, b_bufs, s_bufs, s_bufs, full, empty, offs_ptr,
-                                offs_ptr, offs_ptr, a_ptr, b_ptr, total_tiles, per_group, num_m, num_n, N, K, stride_an,
-                                stride_bk, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, TAIL_DESC, False)),
-            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        # per half: its 64 rows of A and all BN columns of B (a group off 16 bytes); B's hold its results
+        own_a = gl.allocate_shared_memory(a_desc.dtype, [2, BM // 2, BK], a_desc.layout)
+        own_b = gl.allocate_shared_memory(B_DTYPE, [2, BN, BK], B_LAYOUT)
+        c_view = sm90.reinterpret(own_b, C_DTYPE, [2, BM // 2, BN], C_LAYOUT)
+        gl.warp_specialize([
+            (_k_consumer, (a_bufs, b_bufs, own_a, own_b, c_view, full, empty, c_desc, a_ptr, b_ptr, out_ptr,
+                           offs_ptr, fa_ptr, fb_ptr, total_tiles, per_group, num_m, num_n, N, K, stride_an, stride_bk,
+                           stride_og, stride_on, 0, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, ACCUMULATE,
+                           TMA_OUT)),
+            (_k_consumer, (a_bufs, b_bufs, own_a, own_b, c_view, full, empty, c_desc, a_ptr, b_ptr, out_ptr,
+                           offs_ptr, fa_ptr, fb_ptr, total_tiles, per_group, num_m, num_n, N, K, stride_an, stride_bk,
+                           stride_og, stride_on, 1, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, ACCUMULATE,
+                           TMA_OUT)),
+            (bw._producer, (a_desc, b_desc, s_desc, s_desc, a_bufs, b_bufs, s_bufs, s_bufs, full, empty, offs_ptr,
+                            offs_ptr, offs_ptr, a_ptr, b_ptr, total_tiles, per_group, num_m, num_n, N, K,
+                            stride_an, stride_bk, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, TAIL_DESC, False)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-# What the TENSOR GEMMs dispatch to (the launchers' keywords): 128 x 256 tiles, the m-grouped
-# kernel's 64 x 256 sum per consumer in one register set, the k-grouped kernel's as two.
+# What the TENSOR GEMMs dispatch to (the launchers' keywords): 128 x 256 tiles, a 64 x 256 sum per
+# consumer.
 DISPATCH_M = dict(bn=256, stages=3, group_m=8)
 DISPATCH_K = dict(stages=3, group_m=8)
 # From this many rows per group on (on average), the m-grouped GEMM takes the Triton kernel: on
@@ -416,8 +330,8 @@ def unsupported_k(a, b, out: torch.Tensor, accumulate: bool) -> str | None:
     return None
 
 
-def _k_stages(stages: int, one_acc: bool = False) -> int:
-    own = 2 * (256 + 64) * 128 if one_acc else 2 * 64 * 128 * 4
+def _k_stages(stages: int) -> int:
+    own = 2 * (256 + 64) * 128
     return max(1, min(stages, (sm90.SMEM_BYTES - sm90.SMEM_SPARE - 1024 - own) // (384 * 128)))
 
 
@@ -432,8 +346,7 @@ def launch_k_dispatched(a, b, offsets, n: int, k: int, groups: int, out: torch.T
 
 
 def launch_tensor_wgrad_ws(a, b, offsets: torch.Tensor, n: int, k: int, groups: int, out: torch.Tensor,
-                           accumulate: bool = False, *, stages: int = 3, group_m: int = 8, one_acc: bool = False,
-                           programs: int | None = None,
+                           accumulate: bool = False, *, stages: int = 3, group_m: int = 8, programs: int | None = None,
                            consumer_regs: int = 232, producer_regs: int = 40,
                            info: dict | None = None) -> torch.Tensor:
     """out [groups, n, k] (+= with accumulate) of the FP8 tensor-scaled k-grouped GEMM; a [n, T],
@@ -443,7 +356,7 @@ def launch_tensor_wgrad_ws(a, b, offsets: torch.Tensor, n: int, k: int, groups: 
     if k % 256 or a.stride_k != 1 or b.stride_k != 1:
         raise ValueError(f"K={k}, token strides {a.stride_k}, {b.stride_k}: the kernel takes K % 256 == 0 and "
                          f"contiguous tokens")
-    if _k_stages(stages, one_acc) < stages:
+    if _k_stages(stages) < stages:
         raise ValueError(f"{stages} stages exceed shared memory")
     if n == 0 or k == 0 or groups == 0 or faking():
         return out
@@ -453,12 +366,11 @@ def launch_tensor_wgrad_ws(a, b, offsets: torch.Tensor, n: int, k: int, groups: 
     programs = num_sms(a.data.device) if programs is None else programs
     flat = out.view(groups * n, k) if tma_out else out.new_empty((64, 128))  # a stand-in never stored to
     compiled = sm90.with_scratch(a.data.device, lambda: tensor_wgrad_ws_kernel[(programs,)](
-        sm90.desc(a.data, [128, 128]), sm90.desc(b.data, [256, 128]), sm90.desc(flat, [64, 256 if one_acc else 128]),
+        sm90.desc(a.data, [128, 128]), sm90.desc(b.data, [256, 128]), sm90.desc(flat, [64, 256]),
         sm90.stand_in_scale_desc(out, 256), a.data.view(torch.uint8), b.data.view(torch.uint8), out, offsets,
         a.factor, b.factor, groups * per_group, per_group, num_m, num_n, n, k, a.stride_r, b.stride_r,
         out.stride(0), out.stride(1), BM=128, BN=256, BK=128, GROUP_M=group_m, STAGES=stages, NUM_PROGRAMS=programs,
-        ACCUMULATE=accumulate, TMA_OUT=tma_out, ONE_ACC=one_acc, CONSUMER_REGS=consumer_regs,
-        PRODUCER_REGS=producer_regs,
+        ACCUMULATE=accumulate, TMA_OUT=tma_out, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
         num_warps=4))  # the group descriptors of partial last steps live in its scratch
     kernel_info(compiled, info)
     return out
