@@ -364,7 +364,7 @@ def launch_tensor_wgrad_ws(a, b, offsets: torch.Tensor, n: int, k: int, groups: 
     num_m, num_n = -(-n // 128), k // 256
     per_group = num_m * num_n
     programs = num_sms(a.data.device) if programs is None else programs
-    flat = out.view(groups * n, k) if tma_out else out.new_empty((64, 128))  # a stand-in never stored to
+    flat = out.view(groups * n, k) if tma_out else out.new_empty((64, 256))  # a stand-in never stored to
     compiled = sm90.with_scratch(a.data.device, lambda: tensor_wgrad_ws_kernel[(programs,)](
         sm90.desc(a.data, [128, 128]), sm90.desc(b.data, [256, 128]), sm90.desc(flat, [64, 256]),
         sm90.stand_in_scale_desc(out, 256), a.data.view(torch.uint8), b.data.view(torch.uint8), out, offsets,

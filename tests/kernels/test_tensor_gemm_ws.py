@@ -75,6 +75,15 @@ def test_gluon_m_grouped_gives_the_triton_kernels_bits(recipe, layout):
     assert rel <= 1e-2, rel  # 16-bit output against the reference (NUMERICS.md)
 
 
+
+@on_gpu
+@pytest.mark.gpu
+def test_gluon_m_grouped_reads_zeros_past_a_contraction_off_the_step():
+    """K = 400: the last 128-deep step runs past K, where TMA reads zeros as the Triton kernel's masks do."""
+    a, b = grouped_operands(_recipes()["current"], "fprop", 400, 512, "cuda", M_SPLITS, PAD, seed=6)
+    want = _m_triton(a, b, "fprop", torch.bfloat16)
+    assert _same_bits(_m_gluon(a, b, "fprop", torch.bfloat16, programs=11), want)
+
 def _k_operands(recipe, splits, n, k, seed=5):
     from qmoe.quant import GroupedTensor
 
