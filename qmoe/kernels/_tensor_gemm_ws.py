@@ -42,13 +42,30 @@ if gluon is not None:
         mbarrier.arrive(empty.index(it % STAGES), count=1)
 
     @gluon.jit
+    def _steps(a_bufs, b_bufs, full, empty, acc, it, nk, HALF: gl.constexpr, HM: gl.constexpr,
+               STAGES: gl.constexpr):
+        """acc plus this half's products of the nk steps from ring slot `it` on: each step's MMA issued
+        before the previous one is waited for, whose stage then goes back to the producer."""
+        for ki in range(nk):
+            s = (it + ki) % STAGES
+            mbarrier.wait(full.index(s), ((it + ki) // STAGES) & 1)
+            acc = warpgroup_mma(a_bufs.index(s).slice(HALF * HM, HM), b_bufs.index(s).permute((1, 0)), acc,
+                                is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(acc, ))
+            if ki > 0:
+                _release(empty, it + ki - 1, STAGES)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        if nk > 0:
+            _release(empty, it + nk - 1, STAGES)
+        return acc
+
+    @gluon.jit
     def _m_consumer(a_bufs, b_bufs, c_bufs, full, empty, c_desc, out_ptr, offs_ptr, fa_ptr, fb_ptr, total_rows, N, K,
                     num_groups, stride_om, HALF: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                     BK: gl.constexpr, GROUP_M: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
                     NUM_PROGRAMS: gl.constexpr, TMA_STORE: gl.constexpr):
-        """One warpgroup: rows HALF*BM/2.. of each tile; step i's MMA issued before step i-1's is
-        waited for, then the factor and the store (TMA_STORE: through c_bufs, else straight from
-        registers)."""
+        """One warpgroup: rows HALF*BM/2.. of each tile (`_steps`), then the factor and the store
+        (TMA_STORE: through c_bufs, else straight from registers)."""
         HM: gl.constexpr = BM // 2
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
@@ -65,19 +82,8 @@ if gluon is not None:
             rows = row0 + gl.arange(0, HM, layout=row_l)
             gb = gl.minimum(g, num_groups - 1)
             nk = gl.where(g < num_groups, gl.cdiv(K, BK), 0)
-            acc = zero
-            for ki in range(nk):
-                s = it % STAGES
-                mbarrier.wait(full.index(s), (it // STAGES) & 1)
-                acc = warpgroup_mma(a_bufs.index(s).slice(HALF * HM, HM), b_bufs.index(s).permute((1, 0)), acc,
-                                    is_async=True)
-                acc = warpgroup_mma_wait(1, deps=(acc, ))
-                if ki > 0:
-                    _release(empty, it - 1, STAGES)
-                it += 1
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
-            if nk > 0:
-                _release(empty, it - 1, STAGES)
+            acc = _steps(a_bufs, b_bufs, full, empty, zero, it, nk, HALF, HM, STAGES)
+            it += nk
             acc = acc * (gl.load(fa_ptr + gb) * gl.load(fb_ptr + gb))
             if TMA_STORE:
                 bg._store_half(acc, c_smem, c_desc, out_ptr, rows, rows < m_end, row0, pn * BN, m_end, N, stride_om,
@@ -131,7 +137,7 @@ if gluon is not None:
                     GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
                     ACCUMULATE: gl.constexpr, TMA_OUT: gl.constexpr):
         """One warpgroup: rows HALF*BM/2.. of each output tile, one MMA of the whole tile width per
-        step, issued before the previous step's is waited for. A group starting off 16 bytes: every
+        step (`_steps`). A group starting off 16 bytes: every
         step through this half's own buffers (its 64 rows of A, all BN columns of B; the latter
         also hold its results on their way to a TMA store: `c_view`)."""
         HM: gl.constexpr = BM // 2
@@ -152,18 +158,8 @@ if gluon is not None:
             acc = zero
             if start % 16 == 0:
                 nk = tma_steps(start, length, BK, TAIL_DESC)
-                for ki in range(nk):
-                    s = it % STAGES
-                    mbarrier.wait(full.index(s), (it // STAGES) & 1)
-                    acc = warpgroup_mma(a_bufs.index(s).slice(HALF * HM, HM), b_bufs.index(s).permute((1, 0)), acc,
-                                        is_async=True)
-                    acc = warpgroup_mma_wait(1, deps=(acc, ))
-                    if ki > 0:
-                        _release(empty, it - 1, STAGES)
-                    it += 1
-                acc = warpgroup_mma_wait(0, deps=(acc, ))
-                if nk > 0:
-                    _release(empty, it - 1, STAGES)
+                acc = _steps(a_bufs, b_bufs, full, empty, acc, it, nk, HALF, HM, STAGES)
+                it += nk
                 bw._store_result(acc * f, c_mine, c_desc, out_ptr, g, rows, row_ok, row0, col0, N, K, stride_og,
                                  stride_on, HM, col_l, ACCUMULATE, TMA_OUT, True)
             else:  # TMA cannot start off a 16-byte boundary: masked byte loads
