@@ -99,16 +99,17 @@ def uneven_splits(experts: int, rows: int, seed: int, empty: bool) -> list[int]:
     return [int(v) for v in s]
 
 
-def _operands(e, splits, k, n, layout, device, seed):
+def _operands(e, splits, k, n, layout, device, seed, recipe=None):
+    """A case's quantized operands under `recipe` (default: FP8 block scaling)."""
     from qmoe.ops.grouped_gemm import quantize_weights
     from qmoe.quant import GroupedTensor
     from qmoe.recipes import Float8BlockScaling
 
-    recipe = Float8BlockScaling()
+    recipe = recipe or Float8BlockScaling()
     g = torch.Generator(device=device).manual_seed(seed)  # drawn on the device: GB of operands
     t = sum(splits) + PAD_ROWS
     # quantized by the reference backend: the same bits as the kernels, without their compiles and autotuning
-    if layout == "wgrad":  # dW = dy^T x: both operands' columnwise copies, 1x128 blocks along tokens
+    if layout == "wgrad":  # dW = dy^T x: both operands' columnwise copies (block: 1x128 along tokens)
         ops = []
         for cols, role in ((n, "grad_output"), (k, "input")):
             x = torch.randn(t, cols, generator=g, device=device).to(torch.bfloat16)

@@ -19,17 +19,13 @@ import sys
 
 import torch
 
-from benchmarks.harness import environ_set, run_header, write_results
-from benchmarks.sweep_block_gemm import PAD_ROWS, _compare, _time, uneven_splits
+from benchmarks.bench_gemm import SHAPES as GEMM_SHAPES
+from benchmarks.harness import run_header, write_results
+from benchmarks.sweep_block_gemm import _compare, _operands, _time, uneven_splits
 
-SHAPES = {  # name: (experts, mean rows per expert, K, N) as in benchmarks/bench_gemm.py
-    "dsv3-fc1": (32, 2048, 7168, 4096),
-    "dsv3-fc2": (32, 2048, 2048, 7168),
-    "mixtral-fc1": (8, 4096, 4096, 28672),
-    "mixtral-fc2": (8, 4096, 14336, 4096),
-    "qwen3-fc1-layer": (128, 1024, 2048, 1536),
-    "qwen3-fc2-layer": (128, 1024, 768, 2048),
-}
+SHAPES = {**{name: GEMM_SHAPES[name] for name in ("dsv3-fc1", "dsv3-fc2", "mixtral-fc1")},
+          "mixtral-fc2": (8, 4096, 14336, 4096),  # (experts, mean rows per expert, K, N)
+          **{name: GEMM_SHAPES[name] for name in ("qwen3-fc1-layer", "qwen3-fc2-layer")}}
 LAYOUTS = ("fprop", "dgrad", "wgrad")
 M_VARIANTS = {"gluon n128 s4": dict(bn=128, stages=4), "gluon n256 s3 gm16": dict(bn=256, stages=3, group_m=16),
               "gluon n256 s4 direct": dict(bn=256, stages=4, tma_store=False),
@@ -37,30 +33,6 @@ M_VARIANTS = {"gluon n128 s4": dict(bn=128, stages=4), "gluon n256 s3 gm16": dic
               "gluon n256 s3 direct": dict(bn=256, stages=3, tma_store=False)}
 K_VARIANTS = {"gluon s3 gm4": dict(stages=3, group_m=4),
               "gluon s3 gm16": dict(stages=3, group_m=16)}
-
-
-def _operands(e, splits, k, n, layout, device, seed, recipe):
-    from qmoe.ops.grouped_gemm import quantize_weights
-    from qmoe.quant import GroupedTensor
-
-    g = torch.Generator(device=device).manual_seed(seed)
-    t = sum(splits) + PAD_ROWS
-    if layout == "wgrad":  # dW = dy^T x: both operands' columnwise copies
-        ops = []
-        for cols, role in ((n, "grad_output"), (k, "input")):
-            x = torch.randn(t, cols, generator=g, device=device).to(torch.bfloat16)
-            x[sum(splits):] = 0
-            ops.append(GroupedTensor.quantize(x, torch.tensor(splits), recipe.quantizer(role), rowwise=False,
-                                              validate=False))
-            del x
-        return tuple(ops)
-    w = (torch.randn(e, n, k, generator=g, device=device) / k ** 0.5).to(torch.bfloat16)
-    cols, role = (k, "input") if layout == "fprop" else (n, "grad_output")
-    x = torch.randn(t, cols, generator=g, device=device).to(torch.bfloat16)
-    x[sum(splits):] = 0
-    a = GroupedTensor.quantize(x, torch.tensor(splits), recipe.quantizer(role), columnwise=False, validate=False)
-    b = quantize_weights(w, recipe.quantizer("weight"), rowwise=layout == "fprop", columnwise=layout == "dgrad")
-    return a, b
 
 
 def _runner(name, kw, a, b, layout, info):
@@ -122,8 +94,7 @@ def run(args, header) -> list[dict]:
         splits = [v // 16 * 16 for v in uneven_splits(e, m, seed=ci, empty=shape.startswith("dsv3"))]
         splits[-1] += e * m - sum(splits)  # as the layer's permute pads them: groups start on 16 tokens
         for layout in args.layouts:
-            with environ_set("QMOE_BACKEND", "reference"):  # the reference quantizers: no compiles here
-                a, b = _operands(e, splits, k, n, layout, device, ci, recipe)
+            a, b = _operands(e, splits, k, n, layout, device, ci, recipe)  # quantized by the reference backend
             t = sum(splits)
             k_c, n_c = (k, n) if layout in ("fprop", "wgrad") else (n, k)
             flops = 2.0 * t * n_c * k_c

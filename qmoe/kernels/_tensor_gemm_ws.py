@@ -263,8 +263,9 @@ def unsupported_m(a, b, n_out: int, k: int, out_dtype, total_rows: int, groups: 
 
 
 def _m_stages(stages: int, bn: int, out_dtype, tma_store: bool = True) -> int:
+    """At most `stages` stages of 128 x bn tiles beside the result buffers and the stand-in scale row."""
     c = 2 * 64 * bn * torch.finfo(out_dtype).bits // 8 if tma_store else 0
-    return max(1, min(stages, (sm90.SMEM_BYTES - sm90.SMEM_SPARE - 512 - c) // ((128 + bn) * 128)))
+    return max(1, min(stages, (sm90.SMEM_BYTES - sm90.SMEM_SPARE - 128 * 4 - c) // ((128 + bn) * 128)))
 
 
 def launch_m_dispatched(a, b, offsets, total_rows: int, n_out: int, k: int, groups: int, out_dtype, out):
@@ -327,8 +328,10 @@ def unsupported_k(a, b, out: torch.Tensor, accumulate: bool) -> str | None:
 
 
 def _k_stages(stages: int) -> int:
-    own = 2 * (256 + 64) * 128
-    return max(1, min(stages, (sm90.SMEM_BYTES - sm90.SMEM_SPARE - 1024 - own) // (384 * 128)))
+    """At most `stages` stages of 128 x 256 tiles beside each consumer's own A and B buffers and the
+    stand-in scale row."""
+    own = 2 * (64 + 256) * 128
+    return max(1, min(stages, (sm90.SMEM_BYTES - sm90.SMEM_SPARE - 256 * 4 - own) // ((128 + 256) * 128)))
 
 
 def launch_k_dispatched(a, b, offsets, n: int, k: int, groups: int, out: torch.Tensor, accumulate: bool):

@@ -1,5 +1,5 @@
 """What the tests of qmoe's Gluon kernels share: a pretend sm90 device for their dispatch, the
-check of its compile-failure fallback, seeded grouped GEMM operands."""
+check of its compile-failure fallback, seeded grouped GEMM operands (m-grouped and wgrad)."""
 
 import warnings
 
@@ -65,3 +65,23 @@ def grouped_operands(recipe, layout: str, k: int, n: int, device, splits, pad: i
                                validate=False)
     b = quantize_weights(w.to(device), recipe.quantizer("weight"), rowwise=True, columnwise=True)
     return a, b
+
+
+def wgrad_operands(recipe, splits, n: int, k: int, seed: int = 5, nan_at=()):
+    """A wgrad's quantized operands on the GPU: dy [T, n] and x [T, k] over token groups `splits`,
+    columnwise copies only. T is the tokens rounded up to 16 (TMA rows); the tokens past the last
+    group hold +-1e4, which must never reach a group's sum. nan_at: tokens whose dy gets a NaN."""
+    from qmoe.quant import GroupedTensor
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    total = -(-sum(splits) // 16) * 16
+    dy = torch.randn(total, n, generator=g, device="cuda")
+    x = torch.randn(total, k, generator=g, device="cuda") * 3
+    dy[sum(splits):] = 1e4
+    x[sum(splits):] = -1e4
+    for t in nan_at:
+        dy[t, 0] = float("nan")
+    sizes = torch.tensor(splits, device="cuda")
+    dyq = GroupedTensor.quantize(dy, sizes, recipe.quantizer("grad_output"), rowwise=False, validate=False)
+    xq = GroupedTensor.quantize(x, sizes, recipe.quantizer("input"), rowwise=False, validate=False)
+    return dyq, xq

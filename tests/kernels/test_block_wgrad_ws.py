@@ -13,7 +13,7 @@ import torch
 
 from qmoe.contracts.scales import gemm_scale
 
-from tests.kernels.gluon import assert_a_compile_failure_falls_back_once, pretend_sm90
+from tests.kernels.gluon import assert_a_compile_failure_falls_back_once, pretend_sm90, wgrad_operands
 from tests.kernels.interpret import INTERPRETING
 
 on_gpu = pytest.mark.skipif(INTERPRETING, reason="the GPU tests do not run under the interpreter")
@@ -23,22 +23,11 @@ SPLITS = [300, 0, 96, 517, 256, 45]
 
 
 def _operands(splits, n, k, seed=5, nan_at=()):
-    from qmoe.quant import GroupedTensor
+    """Block-scaled wgrad operands (a NaN token: its block's codes and scale carry it into its own
+    group only)."""
     from qmoe.recipes import Float8BlockScaling
 
-    r = Float8BlockScaling()
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    total = -(-sum(splits) // 16) * 16  # the data's token count is a multiple of 16 (TMA rows)
-    dy = torch.randn(total, n, generator=g, device="cuda")
-    x = torch.randn(total, k, generator=g, device="cuda") * 3
-    dy[sum(splits):] = 1e4  # rows past the last group must never reach a group's sum
-    x[sum(splits):] = -1e4
-    for t in nan_at:  # a NaN token: its block's codes and scale carry it into its own group only
-        dy[t, 0] = float("nan")
-    sizes = torch.tensor(splits, device="cuda")
-    dyq = GroupedTensor.quantize(dy, sizes, r.quantizer("grad_output"), rowwise=False, validate=False)
-    xq = GroupedTensor.quantize(x, sizes, r.quantizer("input"), rowwise=False, validate=False)
-    return dyq, xq
+    return wgrad_operands(Float8BlockScaling(), splits, n, k, seed, nan_at)
 
 
 def _triton(dyq, xq, **kw):

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from tests.kernels.gluon import assert_a_compile_failure_falls_back_once, grouped_operands, pretend_sm90
+from tests.kernels.gluon import assert_a_compile_failure_falls_back_once, grouped_operands, pretend_sm90, wgrad_operands
 from tests.kernels.interpret import INTERPRETING
 
 on_gpu = pytest.mark.skipif(INTERPRETING, reason="the GPU tests do not run under the interpreter")
@@ -84,21 +84,6 @@ def test_gluon_m_grouped_reads_zeros_past_a_contraction_off_the_step():
     want = _m_triton(a, b, "fprop", torch.bfloat16)
     assert _same_bits(_m_gluon(a, b, "fprop", torch.bfloat16, programs=11), want)
 
-def _k_operands(recipe, splits, n, k, seed=5):
-    from qmoe.quant import GroupedTensor
-
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    total = -(-sum(splits) // 16) * 16  # the data's token count is a multiple of 16 (TMA rows)
-    dy = torch.randn(total, n, generator=g, device="cuda")
-    x = torch.randn(total, k, generator=g, device="cuda") * 3
-    dy[sum(splits):] = 1e4  # tokens past the last group must never reach a group's sum
-    x[sum(splits):] = -1e4
-    sizes = torch.tensor(splits, device="cuda")
-    dyq = GroupedTensor.quantize(dy, sizes, recipe.quantizer("grad_output"), rowwise=False, validate=False)
-    xq = GroupedTensor.quantize(x, sizes, recipe.quantizer("input"), rowwise=False, validate=False)
-    return dyq, xq
-
-
 def _k_triton(dyq, xq, **kw):
     from qmoe.contracts.enums import Scaling
     from qmoe.kernels import grouped_gemm as gg
@@ -125,7 +110,7 @@ def _k_gluon(dyq, xq, out, accumulate=False, **kw):
 def test_gluon_wgrad_gives_the_triton_kernels_bits(recipe, splits, n, k):
     from qmoe.reference import grouped_gemm as reference
 
-    dyq, xq = _k_operands(_recipes()[recipe], splits, n, k)
+    dyq, xq = wgrad_operands(_recipes()[recipe], splits, n, k)
     for out_dtype in (torch.bfloat16, torch.float16):
         want = _k_triton(dyq, xq, out_dtype=out_dtype)
         for cfg in (dict(programs=5), dict(programs=132), dict(programs=1, stages=2, group_m=1)):
@@ -141,7 +126,7 @@ def test_gluon_wgrad_gives_the_triton_kernels_bits(recipe, splits, n, k):
 @on_gpu
 @pytest.mark.gpu
 def test_gluon_wgrad_accumulates_like_the_triton_kernel():
-    dyq, xq = _k_operands(_recipes()["current"], K_SPLITS["uneven"], 256, 512, seed=9)
+    dyq, xq = wgrad_operands(_recipes()["current"], K_SPLITS["uneven"], 256, 512, seed=9)
     start = torch.randn(len(K_SPLITS["uneven"]), 256, 512, device="cuda").bfloat16()
     want = _k_triton(dyq, xq, out=start.clone(), accumulate=True)
     assert _same_bits(_k_gluon(dyq, xq, start.clone(), accumulate=True), want)
@@ -180,7 +165,7 @@ def test_public_gemms_dispatch_the_gluon_kernels_sync_free_and_capturable(monkey
                             or _real(*args, **kw))
     recipe = _recipes()["current"]
     a, b = grouped_operands(recipe, "fprop", 512, 768, "cuda", M_SPLITS, PAD, seed=4)
-    dyq, xq = _k_operands(recipe, K_SPLITS["uneven"], 256, 512)
+    dyq, xq = wgrad_operands(recipe, K_SPLITS["uneven"], 256, 512)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fprop, wgrad = m_grouped_gemm(a, b), k_grouped_gemm(dyq, xq)
