@@ -32,7 +32,8 @@ M_VARIANTS = {"gluon n128 s4": dict(bn=128, stages=4), "gluon n256 s3 gm16": dic
               "gluon n256 s4 direct gm16": dict(bn=256, stages=4, group_m=16, tma_store=False),
               "gluon n256 s3 direct": dict(bn=256, stages=3, tma_store=False)}
 K_VARIANTS = {"gluon s3 gm4": dict(stages=3, group_m=4),
-              "gluon s3 gm16": dict(stages=3, group_m=16)}
+              "gluon s3 gm16": dict(stages=3, group_m=16),
+              **{f"gluon s3 lead{lead}": dict(stages=3, lead=lead) for lead in (16, 32, 64, 128)}}
 
 
 def _runner(name, kw, a, b, layout, info):

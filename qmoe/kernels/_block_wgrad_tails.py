@@ -13,6 +13,12 @@ tokens there. TAIL picks how those tokens become zeros; the same bits either way
   descriptor late.
 - "loads": the consumers read that step themselves, masked loads of their A rows and of the
   whole B tile into private buffers.
+A group that starts on 16 bytes but off 32 makes each 128-byte box row touch five 32-byte sectors
+instead of four, which slows the loads; with LEAD = 32 (or 64, 128: the box rows then fall in fewer
+128-byte lines) the "desc" producer starts such a group's steps at the LEAD-token boundary before
+it, at a negative coordinate of its own descriptors, and TMA fills the tokens before the group with
+zeros as it does those past its end. This moves where the 128-token steps fall, so only per-tensor
+scaling (one fp32 sum over all steps) may use it; the block wgrad's steps are its scale blocks.
 A TMA load that starts off a 16-byte boundary stops the GPU with an illegal instruction
 (docs/performance.md, block wgrad), so a group that starts off one (an `align_size` that is not
 a multiple of 16) takes every step through masked loads: correct, slower.
@@ -31,13 +37,22 @@ if gluon is not None:
     TAIL_DESC = gl.constexpr(1)
 
     @gluon.jit
-    def tma_steps(start, length, BK: gl.constexpr, TAIL: gl.constexpr):
+    def lead(start, TAIL: gl.constexpr, LEAD: gl.constexpr):
+        """Zeros ahead of the group's first token in its first step: under TAIL_DESC with LEAD > 16,
+        the steps of a group start at the LEAD-token boundary before its first token (module
+        docstring); none otherwise."""
+        if TAIL == TAIL_DESC and LEAD > 16:
+            return start % LEAD
+        return start * 0
+
+    @gluon.jit
+    def tma_steps(start, length, BK: gl.constexpr, TAIL: gl.constexpr, LEAD: gl.constexpr = 16):
         """The group's steps that go through the TMA ring (the producer loads, the consumers take):
-        its full steps, and under TAIL_DESC its partial last one; none for a group starting off
-        16 bytes, which TMA cannot load."""
+        its full steps, and under TAIL_DESC its partial last one (and the zeros of its `lead`);
+        none for a group starting off 16 bytes, which TMA cannot load."""
         n = length // BK
         if TAIL == TAIL_DESC:
-            n = gl.cdiv(length, BK)
+            n = gl.cdiv(length + lead(start, TAIL, LEAD), BK)
         return gl.where(start % 16 == 0, n, 0)
 
     @gluon.jit

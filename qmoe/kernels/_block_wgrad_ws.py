@@ -42,7 +42,7 @@ from qmoe.kernels._gluon_sm90 import gluon
 from qmoe.kernels._launch import faking, num_sms
 
 if gluon is not None:
-    from qmoe.kernels._block_wgrad_tails import (TAIL_DESC, group_descs, landed, tail_to_smem,
+    from qmoe.kernels._block_wgrad_tails import (TAIL_DESC, group_descs, landed, lead, tail_to_smem,
                                                   tma_steps)
     from qmoe.kernels._gluon_sm90 import fence_async_shared, gl, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
@@ -64,10 +64,13 @@ if gluon is not None:
     def _producer(a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, full, empty, offs_ptr,
                   soffs_a_ptr, soffs_b_ptr, a_ptr, b_ptr, total_tiles, per_group, num_m, num_n, N, K, stride_an,
                   stride_bk, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
-                  STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, TAIL: gl.constexpr, SCALES_TMA: gl.constexpr):
+                  STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, TAIL: gl.constexpr, SCALES_TMA: gl.constexpr,
+                  LEAD: gl.constexpr = 16):
         """One warp: TMA loads of every tile's 128-token steps into the stage ring (with
         SCALES_TMA, each step's row of both operands' step-major scales too); under TAIL_DESC a
-        group's partial step through the group's own descriptors, two pairs in turn."""
+        group's partial step through the group's own descriptors, two pairs in turn, and with
+        LEAD > 16 every step of a group starting off LEAD tokens, from the boundary before it
+        (`_block_wgrad_tails`)."""
         nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
         s_nbytes: gl.constexpr = sa_desc.block_type.nbytes + sb_desc.block_type.nbytes if SCALES_TMA else 0
         it = 0
@@ -84,8 +87,9 @@ if gluon is not None:
             if SCALES_TMA:
                 step_a = gl.load(soffs_a_ptr + g).to(gl.int32)
                 step_b = gl.load(soffs_b_ptr + g).to(gl.int32)
-            nk = tma_steps(start, length, BK, TAIL)
-            if TAIL == TAIL_DESC and nk * BK > length and g != cur:  # a new group with a partial step
+            zeros = lead(start, TAIL, LEAD)
+            nk = tma_steps(start, length, BK, TAIL, LEAD)
+            if TAIL == TAIL_DESC and nk * BK > length and g != cur:  # a new group with a partial step or a lead
                 pair = 1 - pair
                 cur = g
                 if pair == 0:
@@ -100,14 +104,14 @@ if gluon is not None:
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
                 mbarrier.expect(full.index(s), nbytes + s_nbytes)
-                if TAIL == TAIL_DESC and (ki + 1) * BK > length:  # zeros past the group's end
+                if TAIL == TAIL_DESC and (zeros > 0 or (ki + 1) * BK > length):  # zeros before or past the group
                     if pair == 0:
-                        sm90.tma_load(ga0, [pm * BM, ki * BK], full.index(s), a_bufs.index(s))
-                        sm90.tma_load(gb0, [pn * BN, ki * BK], full.index(s), b_bufs.index(s))
+                        sm90.tma_load(ga0, [pm * BM, ki * BK - zeros], full.index(s), a_bufs.index(s))
+                        sm90.tma_load(gb0, [pn * BN, ki * BK - zeros], full.index(s), b_bufs.index(s))
                         last0 = it
                     else:
-                        sm90.tma_load(ga1, [pm * BM, ki * BK], full.index(s), a_bufs.index(s))
-                        sm90.tma_load(gb1, [pn * BN, ki * BK], full.index(s), b_bufs.index(s))
+                        sm90.tma_load(ga1, [pm * BM, ki * BK - zeros], full.index(s), a_bufs.index(s))
+                        sm90.tma_load(gb1, [pn * BN, ki * BK - zeros], full.index(s), b_bufs.index(s))
                         last1 = it
                 else:
                     sm90.tma_load(a_desc, [pm * BM, start + ki * BK], full.index(s), a_bufs.index(s))

@@ -135,7 +135,7 @@ if gluon is not None:
                     fa_ptr, fb_ptr, total_tiles, per_group, num_m, num_n, N, K, stride_an, stride_bk, stride_og,
                     stride_on, HALF: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                     GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-                    ACCUMULATE: gl.constexpr, TMA_OUT: gl.constexpr):
+                    ACCUMULATE: gl.constexpr, TMA_OUT: gl.constexpr, LEAD: gl.constexpr):
         """One warpgroup: rows HALF*BM/2.. of each output tile, one MMA of the whole tile width per
         step (`_steps`). A group starting off 16 bytes: every
         step through this half's own buffers (its 64 rows of A, all BN columns of B; the latter
@@ -157,7 +157,7 @@ if gluon is not None:
             f = gl.load(fa_ptr + g) * gl.load(fb_ptr + g)
             acc = zero
             if start % 16 == 0:
-                nk = tma_steps(start, length, BK, TAIL_DESC)
+                nk = tma_steps(start, length, BK, TAIL_DESC, LEAD)
                 acc = _steps(a_bufs, b_bufs, full, empty, acc, it, nk, HALF, HM, STAGES)
                 it += nk
                 bw._store_result(acc * f, c_mine, c_desc, out_ptr, g, rows, row_ok, row0, col0, N, K, stride_og,
@@ -186,8 +186,8 @@ if gluon is not None:
                                total_tiles, per_group, num_m, num_n, N, K, stride_an, stride_bk, stride_og,
                                stride_on, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                                GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-                               ACCUMULATE: gl.constexpr, TMA_OUT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                               PRODUCER_REGS: gl.constexpr):
+                               ACCUMULATE: gl.constexpr, TMA_OUT: gl.constexpr, LEAD: gl.constexpr,
+                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         """out[g] = (A[:, tokens of g] @ B[:, tokens of g]^T) * fa[g] * fb[g] (see
         k_grouped_gemm_kernel), FP8 tensor scaling. Partitions as the m-grouped kernel's; s_desc: a
         stand-in for the block producer's scale rows (none here)."""
@@ -211,14 +211,15 @@ if gluon is not None:
             (_k_consumer, (a_bufs, b_bufs, own_a, own_b, c_view, full, empty, c_desc, a_ptr, b_ptr, out_ptr,
                            offs_ptr, fa_ptr, fb_ptr, total_tiles, per_group, num_m, num_n, N, K, stride_an, stride_bk,
                            stride_og, stride_on, 0, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, ACCUMULATE,
-                           TMA_OUT)),
+                           TMA_OUT, LEAD)),
             (_k_consumer, (a_bufs, b_bufs, own_a, own_b, c_view, full, empty, c_desc, a_ptr, b_ptr, out_ptr,
                            offs_ptr, fa_ptr, fb_ptr, total_tiles, per_group, num_m, num_n, N, K, stride_an, stride_bk,
                            stride_og, stride_on, 1, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, ACCUMULATE,
-                           TMA_OUT)),
+                           TMA_OUT, LEAD)),
             (bw._producer, (a_desc, b_desc, s_desc, s_desc, a_bufs, b_bufs, s_bufs, s_bufs, full, empty, offs_ptr,
                             offs_ptr, offs_ptr, a_ptr, b_ptr, total_tiles, per_group, num_m, num_n, N, K,
-                            stride_an, stride_bk, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, TAIL_DESC, False)),
+                            stride_an, stride_bk, BM, BN, BK, GROUP_M, STAGES, NUM_PROGRAMS, TAIL_DESC, False,
+                            LEAD)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -345,11 +346,13 @@ def launch_k_dispatched(a, b, offsets, n: int, k: int, groups: int, out: torch.T
 
 
 def launch_tensor_wgrad_ws(a, b, offsets: torch.Tensor, n: int, k: int, groups: int, out: torch.Tensor,
-                           accumulate: bool = False, *, stages: int = 3, group_m: int = 8, programs: int | None = None,
-                           consumer_regs: int = 232, producer_regs: int = 40,
+                           accumulate: bool = False, *, stages: int = 3, group_m: int = 8, lead: int = 16,
+                           programs: int | None = None, consumer_regs: int = 232, producer_regs: int = 40,
                            info: dict | None = None) -> torch.Tensor:
     """out [groups, n, k] (+= with accumulate) of the FP8 tensor-scaled k-grouped GEMM; a [n, T],
-    b [k, T]: grouped_gemm._Operand (TENSOR scaling, tokens contiguous). Host-sync-free."""
+    b [k, T]: grouped_gemm._Operand (TENSOR scaling, tokens contiguous). lead: the token boundary
+    (16, 32, 64 or 128) a group's steps start from (`_block_wgrad_tails`; 16: its first token).
+    Host-sync-free."""
     if gluon is None:
         raise RuntimeError(sm90.GLUON_ERROR)
     if k % 256 or a.stride_k != 1 or b.stride_k != 1:
@@ -357,6 +360,8 @@ def launch_tensor_wgrad_ws(a, b, offsets: torch.Tensor, n: int, k: int, groups: 
                          f"contiguous tokens")
     if _k_stages(stages) < stages:
         raise ValueError(f"{stages} stages exceed shared memory")
+    if lead not in (16, 32, 64, 128):
+        raise ValueError(f"lead={lead}: the kernel takes 16, 32, 64 or 128")
     if n == 0 or k == 0 or groups == 0 or faking():
         return out
     tma_out = bw._tma_out(out, n, k, accumulate)
@@ -369,7 +374,7 @@ def launch_tensor_wgrad_ws(a, b, offsets: torch.Tensor, n: int, k: int, groups: 
         sm90.stand_in_scale_desc(out, 256), a.data.view(torch.uint8), b.data.view(torch.uint8), out, offsets,
         a.factor, b.factor, groups * per_group, per_group, num_m, num_n, n, k, a.stride_r, b.stride_r,
         out.stride(0), out.stride(1), BM=128, BN=256, BK=128, GROUP_M=group_m, STAGES=stages, NUM_PROGRAMS=programs,
-        ACCUMULATE=accumulate, TMA_OUT=tma_out, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
+        ACCUMULATE=accumulate, TMA_OUT=tma_out, LEAD=lead, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
         num_warps=4))  # the group descriptors of partial last steps live in its scratch
     kernel_info(compiled, info)
     return out

@@ -123,6 +123,67 @@ def test_gluon_wgrad_gives_the_triton_kernels_bits(recipe, splits, n, k):
     assert rel <= 1e-2, rel  # 16-bit output against the reference (NUMERICS.md)
 
 
+def _with_leads(op, offsets, lead):
+    """The operand's tokens laid out again as the wgrad with `lead` reads them: each group on 16
+    tokens gets its zeros before its first token (up to the lead boundary) and after its last (up to
+    a multiple of 16), so the Triton kernel's steps from the group's new start fall where the Gluon
+    kernel's do. Returns the operand and the new group offsets."""
+    from dataclasses import replace
+
+    codes, parts, starts = op.data.view(torch.uint8), [], [0]
+    for start, end in zip(offsets[:-1], offsets[1:]):
+        zeros = start % lead if start % 16 == 0 else 0
+        after = -(zeros + end - start) % 16
+        parts += [codes.new_zeros(codes.shape[0], zeros), codes[:, start:end], codes.new_zeros(codes.shape[0], after)]
+        starts.append(starts[-1] + zeros + end - start + after)
+    data = torch.cat(parts, dim=1).view(op.data.dtype)
+    return replace(op, data=data, stride_r=data.stride(0)), torch.tensor(starts, device=data.device)
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("lead", [32, 64, 128])
+@pytest.mark.parametrize("splits", list(K_SPLITS.values()), ids=list(K_SPLITS))
+def test_gluon_wgrad_with_a_lead_sums_the_steps_where_they_fall(splits, lead):
+    """With `lead`, a group's steps start at the lead boundary before its first token: the Triton
+    kernel's bits over the same steps (the tokens laid out with those zeros), and within NUMERICS.md
+    of the reference."""
+    from qmoe.contracts.enums import Scaling
+    from qmoe.kernels import grouped_gemm as gg
+    from qmoe.reference import grouped_gemm as reference
+
+    n, k = 202, 768
+    dyq, xq = wgrad_operands(_recipes()["current"], splits, n, k, seed=3)
+    a, b = gg.tokens_operand(dyq, Scaling.TENSOR), gg.tokens_operand(xq, Scaling.TENSOR)
+    offsets = dyq.offsets.tolist()
+    (a2, offsets2), (b2, _) = _with_leads(a, offsets, lead), _with_leads(b, offsets, lead)
+    want = torch.empty(len(splits), n, k, dtype=torch.bfloat16, device="cuda")
+    gg._launch_k_into(a2, b2, offsets2, n, k, len(splits), Scaling.TENSOR, want, False,
+                      gg.k_tile_config(Scaling.TENSOR))
+    for cfg in (dict(programs=7), dict(programs=132), dict(programs=1, stages=2, group_m=1)):
+        out = torch.full((len(splits), n, k), float("nan"), dtype=torch.bfloat16, device="cuda")
+        got = _k_gluon(dyq, xq, out, lead=lead, **cfg)
+        assert _same_bits(got, want), (cfg, (got.float() - want.float()).abs().max())
+    assert (got[splits.index(0)] == 0).all()  # the empty group writes zeros
+    oracle = reference.k_grouped_gemm(dyq, xq, out_dtype=torch.float32)
+    rel = (got.float() - oracle).norm() / oracle.norm()
+    assert rel <= 1e-2, rel  # 16-bit output against the reference (NUMERICS.md)
+
+
+@on_gpu
+@pytest.mark.gpu
+def test_gluon_wgrad_lead_reads_zeros_not_the_previous_group():
+    """The tokens a lead reaches back over belong to the previous group: a NaN in its last token
+    stays in that group's weight gradient."""
+    splits = K_SPLITS["starts-on-16"]  # group 4 starts at token 944, 16 past a 32-boundary
+    dyq, xq = wgrad_operands(_recipes()["current"], splits, 256, 512, nan_at=(943,))
+    for lead in (32, 128):
+        out = torch.full((len(splits), 256, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+        got = _k_gluon(dyq, xq, out, lead=lead)
+        assert got[3, 0].isnan().all() and not got[3, 1:].isnan().any()
+        assert torch.isfinite(got[[0, 1, 2, 4, 5]]).all(), lead
+
+
 @on_gpu
 @pytest.mark.gpu
 def test_gluon_wgrad_accumulates_like_the_triton_kernel():
