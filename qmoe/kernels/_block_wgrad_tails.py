@@ -37,12 +37,13 @@ if gluon is not None:
     TAIL_DESC = gl.constexpr(1)
 
     @gluon.jit
-    def lead(start, TAIL: gl.constexpr, LEAD: gl.constexpr):
+    def lead(start, length, TAIL: gl.constexpr, LEAD: gl.constexpr):
         """Zeros ahead of the group's first token in its first step: under TAIL_DESC with LEAD > 16,
         the steps of a group start at the LEAD-token boundary before its first token (module
-        docstring); none otherwise."""
+        docstring); none otherwise, and none for an empty group (no steps, no descriptors: a
+        descriptor of no tokens is invalid)."""
         if TAIL == TAIL_DESC and LEAD > 16:
-            return start % LEAD
+            return gl.where(length > 0, start % LEAD, 0)
         return start * 0
 
     @gluon.jit
@@ -52,7 +53,7 @@ if gluon is not None:
         none for a group starting off 16 bytes, which TMA cannot load."""
         n = length // BK
         if TAIL == TAIL_DESC:
-            n = gl.cdiv(length + lead(start, TAIL, LEAD), BK)
+            n = gl.cdiv(length + lead(start, length, TAIL, LEAD), BK)
         return gl.where(start % 16 == 0, n, 0)
 
     @gluon.jit

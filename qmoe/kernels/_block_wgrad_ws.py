@@ -87,7 +87,7 @@ if gluon is not None:
             if SCALES_TMA:
                 step_a = gl.load(soffs_a_ptr + g).to(gl.int32)
                 step_b = gl.load(soffs_b_ptr + g).to(gl.int32)
-            zeros = lead(start, TAIL, LEAD)
+            zeros = lead(start, length, TAIL, LEAD)
             nk = tma_steps(start, length, BK, TAIL, LEAD)
             if TAIL == TAIL_DESC and nk * BK > length and g != cur:  # a new group with a partial step or a lead
                 pair = 1 - pair
