@@ -3,10 +3,11 @@ Triton's Gluon dialect: the m-grouped fprop / dgrad and the k-grouped wgrad (pri
 `qmoe/kernels/grouped_gemm.py`, which dispatches TENSOR calls here where `unsupported_m` /
 `unsupported_k` return None).
 
-Same contract and bits as `m_grouped_gemm_kernel` / `k_grouped_gemm_kernel` under TENSOR scaling
-with a 16-bit output: the FP8 codes go straight into the tensor cores, which accumulate every
-128-deep step of a tile into one fp32 sum in K order (Hopper's FP8 accumulation, no promotion),
-and the epilogue multiplies it by the group's two scale_inv factors.
+Same contract as `m_grouped_gemm_kernel` / `k_grouped_gemm_kernel` under TENSOR scaling with a
+16-bit output, and the same bits where the steps fall as theirs (the wgrad's lead, below): the FP8
+codes go straight into the tensor cores, which accumulate every 128-deep step of a tile into one
+fp32 sum in K order (Hopper's FP8 accumulation, no promotion), and the epilogue multiplies it by
+the group's two scale_inv factors.
 
 Why a second kernel: the Triton kernels compute a tile's epilogue (and, in the k-grouped one, its
 prologue) with the tensor cores idle, which costs most where a tile has few steps (FC2's fprop at
@@ -18,7 +19,11 @@ keeps one MMA in flight and releases a step's stage when the next step's MMA has
 
 In the k-grouped kernel a group that starts off 16 bytes (which TMA cannot load) goes through each
 consumer's own buffers by masked loads (`_block_wgrad_tails`); a group's partial last step comes
-through the group's own descriptors, zero past its end.
+through the group's own descriptors, zero past its end. Dispatched with a lead of 32, a group that
+starts on 16 tokens but off 32 (as a layer pads groups to 16) starts its steps 16 tokens early, with
+zeros from its own descriptors, so that each box row loads whole 32-byte sectors: its 128-token
+steps fall 16 tokens earlier than the Triton kernel's, whose bits the kernel then gives on the same
+tokens laid out with those zeros (the GEMM contract of NUMERICS.md fixes no summation order).
 """
 from __future__ import annotations
 
@@ -226,7 +231,7 @@ if gluon is not None:
 # What the TENSOR GEMMs dispatch to (the launchers' keywords): 128 x 256 tiles, a 64 x 256 sum per
 # consumer.
 DISPATCH_M = dict(bn=256, stages=3, group_m=8)
-DISPATCH_K = dict(stages=3, group_m=8)
+DISPATCH_K = dict(stages=3, group_m=8, lead=32)  # lead: steps from the 32-token boundary before a group
 # From this many rows per group on (on average), the m-grouped GEMM takes the Triton kernel: on
 # Mixtral's 8 groups of 4096 rows it ran 1-16 % faster than the Gluon one, whose lead lies in the
 # tile changes of many smaller groups (DeepSeek-V3's 2048 rows, Qwen3's 1024:

@@ -140,6 +140,19 @@ def _with_leads(op, offsets, lead):
     return replace(op, data=data, stride_r=data.stride(0)), torch.tensor(starts, device=data.device)
 
 
+def _k_triton_with_leads(dyq, xq, lead):
+    """The Triton kernel's wgrad over the steps the Gluon kernel takes with `lead` (bf16)."""
+    from qmoe.contracts.enums import Scaling
+    from qmoe.kernels import grouped_gemm as gg
+
+    offsets = dyq.offsets.tolist()
+    a, offsets2 = _with_leads(gg.tokens_operand(dyq, Scaling.TENSOR), offsets, lead)
+    b, _ = _with_leads(gg.tokens_operand(xq, Scaling.TENSOR), offsets, lead)
+    n, k, groups = dyq.shape[1], xq.shape[1], dyq.num_groups
+    out = torch.empty(groups, n, k, dtype=torch.bfloat16, device="cuda")
+    return gg._launch_k_into(a, b, offsets2, n, k, groups, Scaling.TENSOR, out, False, gg.k_tile_config(Scaling.TENSOR))
+
+
 @on_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("lead", [32, 64, 128])
@@ -148,18 +161,11 @@ def test_gluon_wgrad_with_a_lead_sums_the_steps_where_they_fall(splits, lead):
     """With `lead`, a group's steps start at the lead boundary before its first token: the Triton
     kernel's bits over the same steps (the tokens laid out with those zeros), and within NUMERICS.md
     of the reference. starts-on-16's empty group lies 64 tokens past a 128-token boundary."""
-    from qmoe.contracts.enums import Scaling
-    from qmoe.kernels import grouped_gemm as gg
     from qmoe.reference import grouped_gemm as reference
 
     n, k = 202, 768
     dyq, xq = wgrad_operands(_recipes()["current"], splits, n, k, seed=3)
-    a, b = gg.tokens_operand(dyq, Scaling.TENSOR), gg.tokens_operand(xq, Scaling.TENSOR)
-    offsets = dyq.offsets.tolist()
-    (a2, offsets2), (b2, _) = _with_leads(a, offsets, lead), _with_leads(b, offsets, lead)
-    want = torch.empty(len(splits), n, k, dtype=torch.bfloat16, device="cuda")
-    gg._launch_k_into(a2, b2, offsets2, n, k, len(splits), Scaling.TENSOR, want, False,
-                      gg.k_tile_config(Scaling.TENSOR))
+    want = _k_triton_with_leads(dyq, xq, lead)
     for cfg in (dict(programs=7), dict(programs=132), dict(programs=1, stages=2, group_m=1)):
         out = torch.full((len(splits), n, k), float("nan"), dtype=torch.bfloat16, device="cuda")
         got = _k_gluon(dyq, xq, out, lead=lead, **cfg)
@@ -214,8 +220,8 @@ def _capture(fn):
 @pytest.mark.gpu
 def test_public_gemms_dispatch_the_gluon_kernels_sync_free_and_capturable(monkeypatch):
     """m_grouped_gemm and k_grouped_gemm under current scaling run the Gluon kernels (each
-    launched once, no fallback warning), give the Triton kernels' bits, sync nothing with the host,
-    and replay in a CUDA graph."""
+    launched once, no fallback warning), give the Triton kernels' bits (the wgrad's over the steps
+    its dispatched lead takes), sync nothing with the host, and replay in a CUDA graph."""
     from qmoe.kernels import _tensor_gemm_ws as tw
     from qmoe.ops.grouped_gemm import k_grouped_gemm, m_grouped_gemm
 
@@ -226,14 +232,14 @@ def test_public_gemms_dispatch_the_gluon_kernels_sync_free_and_capturable(monkey
                             or _real(*args, **kw))
     recipe = _recipes()["current"]
     a, b = grouped_operands(recipe, "fprop", 512, 768, "cuda", M_SPLITS, PAD, seed=4)
-    dyq, xq = wgrad_operands(recipe, K_SPLITS["uneven"], 256, 512)
+    dyq, xq = wgrad_operands(recipe, K_SPLITS["starts-on-16"], 256, 512)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fprop, wgrad = m_grouped_gemm(a, b), k_grouped_gemm(dyq, xq)
     assert not [w for w in caught if "Gluon" in str(w.message)] and not tw.FAILED, tw.FAILED
     assert launched == ["launch_tensor_gemm_ws", "launch_tensor_wgrad_ws"], launched
     assert _same_bits(fprop, _m_triton(a, b, "fprop", torch.bfloat16))
-    assert _same_bits(wgrad, _k_triton(dyq, xq))
+    assert _same_bits(wgrad, _k_triton_with_leads(dyq, xq, tw.DISPATCH_K["lead"]))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
