@@ -157,58 +157,33 @@ if gluon is not None:
     # PINGPONG: how the two consumers take turns at the tensor cores
     TURNS_NONE = gl.constexpr(0)
     TURNS_MBARRIER = gl.constexpr(1)  # the `turn` mbarrier pair
-    TURNS_NAMED = gl.constexpr(2)  # hardware named barriers 14 and 15, 256 threads each (both consumers)
-
-    def _barrier_asm(op: str, barrier: int):
-        """PTX for `_named_barrier`: the barrier op as the body of a loop on $1 (u) that runs once."""
-        return gl.constexpr(f"{{ .reg .pred p; again: bar.{op} {barrier}, 256; setp.lt.s32 p, $1, 0; "
-                            f"@p bra.uni again; mov.b32 $0, $1; }}")
-
-    _SYNC_14, _ARRIVE_14 = _barrier_asm("sync", 14), _barrier_asm("arrive", 14)
-    _SYNC_15, _ARRIVE_15 = _barrier_asm("sync", 15), _barrier_asm("arrive", 15)
-
-    @gluon.jit
-    def _named_barrier(u, BARRIER: gl.constexpr, WAIT: gl.constexpr):
-        """This consumer's 128 threads at named barrier BARRIER (14 or 15) of 256 threads: WAIT
-        (bar.sync) returns once the other consumer's 128 have arrived; else arrive (bar.arrive)
-        and go on. Every thread runs it, so no elected thread (no thread-index test) is needed.
-        The barrier is the body of a loop on u that runs once (u >= 0): ptxas schedules no
-        arithmetic across a loop, as across the mbarrier waits' own, so a product's promotion
-        stays ahead of the next product's issue (without it, the two products' registers overlap
-        and the step loop spills)."""
-        one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # one element per thread: one instruction each
-        x = gl.zeros([128], gl.int32, one) + u
-        if BARRIER == 14:
-            asm: gl.constexpr = _SYNC_14 if WAIT else _ARRIVE_14
-        else:
-            asm: gl.constexpr = _SYNC_15 if WAIT else _ARRIVE_15
-        gl.inline_asm_elementwise(asm, "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _issue(a_s, b_s, zero, turn, u, HALF: gl.constexpr, PINGPONG: gl.constexpr):
         """Start the product a_s @ b_s^T of one step; when taking turns (PINGPONG) only after the
         other half started its product u - 1 (half 0 first), so the tensor cores hold one half's
-        MMA while the other half promotes. TURNS_NAMED: half 0 waits at barrier 14, which half 1
-        passes after each product (and once before its first), and half 1 waits at barrier 15,
-        which half 0 passes; half 0 takes the surplus pass at its end (`_named_barrier`)."""
+        MMA while the other half promotes."""
         if PINGPONG == TURNS_MBARRIER:
             mbarrier.wait(turn.index(HALF), (u & 1) ^ (1 - HALF))
-        if PINGPONG == TURNS_NAMED:
-            _named_barrier(u, 14 + HALF, True)
         tok = warpgroup_mma(a_s, b_s.permute((1, 0)), zero, use_acc=False, is_async=True)
         if PINGPONG == TURNS_MBARRIER:
             mbarrier.arrive(turn.index(1 - HALF), count=1)
-        if PINGPONG == TURNS_NAMED:
-            _named_barrier(u, 15 - HALF, False)
         return tok
+
+    @gluon.jit
+    def _own_free():
+        """Before this consumer's threads write its own buffers: every warp is done with them (its part
+        of the last MMA, and the wait for the last TMA store, which only the issuing thread makes)."""
+        sm90.thread_barrier()
 
     @gluon.jit
     def _own_step(acc, a_mine, b_mine, zero, turn, u, sa_tile, sb_tile, n_rows, n_cols, ki, s_stride_an,
                   s_stride_at, s_stride_bk, s_stride_bt, HALF: gl.constexpr, PINGPONG: gl.constexpr, HM: gl.constexpr,
                   BN: gl.constexpr, row_l: gl.constexpr, col_l: gl.constexpr):
-        """Step ki from this consumer's own buffers (just written by its threads): MMA, then
-        promotion."""
+        """Step ki from this consumer's own buffers (just written by its threads, after `_own_free`):
+        MMA, then promotion."""
         fence_async_shared()
+        sm90.thread_barrier()  # every warp's part of the step is written before the MMA reads it
         tok = _issue(a_mine, b_mine, zero, turn, u, HALF, PINGPONG)
         fa, fb = _factor(sa_tile, sb_tile, n_rows, n_cols, ki, s_stride_an, s_stride_at, s_stride_bk, s_stride_bt,
                          HM, BN, row_l, col_l)
@@ -304,6 +279,7 @@ if gluon is not None:
                 tail = length - nk * BK  # none left unless TAIL_LOADS
                 if tail > 0:  # the group's partial last step: masked loads into this consumer's own buffers
                     t16 = (start // 16) * 16 + nk * BK  # visibly a multiple of 16 to the compiler: vector loads
+                    _own_free()
                     tail_to_smem(a_ptr, a_mine, row0, N, t16, tail, stride_an, ld)
                     tail_to_smem(b_ptr, b_mine, col0, K, t16, tail, stride_bk, ld)
                     acc = _own_step(acc, a_mine, b_mine, zero, turn, 0, sa_tile, sb_tile, N - row0, K - col0, nk,
@@ -312,6 +288,7 @@ if gluon is not None:
             else:  # TMA cannot start off a 16-byte boundary: every step through masked byte loads
                 for ki in range(gl.cdiv(length, BK)):
                     t0 = start + ki * BK
+                    _own_free()
                     tail_to_smem(a_ptr, a_mine, row0, N, t0, length - ki * BK, stride_an, ld)
                     tail_to_smem(b_ptr, b_mine, col0, K, t0, length - ki * BK, stride_bk, ld)
                     acc = _own_step(acc, a_mine, b_mine, zero, turn, 0, sa_tile, sb_tile, N - row0, K - col0, ki,
@@ -332,14 +309,14 @@ if gluon is not None:
         """BN = 2 * 128: rows HALF*BM/2.. of each output tile as two 128-column sums. A step's two
         products are each promoted before the next is started: the fp32 sums (128 registers per
         thread) leave room for one 64-register product and its column factors, not two. PIPE 3
-        takes turns with the other half through mbarriers, PIPE 4 through named barriers
-        (`_issue`), PIPE 0 does not. Steps come through the TMA
+        takes turns with the other half through mbarriers (`_issue`), PIPE 0 does not. Steps come
+        through the TMA
         ring with their scale rows (TAIL_DESC, SCALES_TMA); a group starting off 16 bytes goes
         through `own`, this half's 64 rows of A and 128 columns of B at a time, which also holds
         its results on their way to a TMA store (`c_view`, C_SLOTS 128-column blocks)."""
         HM: gl.constexpr = BM // 2
         SUB: gl.constexpr = BN // 2
-        PINGPONG: gl.constexpr = TURNS_MBARRIER if PIPE == 3 else (TURNS_NAMED if PIPE == 4 else TURNS_NONE)
+        PINGPONG: gl.constexpr = TURNS_MBARRIER if PIPE == 3 else TURNS_NONE
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SUB, 32])
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
         col_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -350,8 +327,6 @@ if gluon is not None:
         c_mine = c_view.index(HALF)
         it = 0
         u = 0  # products started (two per step): the ping-pong's turn count
-        if PINGPONG == TURNS_NAMED and HALF == 1:
-            _named_barrier(0, 14, False)  # half 0's first product waits for nobody
         for t in range(gl.program_id(0), total_tiles, NUM_PROGRAMS):
             g, pm, pn, start, length = _tile_of(t, offs_ptr, per_group, num_m, num_n, GROUP_M)
             row0, rows, row_ok = _half_rows(pm, N, HALF, BM, row_l)
@@ -389,6 +364,7 @@ if gluon is not None:
                     acc = zero
                     for ki in range(gl.cdiv(length, BK)):
                         t0 = start + ki * BK
+                        _own_free()
                         tail_to_smem(a_ptr, a_mine, row0, N, t0, length - ki * BK, stride_an, ld)
                         tail_to_smem(b_ptr, b_mine, col0 + h * SUB, K, t0, length - ki * BK, stride_bk, ld)
                         acc = _own_step(acc, a_mine, b_mine, zero, turn, u, sa_tile, sb_tile, N - row0,
@@ -397,8 +373,6 @@ if gluon is not None:
                         u += 1
                     _store_result(acc, c_mine.slice(0, HM), c_desc, out_ptr, g, rows, row_ok, row0, col0 + h * SUB,
                                   N, K, stride_og, stride_on, HM, col_l, ACCUMULATE, TMA_OUT, True)
-        if PINGPONG == TURNS_NAMED and HALF == 0:
-            _named_barrier(0, 14, True)  # half 1's pass after its last product
         if TMA_OUT:
             tma.store_wait(0)
 
@@ -564,8 +538,8 @@ def launch_block_wgrad_ws(a, b, offsets: torch.Tensor, n: int, k: int, groups: i
     if bn == 128 and (pipe not in (0, 1) or tail not in TAILS):
         raise ValueError(f"pipe={pipe}, tail={tail!r}: 128-column tiles take pipe 0 or 1 and a tail in "
                          f"{sorted(TAILS)}")
-    if bn == 256 and (pipe not in (0, 3, 4) or tail != "desc" or not scales_tma):
-        raise ValueError(f"pipe={pipe}, tail={tail!r}, scales_tma={scales_tma}: 256-column tiles take pipe 0, 3 or 4, "
+    if bn == 256 and (pipe not in (0, 3) or tail != "desc" or not scales_tma):
+        raise ValueError(f"pipe={pipe}, tail={tail!r}, scales_tma={scales_tma}: 256-column tiles take pipe 0 or 3, "
                          f"tail 'desc' and scales_tma=True")
     if bn not in (128, 256):
         raise ValueError(f"bn={bn}: the wgrad kernel's tiles are 128 or 256 columns wide")
