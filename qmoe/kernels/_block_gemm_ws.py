@@ -47,6 +47,7 @@ from qmoe.kernels import _gluon_sm90 as sm90
 from qmoe.kernels._block_gemm_tl import b_group_offsets, check_block_operands, kernel_info
 from qmoe.kernels._gluon_sm90 import gluon
 from qmoe.kernels._launch import faking, num_sms
+from qmoe.kernels._layout import gemm_steps_major
 
 if gluon is not None:
     from qmoe.kernels._gluon_sm90 import fence_async_shared, gl, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
@@ -389,24 +390,28 @@ if gluon is not None:
 # tiles where N allows them (each weight tile is read by half as many programs) in the strict
 # ping-pong with two result buffers per consumer (a tile's second half is stored without waiting
 # for its first) where they leave room for its stages, else one; else 128x128 with the promotion
-# of one step overlapping the next step's MMA. Where a row's scales span a cache line or more
-# (K >= SCALES_TMA_MIN_K), so that each per-step load would touch a line per row, both take each
-# step's activation scales with its codes through the TMA ring (scales_tma); below that, the rows
-# of a line share it across the tile's steps. The benchmark sweep (benchmarks/sweep_block_gemm.py)
-# times the other schedules and tiles against them (benchmarks/results/sweeps/block_gemm_pingpong.json).
+# of one step overlapping the next step's MMA. Both take each step's activation scales with its
+# codes through the TMA ring (scales_tma) where the cast stored them steps-major (a step's scales
+# of a tile are then one box, and a per-step load from global memory would wait on L2 every step)
+# or, stored row-major, where a row's scales span a cache line or more (K >= SCALES_TMA_MIN_K), so
+# that each per-step load would touch a line per row; below that, row-major rows of a line share
+# it across the tile's steps, and a steps-major copy would cost more than it saves. The benchmark
+# sweep (benchmarks/sweep_block_gemm.py) times the other schedules and tiles against them
+# (benchmarks/results/sweeps/block_gemm_pingpong.json).
 DISPATCH_WIDE = dict(bn=256, stages=3, pipe=3, group_m=8, c_bufs=2)
 DISPATCH = dict(bn=128, stages=5, pipe=2, group_m=8)
 SCALES_TMA_MIN_K = 4096  # 32 steps of 4-byte scales: a 128-byte line per row
 
 
-def dispatch_config(n_out: int, k: int, out_dtype=torch.bfloat16) -> dict:
-    """The dispatched keywords for an output of n_out columns of out_dtype over a contraction of k,
-    its stages fitted to shared memory: wide tiles drop their second result buffer where it would
-    cost a stage (fp32)."""
+def dispatch_config(n_out: int, k: int, out_dtype=torch.bfloat16, steps_major: bool = False) -> dict:
+    """The dispatched keywords for an output of n_out columns of out_dtype over a contraction of k
+    (steps_major: the activation scales are stored steps-major), its stages fitted to shared
+    memory: wide tiles drop their second result buffer where it would cost a stage (fp32)."""
+    scales_tma = steps_major or k >= SCALES_TMA_MIN_K
     if n_out % DISPATCH_WIDE["bn"]:
-        cfg = dict(DISPATCH, scales_tma=k >= SCALES_TMA_MIN_K)
+        cfg = dict(DISPATCH, scales_tma=scales_tma)
     else:
-        cfg = dict(DISPATCH_WIDE, scales_tma=k >= SCALES_TMA_MIN_K)
+        cfg = dict(DISPATCH_WIDE, scales_tma=scales_tma)
         if fit_stages(cfg["stages"], 128, cfg["bn"], out_dtype, cfg["c_bufs"], cfg["scales_tma"]) < cfg["stages"]:
             cfg["c_bufs"] = 1
     cfg["stages"] = fit_stages(cfg["stages"], 128, cfg["bn"], out_dtype, cfg.get("c_bufs", 1), cfg["scales_tma"])
@@ -464,7 +469,8 @@ def launch_dispatched(a, b, offsets, total_rows: int, n_out: int, k: int, groups
     if unsupported(a, b, n_out, k, out_dtype, total_rows, groups) is not None:
         return None
     b_columnwise = b.group_stride < b.stride_r
-    cfg = dispatch_config(n_out, k, out_dtype)
+    steps_major = a.scale is not None and gemm_steps_major(a.scale) is not None
+    cfg = dispatch_config(n_out, k, out_dtype, steps_major)
     key = (out_dtype, b_columnwise, *sorted(cfg.items()))
     return sm90.launch_once(FAILED, key, "FP8 block GEMM", lambda: launch_block_gemm_ws(
         a, b, offsets, total_rows, n_out, k, groups, out_dtype, out=out, b_columnwise=b_columnwise, **cfg))

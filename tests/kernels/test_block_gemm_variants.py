@@ -373,6 +373,15 @@ def test_unsupported_calls_launch_nothing(sm90, monkeypatch):
     for n_out, out_dtype, stages in ((512, torch.bfloat16, 3), (384, torch.bfloat16, 5), (512, torch.float32, 3)):
         assert ws.launch_dispatched(a4k, b4k, None, 4096, n_out, 4096, 4, out_dtype, None) == "launched"
         assert calls[-1]["scales_tma"] is True and calls[-1]["stages"] == stages, calls[-1]
+    # and at any K where the cast stored them steps-major: a per-step load would wait on L2 each step
+    from qmoe.kernels._layout import steps_major
+
+    a.scale = steps_major(4096, 4, torch.float32, "cpu")
+    assert ws.launch_dispatched(a, b, None, 4096, 512, 512, 4, torch.bfloat16, None) == "launched"
+    assert calls[-1]["scales_tma"] is True and calls[-1]["stages"] == 3, calls[-1]
+    a.scale = torch.empty(4096, 4)  # row-major: a row's scales share a line across the tile's steps
+    assert ws.launch_dispatched(a, b, None, 4096, 512, 512, 4, torch.bfloat16, None) == "launched"
+    assert calls[-1]["scales_tma"] is False
 
 
 @launcher
