@@ -310,10 +310,10 @@ if gluon is not None:
         products are each promoted before the next is started: the fp32 sums (128 registers per
         thread) leave room for one 64-register product and its column factors, not two. PIPE 3
         takes turns with the other half through mbarriers (`_issue`), PIPE 0 does not. Steps come
-        through the TMA
-        ring with their scale rows (TAIL_DESC, SCALES_TMA); a group starting off 16 bytes goes
-        through `own`, this half's 64 rows of A and 128 columns of B at a time, which also holds
-        its results on their way to a TMA store (`c_view`, C_SLOTS 128-column blocks)."""
+        through the TMA ring with their scale rows (TAIL_DESC, SCALES_TMA); a group starting off
+        16 bytes goes through `own`, this half's 64 rows of A and 128 columns of B at a time,
+        which also holds its results on their way to a TMA store (`c_view`, C_SLOTS 128-column
+        blocks)."""
         HM: gl.constexpr = BM // 2
         SUB: gl.constexpr = BN // 2
         PINGPONG: gl.constexpr = TURNS_MBARRIER if PIPE == 3 else TURNS_NONE

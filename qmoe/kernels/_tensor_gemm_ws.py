@@ -358,8 +358,6 @@ def launch_tensor_wgrad_ws(a, b, offsets: torch.Tensor, n: int, k: int, groups: 
     b [k, T]: grouped_gemm._Operand (TENSOR scaling, tokens contiguous). lead: the token boundary
     (16, 32, 64 or 128) a group's steps start from (`_block_wgrad_tails`; 16: its first token).
     Host-sync-free."""
-    if gluon is None:
-        raise RuntimeError(sm90.GLUON_ERROR)
     if k % 256 or a.stride_k != 1 or b.stride_k != 1:
         raise ValueError(f"K={k}, token strides {a.stride_k}, {b.stride_k}: the kernel takes K % 256 == 0 and "
                          f"contiguous tokens")
@@ -367,6 +365,8 @@ def launch_tensor_wgrad_ws(a, b, offsets: torch.Tensor, n: int, k: int, groups: 
         raise ValueError(f"{stages} stages exceed shared memory")
     if lead not in (16, 32, 64, 128):
         raise ValueError(f"lead={lead}: the kernel takes 16, 32, 64 or 128")
+    if gluon is None:
+        raise RuntimeError(sm90.GLUON_ERROR)
     if n == 0 or k == 0 or groups == 0 or faking():
         return out
     tma_out = bw._tma_out(out, n, k, accumulate)

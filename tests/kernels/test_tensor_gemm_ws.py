@@ -306,6 +306,15 @@ def test_k_dispatch_takes_the_gluon_kernel_only_where_it_applies(sm90):
     assert "aligned" in tw.unsupported_k(_op(), _op(cols=1000), out, False)
 
 
+def test_wgrad_takes_only_the_leads_it_knows():
+    from qmoe.kernels import _tensor_gemm_ws as tw
+
+    out = torch.empty(4, 256, 512, dtype=torch.bfloat16)
+    for lead in (0, 8, 48, 256):
+        with pytest.raises(ValueError, match=f"lead={lead}"):
+            tw.launch_tensor_wgrad_ws(_op(), _op(), None, 256, 512, 4, out, lead=lead)
+
+
 def test_stages_fit_shared_memory():
     from qmoe.kernels import _gluon_sm90
     from qmoe.kernels import _tensor_gemm_ws as tw
