@@ -344,8 +344,7 @@ if gluon is not None:
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
         c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2 * C_BUFS, BM // 2, SUB], c_desc.layout)
-        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        full, empty = sm90.stage_barriers(STAGES)
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         # each stage's activation-scale row (a [1, BM] TMA box), read back as a 1-d row
         sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES if SCALES_TMA else 1, 1, BM], sa_desc.layout)
@@ -353,9 +352,6 @@ if gluon is not None:
                                          gl.SwizzledSharedLayout(1, 1, 1, order=[0]))  # rank 1: .index() keeps it
         mbarrier.init(turn.index(0), count=1)
         mbarrier.init(turn.index(1), count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(full.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)
         if BN > 128:
             gl.warp_specialize([
                 (_consumer_wide, (a_bufs, b_bufs, sa_staged, c_bufs, full, empty, turn, c_desc, out_ptr, offs_ptr,

@@ -403,14 +403,10 @@ if gluon is not None:
         rows_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # rank 1: .index() keeps it
         sa_rows = sm90.reinterpret(sa_bufs, gl.float32, [SR, BM], rows_l)
         sb_rows = sm90.reinterpret(sb_bufs, gl.float32, [SR, BN], rows_l)
-        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        full, empty = sm90.stage_barriers(STAGES)
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(turn.index(0), count=1)
         mbarrier.init(turn.index(1), count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(full.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)
         if BN > 128:
             # per half: its 64 rows of A and 128 columns of B (a group off 16 bytes, rows 0 and 128 on),
             # or its results: 64 x 128 fp32 values fill 256 rows of 128 codes

@@ -1,6 +1,7 @@
 """What qmoe's Gluon kernels for sm90 share (private helper of `_block_gemm_ws.py`,
-`_block_wgrad_ws.py` and `_cast_transpose_gl.py`): Gluon's Hopper API, imported only where this
-Triton has it, the TMA copies under either Triton's names, tensor descriptors (and the scratch
+`_block_wgrad_ws.py`, `_tensor_gemm_ws.py` and `_cast_transpose_gl.py`): Gluon's Hopper API,
+imported only where this Triton has it, the TMA copies under either Triton's names, the GEMMs'
+stage-ring barriers, tensor descriptors (and the scratch
 memory of those a kernel makes on the device), shared-memory bounds, whether a Gluon kernel can
 run on a device, and the fallback to a Triton kernel when a Gluon compile fails.
 
@@ -52,6 +53,18 @@ if gluon is not None:  # names that moved between triton 3.6 (the GPU image's) a
         def reinterpret(smem, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
             """smem viewed as `dtype` values of `shape` in `layout` (the same bytes)."""
             return smem._reinterpret(dtype, shape, layout)
+
+    @gluon.jit
+    def stage_barriers(STAGES: gl.constexpr):
+        """The stage ring's barriers, initialised: `full` (a stage's TMA loads landed: the
+        producer's one arrival and the bytes it expects) and `empty` (both consumer warpgroups
+        released it)."""
+        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(full.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)
+        return full, empty
 
     @gluon.jit
     def add(a, b):

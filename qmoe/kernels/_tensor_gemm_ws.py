@@ -120,11 +120,7 @@ if gluon is not None:
         else:
             c_bufs = a_bufs  # unused: the results leave straight from registers
         sa_bufs = gl.allocate_shared_memory(gl.float32, [1, 1, BM], sa_desc.layout)
-        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(full.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)
+        full, empty = sm90.stage_barriers(STAGES)
         gl.warp_specialize([
             (_m_consumer, (a_bufs, b_bufs, c_bufs, full, empty, c_desc, out_ptr, offs_ptr, fa_ptr, fb_ptr, total_rows,
                            N, K, num_groups, stride_om, 0, BM, BN, BK, GROUP_M, GP, STAGES, NUM_PROGRAMS, TMA_STORE)),
@@ -172,7 +168,7 @@ if gluon is not None:
                     tma.store_wait(0)  # B's buffer may still feed the last TMA store of results
                 for ki in range(gl.cdiv(length, BK)):
                     t0 = start + ki * BK
-                    sm90.thread_barrier()  # every warp's part of the last MMA (or store) is done with the buffers
+                    bw._own_free()
                     tail_to_smem(a_ptr, a_mine, row0, N, t0, length - ki * BK, stride_an, ld)
                     tail_to_smem(b_ptr, b_mine, col0, K, t0, length - ki * BK, stride_bk, ld)
                     fence_async_shared()
@@ -199,11 +195,7 @@ if gluon is not None:
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
         s_bufs = gl.allocate_shared_memory(gl.float32, [1, 1, BN], s_desc.layout)
-        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(full.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)
+        full, empty = sm90.stage_barriers(STAGES)
         C_DTYPE: gl.constexpr = c_desc.dtype
         C_LAYOUT: gl.constexpr = c_desc.layout
         B_DTYPE: gl.constexpr = b_desc.dtype
