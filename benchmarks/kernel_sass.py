@@ -144,7 +144,7 @@ def cast_launch(dtype: torch.dtype = torch.bfloat16, mx: bool = False, activatio
     `dtype` on the CPU: 1x128 blocks, or MXFP8's 1x32 with `mx`; with a GLU `activation`, of
     act(h) * probs for an h of 256 x 768; its scales steps-major (tile order) as fp8_block_op stores
     them, or in their canonical layout; config: the launcher's keywords (default: its dispatched
-    ones)."""
+    ones; `values` = (rowwise, columnwise) with mx: those copies as exact bf16 values)."""
     from qmoe.contracts.formats import E4M3
     from qmoe.kernels import _cast_transpose_gl as ct
     from qmoe.kernels import quantize as K
@@ -155,7 +155,9 @@ def cast_launch(dtype: torch.dtype = torch.bfloat16, mx: bool = False, activatio
     x = torch.randn(m, 2 * k if activation else k).to(dtype)
     if activation:
         config = dict(config, act=activation_code(activation), probs=torch.ones(m))
-    row, col = torch.empty(m, k, dtype=torch.float8_e4m3fn), torch.empty(k, m, dtype=torch.float8_e4m3fn)
+    row_values, col_values = config.get("values", (False, False))
+    row = torch.empty(m, k, dtype=torch.bfloat16 if row_values else torch.float8_e4m3fn)
+    col = torch.empty(m, k, dtype=torch.bfloat16) if col_values else torch.empty(k, m, dtype=torch.float8_e4m3fn)
     block, scale_dtype = (32, torch.uint8) if mx else (128, torch.float32)
     if canonical_scales:
         row_s, col_s = torch.empty(m, k // block, dtype=scale_dtype), torch.empty(k, m // block, dtype=scale_dtype)

@@ -161,6 +161,7 @@ BIAS = Dispatch("bias", {
 GROUPED_GEMM = Dispatch("grouped_gemm", {
     "m_grouped_gemm": (k_grouped_gemm and k_grouped_gemm.m_grouped_gemm, r_grouped_gemm.m_grouped_gemm),
     "k_grouped_gemm": (k_grouped_gemm and k_grouped_gemm.k_grouped_gemm, r_grouped_gemm.k_grouped_gemm),
+    "reads_values": (k_grouped_gemm and k_grouped_gemm.reads_values, r_grouped_gemm.reads_values),
 })
 # Routing families: the ops' autograd Functions call these launchers on the kernels' path; the
 # reference path runs qmoe.reference.{router, aux_loss, permute}'s public ops (same results).

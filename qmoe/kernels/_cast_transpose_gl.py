@@ -242,14 +242,59 @@ if gluon is not None:
         return gl.where(b == 128, amax, exp2_int(-b)), (b + 127).to(gl.uint8)
 
     @gluon.jit
+    def _mx_unit(e):
+        """2^b of each E8M0 byte b + 127 (inf for the NaN byte, whose codes are NaN): what a code
+        is multiplied by to give its value."""
+        return exp2_int(e.to(gl.int32) - 127)
+
+    @gluon.jit
+    def _exact_pairs(w, s_lo, s_hi, u_lo, u_hi, OUT_DTYPE: gl.constexpr):
+        """The values, as a word of two bf16, of the codes of both bf16 values of each word:
+        code(x * s) * u, the code cast as cast_codes casts it and the product in fp32, then as the
+        reference's `dequantize_mxfp8` to bf16 gives it: beyond bf16's range (the largest codes of
+        a block near the top of it) clamped to its largest value, NaN kept, the rest exact."""
+        if OUT_DTYPE == gl.float8e4nv:
+            fmt: gl.constexpr = "e4m3x2"
+        else:
+            fmt: gl.constexpr = "e5m2x2"
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 l, h, f; .reg .b16 c, fl, fh; "
+            "shl.b32 l, $1, 16; and.b32 h, $1, 0xFFFF0000; mul.rn.f32 l, l, $2; mul.rn.f32 h, h, $3; "
+            "cvt.rn.satfinite." + fmt + ".f32 c, h, l; cvt.rn.f16x2." + fmt + " f, c; mov.b32 {fl, fh}, f; "
+            "cvt.f32.f16 l, fl; cvt.f32.f16 h, fh; mul.rn.f32 l, l, $4; mul.rn.f32 h, h, $5; "
+            "min.NaN.f32 l, l, 0f7F7F0000; min.NaN.f32 h, h, 0f7F7F0000; "
+            "max.NaN.f32 l, l, 0fFF7F0000; max.NaN.f32 h, h, 0fFF7F0000; "
+            "cvt.rn.bf16x2.f32 $0, h, l; }",
+            "=r,r,f,f,f,f", [w, s_lo, s_hi, u_lo, u_hi], dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _store_row_exponents(e_r, row_s_ptr, row0, row_end, rows, kt, K, stride_rs, stride_rsk, NB: gl.constexpr,
+                             num_warps: gl.constexpr):
+        """A tile's rowwise E8M0 bytes [BM, NB] (rows: their rows, in e_r's row slice)."""
+        BM: gl.constexpr = e_r.shape[0]
+        if stride_rs == 1:  # scales in tile order: a warp's store covers 64 consecutive rows of one block
+            run_l: gl.constexpr = gl.BlockedLayout([2, 1], [32, 1], [num_warps // NB, NB], [0, 1])
+            rows_run = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, run_l))
+            kb_run = kt * NB + gl.arange(0, NB, layout=gl.SliceLayout(0, run_l))
+            gl.store(row_s_ptr + gl.expand_dims(rows_run, 1) + gl.expand_dims(kb_run, 0) * stride_rsk,
+                     gl.convert_layout(e_r, run_l),
+                     mask=gl.expand_dims(rows_run < row_end, 1) & gl.expand_dims(kb_run * MX_BLOCK < K, 0))
+        else:
+            kb = kt * NB + gl.arange(0, NB, layout=gl.SliceLayout(0, e_r.type.layout))
+            gl.store(row_s_ptr + gl.expand_dims(rows.to(gl.int64), 1) * stride_rs
+                     + gl.expand_dims(kb, 0) * stride_rsk, e_r,
+                     mask=gl.expand_dims(rows < row_end, 1) & gl.expand_dims(kb * MX_BLOCK < K, 0))
+
+    @gluon.jit
     def _cast_tile_mx(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M, K,
                       stride_rs, stride_rsk, stride_cs, stride_csm, FMT_MAX: gl.constexpr, OUT_DTYPE: gl.constexpr,
                       EMAX: gl.constexpr, ROUND_UP: gl.constexpr, ROWWISE: gl.constexpr, COLWISE: gl.constexpr,
-                      num_warps: gl.constexpr):
+                      ROW_VALUES: gl.constexpr, COL_VALUES: gl.constexpr, num_warps: gl.constexpr):
         """MXFP8 of one bf16 tile: an E8M0 exponent per 32 values of a row and per 32 rows of a column,
         from the tile read as words of two values (see _cast_tile_bf16). Rowwise, a thread holds 4
         words of a 16-word block (4 lanes a block); columnwise, 32 rows of one word, so a column
-        block's amax never leaves the thread."""
+        block's amax never leaves the thread. ROW_VALUES / COL_VALUES: that copy's exact bf16 values
+        (`_exact_pairs`) go to row_ptr / col_ptr, [M, K] like x, in place of its codes and scales."""
         BM: gl.constexpr = tile.shape[0]
         BW: gl.constexpr = tile.shape[1] // 2  # words per tile row
         NB: gl.constexpr = BW * 2 // MX_BLOCK  # blocks per tile row
@@ -265,28 +310,24 @@ if gluon is not None:
             packed_r = gl.reduce(wr & 0x7FFF7FFF, 2, _max_u16x2)
             amax_r = bits_to_float(gl.maximum(packed_r << 16, packed_r & -65536))  # [BM, NB]
             mult_r, e_r = _mx_multiplier(amax_r, FMT_MAX, EMAX, ROUND_UP)
-            q = _row_codes(wr, gl.expand_dims(mult_r, 2), OUT_DTYPE)
             bl2: gl.constexpr = gl.SliceLayout(2, row_l)  # [rows, blocks]
             wl2: gl.constexpr = gl.SliceLayout(0, row_l)  # [blocks, words of the block]
             rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, bl2))
             words = (w0 + gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(1, wl2)), 1) * WB
                      + gl.expand_dims(gl.arange(0, WB, layout=gl.SliceLayout(0, wl2)), 0))
-            row_pairs = row_ptr.to(gl.pointer_type(gl.int16))
             rows3 = gl.expand_dims(gl.expand_dims(rows.to(gl.int64), 1), 2)
-            gl.store(row_pairs + rows3 * (K // 2) + gl.expand_dims(words, 0), q,
-                     mask=(rows3 < row_end) & gl.expand_dims(words < K // 2, 0))
-            if stride_rs == 1:  # scales in tile order: a warp's store covers 64 consecutive rows of one block
-                run_l: gl.constexpr = gl.BlockedLayout([2, 1], [32, 1], [num_warps // NB, NB], [0, 1])
-                rows_run = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, run_l))
-                kb_run = kt * NB + gl.arange(0, NB, layout=gl.SliceLayout(0, run_l))
-                gl.store(row_s_ptr + gl.expand_dims(rows_run, 1) + gl.expand_dims(kb_run, 0) * stride_rsk,
-                         gl.convert_layout(e_r, run_l),
-                         mask=gl.expand_dims(rows_run < row_end, 1) & gl.expand_dims(kb_run * MX_BLOCK < K, 0))
+            mask_r = (rows3 < row_end) & gl.expand_dims(words < K // 2, 0)
+            if ROW_VALUES:
+                s3 = gl.expand_dims(mult_r, 2)
+                u3 = gl.expand_dims(_mx_unit(e_r), 2)
+                gl.store(row_ptr.to(gl.pointer_type(gl.int32)) + rows3 * (K // 2) + gl.expand_dims(words, 0),
+                         _exact_pairs(wr, s3, s3, u3, u3, OUT_DTYPE), mask=mask_r)
             else:
-                kb = kt * NB + gl.arange(0, NB, layout=gl.SliceLayout(0, bl2))
-                gl.store(row_s_ptr + gl.expand_dims(rows.to(gl.int64), 1) * stride_rs
-                         + gl.expand_dims(kb, 0) * stride_rsk, e_r,
-                         mask=gl.expand_dims(rows < row_end, 1) & gl.expand_dims(kb * MX_BLOCK < K, 0))
+                q = _row_codes(wr, gl.expand_dims(mult_r, 2), OUT_DTYPE)
+                gl.store(row_ptr.to(gl.pointer_type(gl.int16)) + rows3 * (K // 2) + gl.expand_dims(words, 0), q,
+                         mask=mask_r)
+                _store_row_exponents(e_r, row_s_ptr, row0, row_end, rows, kt, K, stride_rs, stride_rsk, NB,
+                                     num_warps)
         if COLWISE:
             # [row blocks, rows of the block, words]: a thread holds a block's rows of one word
             col_l: gl.constexpr = gl.BlockedLayout([1, MX_BLOCK, 1], [1, 1, 32], [RB, 1, num_warps // RB], [1, 2, 0])
@@ -300,21 +341,30 @@ if gluon is not None:
             packed_c = gl.reduce(wc & magnitude, 1, _max_u16x2)  # [RB, BW]
             mult_lo, e_lo = _mx_multiplier(bits_to_float(packed_c << 16), FMT_MAX, EMAX, ROUND_UP)
             mult_hi, e_hi = _mx_multiplier(bits_to_float(packed_c & -65536), FMT_MAX, EMAX, ROUND_UP)
-            even = 2 * (w0 + gl.arange(0, BW, layout=gl.SliceLayout(0, cl2)))  # column of each low half
-            s_ptrs = (col_s_ptr + gl.expand_dims(even.to(gl.int64), 0) * stride_cs
-                      + (sblk + gl.expand_dims(rb, 1)) * stride_csm)
-            s_ok = gl.expand_dims(row0 + rb * MX_BLOCK < row_end, 1) & gl.expand_dims(even < K, 0)
-            if stride_cs == 1:  # scales in tile order: a column pair's two bytes as one 16-bit store
-                gl.store(s_ptrs.to(gl.pointer_type(gl.uint16)), e_lo.to(gl.uint16) | (e_hi.to(gl.uint16) << 8),
-                         mask=s_ok)
+            if COL_VALUES:  # the values in x's own layout: a warp stores 32 consecutive words of a row
+                words_c = w0 + gl.arange(0, BW, layout=gl.SliceLayout(0, cl2))
+                v = _exact_pairs(wc, gl.expand_dims(mult_lo, 1), gl.expand_dims(mult_hi, 1),
+                                 gl.expand_dims(_mx_unit(e_lo), 1), gl.expand_dims(_mx_unit(e_hi), 1), OUT_DTYPE)
+                rows3c = gl.expand_dims(rows.to(gl.int64), 2)
+                gl.store(col_ptr.to(gl.pointer_type(gl.int32)) + rows3c * (K // 2)
+                         + gl.expand_dims(gl.expand_dims(words_c, 0), 1), v,
+                         mask=(rows3c < row_end) & gl.expand_dims(gl.expand_dims(words_c < K // 2, 0), 1))
             else:
-                gl.store(s_ptrs, e_lo, mask=s_ok)
-                gl.store(s_ptrs + stride_cs, e_hi, mask=s_ok)  # K is even: the high half's column is in range
-            lo, hi = _bf16_pairs_to_float(wc)
-            q_lo = gl.reshape(cast_codes(lo * gl.expand_dims(mult_lo, 1), FMT_MAX, OUT_DTYPE), [BM, BW])
-            q_hi = gl.reshape(cast_codes(hi * gl.expand_dims(mult_hi, 1), FMT_MAX, OUT_DTYPE), [BM, BW])
-            col_stage.slice(0, BM, dim=1).permute([1, 0]).store(q_lo)
-            col_stage.slice(BM, BM, dim=1).permute([1, 0]).store(q_hi)
+                even = 2 * (w0 + gl.arange(0, BW, layout=gl.SliceLayout(0, cl2)))  # column of each low half
+                s_ptrs = (col_s_ptr + gl.expand_dims(even.to(gl.int64), 0) * stride_cs
+                          + (sblk + gl.expand_dims(rb, 1)) * stride_csm)
+                s_ok = gl.expand_dims(row0 + rb * MX_BLOCK < row_end, 1) & gl.expand_dims(even < K, 0)
+                if stride_cs == 1:  # scales in tile order: a column pair's two bytes as one 16-bit store
+                    gl.store(s_ptrs.to(gl.pointer_type(gl.uint16)), e_lo.to(gl.uint16) | (e_hi.to(gl.uint16) << 8),
+                             mask=s_ok)
+                else:
+                    gl.store(s_ptrs, e_lo, mask=s_ok)
+                    gl.store(s_ptrs + stride_cs, e_hi, mask=s_ok)  # K is even: the high half's column is in range
+                lo, hi = _bf16_pairs_to_float(wc)
+                q_lo = gl.reshape(cast_codes(lo * gl.expand_dims(mult_lo, 1), FMT_MAX, OUT_DTYPE), [BM, BW])
+                q_hi = gl.reshape(cast_codes(hi * gl.expand_dims(mult_hi, 1), FMT_MAX, OUT_DTYPE), [BM, BW])
+                col_stage.slice(0, BM, dim=1).permute([1, 0]).store(q_lo)
+                col_stage.slice(BM, BM, dim=1).permute([1, 0]).store(q_hi)
 
     # M stays specialised: as the columnwise copy's row stride, its divisibility by 16 lets the
     # columnwise codes leave as 16-byte vectors
@@ -327,11 +377,13 @@ if gluon is not None:
                               NUM_PROGRAMS: gl.constexpr, VEC: gl.constexpr, PACKED: gl.constexpr,
                               MX: gl.constexpr, EMAX: gl.constexpr, ROUND_UP: gl.constexpr,
                               STAGE_PHASE: gl.constexpr, TILE_GROUP: gl.constexpr, ACT: gl.constexpr,
-                              GLU_BLOCK: gl.constexpr, num_warps: gl.constexpr):
+                              GLU_BLOCK: gl.constexpr, ROW_VALUES: gl.constexpr, COL_VALUES: gl.constexpr,
+                              num_warps: gl.constexpr):
         """One 128 x 128 tile (FP8 block: one 128-wide scale block each way; MX: 32-wide E8M0 blocks)
         per trip of a persistent loop (see the module docstring). With a GLU activation (ACT >= 0),
         x_desc is over h and each slot holds the tile's gate and linear halves; the activated tile
-        goes to shared memory and is cast from there."""
+        goes to shared memory and is cast from there. ROW_VALUES / COL_VALUES (MX): that copy as exact
+        bf16 values in x's layout, in place of its codes (`_cast_tile_mx`)."""
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         GLU: gl.constexpr = ACT >= 0
@@ -346,7 +398,8 @@ if gluon is not None:
         # (every second row from words, every fourth from fp32 reads) fall on distinct banks
         # (column strips: two, the tile's and the previous one's, whose last rows a line may still need)
         stage_l: gl.constexpr = gl.SwizzledSharedLayout(16, STAGE_PHASE, 8, order=[1, 0])
-        LINES: gl.constexpr = TILE_GROUP == 0 and COLWISE
+        COL_CODES: gl.constexpr = COLWISE and not COL_VALUES
+        LINES: gl.constexpr = TILE_GROUP == 0 and COL_CODES
         NSTAGE: gl.constexpr = 2 if LINES else 1
         HALVES: gl.constexpr = PACKED or MX
         if HALVES:
@@ -391,7 +444,7 @@ if gluon is not None:
             if MX:
                 _cast_tile_mx(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M, K,
                               stride_rs, stride_rsk, stride_cs, stride_csm, FMT_MAX, OUT_DTYPE, EMAX, ROUND_UP, ROWWISE,
-                              COLWISE, num_warps)
+                              COLWISE, ROW_VALUES, COL_VALUES, num_warps)
             elif PACKED:
                 _cast_tile_bf16(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M,
                                 K, eps, stride_rs, stride_rsk, stride_cs, stride_csm, FMT_MAX, OUT_DTYPE, POW2,
@@ -400,7 +453,7 @@ if gluon is not None:
                 _cast_tile(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M, K, eps,
                            stride_rs, stride_rsk, stride_cs, stride_csm, FMT_MAX, OUT_DTYPE, POW2, BLOCK_2D, ROWWISE,
                            COLWISE, VEC, num_warps)
-            if COLWISE:
+            if COL_CODES:
                 sm90.thread_barrier()  # the stage is whole before any warp stores from it
                 # the row tile above, in this group, was the last one cast here: its last rows wait in the
                 # other stage; this tile's wait for the next one unless that is the tile below, whole
@@ -433,12 +486,13 @@ def _dispatched(config: dict, splits) -> dict:
 
 
 def unsupported(x: torch.Tensor, block_cols: int, act: int = NO_ACTIVATION, glu_block: int = 0,
-                mx: bool = False) -> str | None:
+                mx: bool = False, shapes_only: bool = False) -> str | None:
     """Why this kernel cannot quantize x (None: it can): it needs Gluon on an sm90 GPU, 128-wide
     FP8 blocks (mx: 32-value MXFP8 blocks of bf16), x's rows TMA-aligned, and for a fused
     activation a GLU of a bf16 h whose halves come in runs of whole tiles (glu_block 0 or a multiple
-    of 128). QMOE_BLOCK_CAST=triton turns it off."""
-    why = sm90.gluon_unavailable(x.device, "QMOE_BLOCK_CAST")
+    of 128). QMOE_BLOCK_CAST=triton turns it off. shapes_only: answer for the real call during a
+    fake-tensor pass."""
+    why = sm90.gluon_unavailable(x.device, "QMOE_BLOCK_CAST", shapes_only)
     if why is not None:
         return why
     if block_cols != (MX_VALUES if mx else _TILE):
@@ -482,19 +536,28 @@ def launch_dispatched(x: torch.Tensor, splits, num_groups: int, two_d: bool, blo
 
 
 def launch_dispatched_mx(x: torch.Tensor, splits, num_groups: int, block: int, act: int, glu_block: int, probs,
-                         out_code, fmt_max: float, emax: int, round_up: bool, rowwise: bool, row, row_s, col,
-                         col_s) -> bool:
-    """launch_dispatched for mxfp8_op: MXFP8 of a bf16 x (or of act(x) * probs), columnwise and
-    optionally rowwise."""
+                         out_code, fmt_max: float, emax: int, round_up: bool, rowwise: bool, columnwise: bool, row,
+                         row_s, col, col_s, values: tuple[bool, bool] = (False, False)) -> bool:
+    """launch_dispatched for mxfp8_op: MXFP8 of a bf16 x (or of act(x) * probs), either copy or
+    both; values: (rowwise, columnwise) copies written as exact bf16 values into row / col [M, K]."""
     if unsupported(x, block, act, glu_block, mx=True) is not None:
         return False
 
     def go():
-        launch(x, splits, num_groups, False, out_code, fmt_max, False, 0.0, rowwise, True, row, row_s, col, col_s,
-               mx=(emax, round_up), act=act, glu_block=glu_block, probs=probs, **_dispatched(DISPATCH, splits))
+        launch(x, splits, num_groups, False, out_code, fmt_max, False, 0.0, rowwise, columnwise, row, row_s, col,
+               col_s, mx=(emax, round_up), act=act, glu_block=glu_block, probs=probs, values=values,
+               **_dispatched(DISPATCH, splits))
         return True
 
-    return sm90.launch_once(FAILED, ("mx", splits is not None, rowwise, act, glu_block), "MXFP8 cast", go) is True
+    key = ("mx", splits is not None, rowwise, columnwise, act, glu_block, values)
+    return sm90.launch_once(FAILED, key, "MXFP8 cast", go) is True
+
+
+def writes_values(x: torch.Tensor, act: int = NO_ACTIVATION, glu_block: int = 0) -> bool:
+    """Whether an MXFP8 cast of x (or of act(x) * probs) writes exact bf16 values in place of codes
+    where asked (`launch_dispatched_mx`'s values): this kernel runs it. A fake-tensor pass answers
+    as the real call will."""
+    return unsupported(x, MX_VALUES, act, glu_block, mx=True, shapes_only=True) is None
 
 
 def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_max: float,
@@ -502,7 +565,7 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
            stages: int = 3, warps: int = 8, per_sm: int = 1, maxnreg: int | None = None,
            programs: int | None = None, packed: bool = True, mx: tuple[int, bool] | None = None,
            stage_phase: int | None = None, tile_group: int = 1, act: int = NO_ACTIVATION, glu_block: int = 0,
-           probs: torch.Tensor | None = None) -> None:
+           probs: torch.Tensor | None = None, values: tuple[bool, bool] = (False, False)) -> None:
     """Fill fp8_block_op's outputs (allocated by it, same layouts) for an [M, K] x; out_code is
     the codes' Triton FP8 dtype; maxnreg caps registers (two programs per SM need <= 128 at 8 warps);
     packed=False reads bf16 as fp32 as the other dtypes are (same bits, for comparison). With
@@ -513,7 +576,10 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
     whose columnwise lines leave whole, with a second stage for them: bands where M is not a
     multiple of 16 or shared memory lacks room). act (a GLU's code), glu_block, probs ([M] fp32):
     x is h [M, 2K] and the quantized input act(h) * probs, as fp8_block_op's.
-    The scale outputs may have any strides (the dispatched path's are transposed)."""
+    The scale outputs may have any strides (the dispatched path's are transposed). values (MX only):
+    (rowwise, columnwise) copies as exact bf16 values into row / col, [M, K] bf16 each, no scales."""
+    if any(values) and mx is None:
+        raise ValueError("exact values are written for MXFP8 only")
     m, k = x.shape[0], input_width(x, act)
     row_s, col_s = (s.view(torch.uint8) if s.dtype == torch.float8_e8m0fnu else s for s in (row_s, col_s))
     grouped = splits is not None
@@ -524,7 +590,7 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
     tile_bytes = _TILE * _TILE * x.element_size()
     glu = act != NO_ACTIVATION
     smem = stages * tile_bytes * (2 if glu else 1) + (tile_bytes if glu else 0) + 2 * _TILE * _TILE
-    if tile_group == 0 and (not columnwise or m % 16 or smem > sm90.SMEM_BYTES - _SCRATCH):
+    if tile_group == 0 and (not columnwise or values[1] or m % 16 or smem > sm90.SMEM_BYTES - _SCRATCH):
         tile_group = DISPATCH["tile_group"]  # nothing to carry (no columnwise copy, or rows off 16), or no room
     if stage_phase is None:  # a store instruction writes rows 2 apart (words of bf16), 4 apart (fp32 reads)
         stage_phase = 2 if words or mx is not None else 4
@@ -538,4 +604,5 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
         COLWISE=columnwise, GROUPED=grouped, GP=max(32, group_pow2(num_groups)), STAGES=stages, NUM_PROGRAMS=programs,
         VEC=16 // x.element_size(), PACKED=words, MX=mx is not None,
         EMAX=mx[0] if mx else 0, ROUND_UP=bool(mx and mx[1]), STAGE_PHASE=stage_phase, TILE_GROUP=tile_group,
-        ACT=act, GLU_BLOCK=glu_block, num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}))
+        ACT=act, GLU_BLOCK=glu_block, ROW_VALUES=bool(values[0]), COL_VALUES=bool(values[1]), num_warps=warps,
+        **({"maxnreg": maxnreg} if maxnreg else {}))

@@ -141,13 +141,14 @@ def tma_aligned(t: torch.Tensor) -> bool:
             and (t.stride(0) * t.element_size()) % 16 == 0)
 
 
-def gluon_unavailable(device: torch.device, switch: str | None = None) -> str | None:
+def gluon_unavailable(device: torch.device, switch: str | None = None, shapes_only: bool = False) -> str | None:
     """Why no sm90 Gluon kernel of qmoe runs on `device` now, whatever its operands (None: they
-    can): the environment variable `switch` set to "triton", a fake-tensor pass, a Triton without
-    Gluon, or not an sm90 GPU (TMA, warpgroup MMA)."""
+    can): the environment variable `switch` set to "triton", a fake-tensor pass (unless
+    `shapes_only`: the question is what the real call will do), a Triton without Gluon, or not an
+    sm90 GPU (TMA, warpgroup MMA)."""
     if switch is not None and os.environ.get(switch, "").strip().lower() == "triton":
         return f"{switch}=triton"
-    if faking():
+    if faking() and not shapes_only:
         return "a fake-tensor pass (shapes only)"
     if gluon is None:
         return GLUON_ERROR

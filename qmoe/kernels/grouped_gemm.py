@@ -72,6 +72,13 @@ class TileConfig:
 DEQUANT_TILES = {"rows": (16, 512, 4), "transposed": (32, 256, 4), "tokens": (32, 256, 4)}
 
 
+def reads_values(scaling: Scaling, rows: int, groups: int) -> bool:
+    """Whether the auto route multiplies operands of `scaling` with `rows` tokens over `groups`
+    experts from their exact bf16 values (the "dequant" route): a cast may then write those values
+    in place of codes (GroupedTensor.quantize's values) and save the GEMM its dequantize pass."""
+    return scaling in (Scaling.MX, Scaling.NVFP4) and rows >= DEQUANT_MIN_ROWS * groups
+
+
 def tile_configs(scaling: Scaling, small_m: bool, rows_per_group: int = 64) -> list[TileConfig]:
     """Candidate tiles per scaling, the default first (the benchmark's --sweep times the rest).
 
@@ -180,11 +187,14 @@ def activation_operand(a, scaling: Scaling) -> _Operand:
     return _with_scales(_Operand(d, d.stride(0), d.stride(1)), a, scaling, False)
 
 
-def weight_operand(b, scaling: Scaling, columnwise: bool) -> tuple[_Operand, int, int]:
-    """Weights from quantize_weights (E groups of N rows): (operand, out features, contraction)."""
+def weight_operand(b, scaling: Scaling, columnwise: bool) -> tuple[_Operand | None, int, int]:
+    """Weights from quantize_weights (E groups of N rows): (operand, out features, contraction); the
+    operand is None where the copy is held as exact values."""
     e = b.num_groups
     n, k = b.shape[0] // e, b.shape[1]
     packed = 2 if scaling is Scaling.NVFP4 else 1
+    if (b.columnwise_data if columnwise else b.rowwise_data) is None:  # held as values (b.exact_values)
+        return (None, k, n) if columnwise else (None, n, k)
     if not columnwise:  # W_g [N, K]: rows g*N.. of the rowwise data
         d = b.rowwise_data
         op = _with_scales(_Operand(d, d.stride(0), d.stride(1), n * d.stride(0)), b, scaling, False)
@@ -198,9 +208,12 @@ def weight_operand(b, scaling: Scaling, columnwise: bool) -> tuple[_Operand, int
     return op, k, n
 
 
-def tokens_operand(x, scaling: Scaling) -> _Operand:
-    """Columnwise [F, T] copy for wgrad: contraction along tokens, 1-D scales from group offsets."""
+def tokens_operand(x, scaling: Scaling) -> _Operand | None:
+    """Columnwise [F, T] copy for wgrad: contraction along tokens, 1-D scales from group offsets;
+    None where the copy is held as exact values."""
     d = x.columnwise_data
+    if d is None:
+        return None
     op = _with_scales(_Operand(d, d.stride(0), d.stride(1)), x, scaling, True)
     if scaling in (Scaling.BLOCK, Scaling.MX, Scaling.NVFP4):
         op.soffs = x.columnwise_scale_offsets
@@ -359,12 +372,15 @@ def _weights16(b, b_op: _Operand, scaling: Scaling, b_columnwise: bool, dq) -> t
     rowwise and columnwise copies share every scale and dequantize to the same values (NUMERICS.md),
     so fprop and dgrad share one bf16 copy; with 1-D blocks each copy has its own values.
     """
+    e = b.num_groups
+    n_w, k_w = b.shape[0] // e, b.shape[1]
+    held = b.exact_values(b_columnwise)
+    if held is not None:  # the cast wrote them: [E*N, K], W's own layout either way
+        return held.view(e, n_w, k_w)
     copies = getattr(b, "bf16_copies", None)
     slot = "2d" if b_op.block[0] > 1 else ("columnwise" if b_columnwise else "rowwise")
     if copies is not None and slot in copies:
         return copies[slot]
-    e = b.num_groups
-    n_w, k_w = b.shape[0] // e, b.shape[1]
     if b_columnwise:  # W_g [N, K] from [K, E*N]: element (r, c) lands at c*K + r
         w16 = _dequantized(b_op, scaling, k_w, e * n_w, k_w, n_w, (e, n_w, k_w), (1, k_w), tile=dq)
     else:
@@ -379,7 +395,9 @@ def _m_dequant_route(a, b, a_op, b_op, scaling, b_columnwise, out_dtype, cfg=Non
     n_w, k_w = b.shape[0] // e, b.shape[1]
     total_rows, k = a.shape[0], a.shape[1]
     dq = cfg.dq if cfg is not None else None
-    a16 = _dequantized(a_op, scaling, total_rows, k, max(total_rows, 1), k, (total_rows, k), (k, 1), tile=dq)
+    a16 = a.exact_values(False)
+    if a16 is None:
+        a16 = _dequantized(a_op, scaling, total_rows, k, max(total_rows, 1), k, (total_rows, k), (k, 1), tile=dq)
     w16 = _weights16(b, b_op, scaling, b_columnwise, dq)
     if b_columnwise:
         mat_b, plain = w16, _Operand(w16, 1, k_w, n_w * k_w)
@@ -388,8 +406,8 @@ def _m_dequant_route(a, b, a_op, b_op, scaling, b_columnwise, out_dtype, cfg=Non
     n_out = mat_b.shape[2]
     if scaling is Scaling.MX and _torch_grouped_mm_ok(a16, mat_b, out_dtype):
         return _torch_grouped_mm(a16, mat_b, a.offsets, total_rows)
-    a_plain = _Operand(a16, k, 1, factor=a_op.factor)
-    plain.factor = b_op.factor
+    a_plain = _Operand(a16, k, 1, factor=a_op.factor if a_op is not None else None)
+    plain.factor = b_op.factor if b_op is not None else None
     gemm_cfg = cfg if cfg is not None and cfg.bm >= 128 else None
     return _launch_m(a_plain, plain, a.offsets, total_rows, n_out, k, e, Scaling.NONE, out_dtype, gemm_cfg)
 
@@ -415,11 +433,12 @@ def m_grouped_gemm_with(a, b, split_sizes=None, *, b_columnwise=False, out_dtype
         return _launch_m(_Operand(a, a.stride(0), a.stride(1)), bop, offsets, a.shape[0], n_out, contraction, e,
                          Scaling.NONE, out_dtype, config)
     scaling = scaling_of(a)
-    a_op = activation_operand(a, scaling)
+    a_op = activation_operand(a, scaling) if a.rowwise_data is not None else None
     b_op, n_out, contraction = weight_operand(b, scaling, b_columnwise)
     if route is GemmRoute.AUTO:
-        emulated = scaling in (Scaling.MX, Scaling.NVFP4)
-        route = GemmRoute.DEQUANT if emulated and a.shape[0] >= DEQUANT_MIN_ROWS * b.num_groups else GemmRoute.FUSED
+        route = GemmRoute.DEQUANT if reads_values(scaling, a.shape[0], b.num_groups) else GemmRoute.FUSED
+    if a_op is None or b_op is None:  # a copy held as exact values: multiplied as such
+        route = GemmRoute.DEQUANT
     if route is GemmRoute.DEQUANT and scaling in (Scaling.MX, Scaling.NVFP4):
         return _m_dequant_route(a, b, a_op, b_op, scaling, b_columnwise, out_dtype, config)
     return _launch_m(a_op, b_op, a.offsets, a.shape[0], n_out, contraction, b.num_groups, scaling, out_dtype,
@@ -536,16 +555,18 @@ def k_grouped_gemm_with(a, b, split_sizes=None, *, out_dtype=torch.bfloat16, out
     n, k = a.shape[1], b.shape[1]
     a_op, b_op = tokens_operand(a, scaling), tokens_operand(b, scaling)
     if route is GemmRoute.AUTO:
-        emulated = scaling in (Scaling.MX, Scaling.NVFP4)
-        route = GemmRoute.DEQUANT if emulated and total >= DEQUANT_MIN_ROWS * groups else GemmRoute.FUSED
+        route = GemmRoute.DEQUANT if reads_values(scaling, total, groups) else GemmRoute.FUSED
+    if a.exact_values(True) is not None or b.exact_values(True) is not None:  # held as values only
+        route = GemmRoute.DEQUANT
     if route is GemmRoute.DEQUANT and scaling in (Scaling.MX, Scaling.NVFP4) and total > 0:
         on_torch = scaling is Scaling.MX and config is None and out is None and out_dtype == torch.bfloat16
         tile = config.dq if config is not None else None
-        a16, b16 = (_dequantized_tokens(x, op, scaling, tile=tile, token_major=on_torch)
+        a16, b16 = (x.exact_values(True).t() if x.exact_values(True) is not None  # [features, tokens] views
+                    else _dequantized_tokens(x, op, scaling, tile=tile, token_major=on_torch)
                     for x, op in ((a, a_op), (b, b_op)))
         if on_torch and _tokens_grouped_mm_ok(a16, b16.t(), a.offsets, out, out_dtype):
             return _tokens_grouped_mm(a16, b16.t(), a.offsets)
-        a_plain, b_plain = (_Operand(x16, x16.stride(0), x16.stride(1), factor=op.factor)
+        a_plain, b_plain = (_Operand(x16, x16.stride(0), x16.stride(1), factor=op.factor if op is not None else None)
                             for x16, op in ((a16, a_op), (b16, b_op)))
         gemm_cfg = config if config is not None and config.bm >= 128 else None
         return _launch_k(a_plain, b_plain, a.offsets, n, k, groups, Scaling.NONE, out, accumulate, gemm_cfg,

@@ -30,7 +30,7 @@ import torch
 from qmoe.contracts.carriers import ActivatedRows, glu_block
 from qmoe.contracts.errors import UnsupportedError
 from qmoe.contracts.formats import ElementFormat, ScaleMode
-from qmoe.kernels.activation import activation_code
+from qmoe.kernels.activation import NO_ACTIVATION, activation_code
 from qmoe.kernels._layout import as_rows, device_splits
 from qmoe.kernels.quantize import amax_op, fp8_block_op, fp8_block_supported, fp8_meta, fp8_tensorwise_op, mxfp8_op
 from qmoe.kernels.quantize_nvfp4 import check_nvfp4_shape, draw_seeds, nvfp4_op
@@ -81,14 +81,19 @@ def grouped_quantize_fp8_block(x, split_sizes, block_rows, block_cols, fmt, powe
 
 
 def grouped_quantize_mxfp8(x, split_sizes, fmt, scale_mode: ScaleMode = ScaleMode.ROUND_UP, rowwise=True,
-                           columnwise=False):
-    """-> (row [sum M, K], row_s [sum M, ceil(K/32)], col [K, sum M], col_s [K, sum M // 32 + G]) (E8M0)."""
+                           columnwise=False, values=()):
+    """-> (row [sum M, K], row_s [sum M, ceil(K/32)], col [K, sum M], col_s [K, sum M // 32 + G]) (E8M0).
+
+    values: copies ("rowwise", "columnwise") wanted as exact bf16 values [sum M, K] with no scales;
+    where the kernel cannot write them (`mxfp8_op`) they come as codes: a bf16 copy is values."""
     fp8_meta(fmt)
     x, splits, g, fused = _prepare(x, split_sizes)
+    fused = fused or (None, NO_ACTIVATION, 0)
     row, rs, col, cs = mxfp8_op(x, splits, g, fmt.dtype, fmt.max, fmt.emax,
-                                scale_mode is ScaleMode.ROUND_UP, 32, rowwise, columnwise, *fused)
-    return (row if rowwise else None, rs if rowwise else None, col if columnwise else None,
-            cs if columnwise else None)
+                                scale_mode is ScaleMode.ROUND_UP, 32, rowwise, columnwise, *fused,
+                                "rowwise" in values, "columnwise" in values)
+    return (row if rowwise else None, rs if rowwise and row.dtype != torch.bfloat16 else None,
+            col if columnwise else None, cs if columnwise and col.dtype != torch.bfloat16 else None)
 
 
 def grouped_quantize_nvfp4(x, split_sizes, block_2d=False, rowwise=True, columnwise=False, rht=False,

@@ -397,26 +397,42 @@ def _mxfp8_kernel(
 @kernel_op("qmoe::quantize_mxfp8")
 def mxfp8_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, out_dtype: torch.dtype,
              fmt_max: float, emax: int, round_up: bool, block: int, rowwise: bool, columnwise: bool,
-             probs: Optional[torch.Tensor] = None, act: int = NO_ACTIVATION,
-             glu_block: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+             probs: Optional[torch.Tensor] = None, act: int = NO_ACTIVATION, glu_block: int = 0,
+             row_values: bool = False,
+             col_values: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(row [M, K], row_s [M, ceil(K/b)] e8m0, col [K, M], col_s [K, width] e8m0); unrequested: empty.
     The scales are stored steps-major (`steps_major`), as fp8_block_op's 1 x B scales are.
 
-    Calls with a columnwise copy of bf16 run the Gluon kernel of `_cast_transpose_gl` where it
-    applies (same bits; rowwise codes alone stay with the Triton kernel)."""
+    row_values / col_values: that copy as its exact bf16 values, [M, K] both (dequantize(codes),
+    bit for bit), with an empty scale, where the Gluon kernel runs (`writes_values`); elsewhere
+    codes as usual: a bf16 result is values, an FP8 one codes.
+
+    Calls with a columnwise copy of bf16, or values, run the Gluon kernel of `_cast_transpose_gl`
+    where it applies (same bits; rowwise codes alone stay with the Triton kernel)."""
     m, k = x.shape[0], input_width(x, act)
     grouped = splits is not None
-    nkb, width = ceil_div(k, block), scale_width(m, block, num_groups, grouped)
-    dev, u8 = x.device, torch.uint8
-    row = torch.empty((m, k) if rowwise else (0,), dtype=out_dtype, device=dev)
-    col = torch.empty((k, m) if columnwise else (0,), dtype=out_dtype, device=dev)
-    row_s = steps_major(m, nkb, u8, dev) if rowwise else torch.empty((0,), dtype=u8, device=dev)
-    col_s = steps_major(k, width, u8, dev, grouped) if columnwise else torch.empty((0,), dtype=u8, device=dev)
-    gluon_cast = m * k and columnwise and not is_forced(_mxfp8_kernel)
+    values = ((row_values and rowwise, col_values and columnwise)
+              if m * k and not is_forced(_mxfp8_kernel) and _block_cast_gl.writes_values(x, act, glu_block)
+              else (False, False))
+
+    def outputs(values):
+        nkb, width = ceil_div(k, block), scale_width(m, block, num_groups, grouped)
+        dev, u8, none = x.device, torch.uint8, torch.empty((0,), dtype=torch.uint8, device=x.device)
+        row = torch.empty((m, k) if rowwise else (0,), dtype=torch.bfloat16 if values[0] else out_dtype, device=dev)
+        col = torch.empty(((m, k) if values[1] else (k, m)) if columnwise else (0,),
+                          dtype=torch.bfloat16 if values[1] else out_dtype, device=dev)
+        row_s = steps_major(m, nkb, u8, dev) if rowwise and not values[0] else none
+        col_s = steps_major(k, width, u8, dev, grouped) if columnwise and not values[1] else none
+        return row, row_s, col, col_s
+
+    row, row_s, col, col_s = outputs(values)
+    gluon_cast = m * k and (columnwise or values[0]) and not is_forced(_mxfp8_kernel)
     if gluon_cast and _block_cast_gl.launch_dispatched_mx(x, splits, num_groups, block, act, glu_block, probs,
-                                                          _TL_FP8[out_dtype], fmt_max, emax, round_up, rowwise, row,
-                                                          row_s, col, col_s):
+                                                          _TL_FP8[out_dtype], fmt_max, emax, round_up, rowwise,
+                                                          columnwise, row, row_s, col, col_s, values):
         return row, row_s.view(torch.float8_e8m0fnu), col, col_s.view(torch.float8_e8m0fnu)
+    if any(values):  # the Gluon kernel did not compile: codes, from the Triton kernel
+        row, row_s, col, col_s = outputs((False, False))
     if m * k:
         launch_cast(_mxfp8_kernel, tile_grid(m, k, num_groups, grouped),
                     (x, probs if probs is not None else x, row.view(torch.uint8), row_s, col.view(torch.uint8), col_s,

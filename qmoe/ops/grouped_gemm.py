@@ -33,11 +33,12 @@ _PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def quantize_weights(w: torch.Tensor, quantizer: Quantizer, rowwise: bool = True,
-                     columnwise: bool = False) -> GroupedTensor:
+                     columnwise: bool = False, values: tuple = ()) -> GroupedTensor:
     """Quantize a weight stack w [E, N, K] expert by expert: a GroupedTensor of E groups of N rows.
 
     Every expert gets its own scales (per-tensor scale, amax, 2-D blocks never cross experts).
     rowwise holds W_g [N, K] (fprop); columnwise holds W_g^T [K, N] quantized along N (dgrad).
+    values: copies wanted as exact bf16 values (`GroupedTensor.quantize`).
     """
     if not isinstance(w, torch.Tensor) or w.dim() != 3:
         raise ValueError(f"quantize_weights needs a weight stack [E, N, K], got "
@@ -47,7 +48,7 @@ def quantize_weights(w: torch.Tensor, quantizer: Quantizer, rowwise: bool = True
         raise ValueError("quantize_weights needs at least one expert (E >= 1)")
     splits = torch.full((e,), n, dtype=torch.int64, device=w.device)
     return GroupedTensor.quantize(w.reshape(e * n, k), splits, quantizer, rowwise=rowwise, columnwise=columnwise,
-                                  validate=False)
+                                  validate=False, values=values)
 
 
 # ---------------------------------------------------------------- validation
@@ -91,6 +92,9 @@ def _check_grouped_pair(a, b) -> Scaling:
 
 
 def _tensors(gt, columnwise: bool):
+    held = gt.exact_values(columnwise)
+    if held is not None:
+        return [held]
     return [t for t in (gt.columnwise_data if columnwise else gt.rowwise_data, gemm_scale(gt, columnwise))
             if t is not None]
 
@@ -110,12 +114,12 @@ def m_grouped_gemm(a, b, split_sizes=None, *, b_columnwise: bool = False, out_dt
     check_out_dtype(out_dtype)
     if isinstance(a, GroupedTensor) or isinstance(b, GroupedTensor):
         scaling = _check_grouped_pair(a, b)
-        if a.rowwise_data is None:
+        if not a.has_copy(False):
             raise ValueError("m_grouped_gemm reads a's rowwise data: quantize it with rowwise=True")
         if a.quantizer.block is not None and a.quantizer.block[0] != 1:
             raise ValueError(f"a is quantized with {a.quantizer.block[0]}x{a.quantizer.block[1]} blocks (a weight "
                              f"quantizer); quantize tokens with the recipe's input or grad_output quantizer")
-        if (b.columnwise_data if b_columnwise else b.rowwise_data) is None:
+        if not b.has_copy(b_columnwise):
             which = "columnwise" if b_columnwise else "rowwise"
             raise ValueError(f"b has no {which} data: quantize_weights(..., {which}=True)")
         e = b.num_groups
@@ -163,7 +167,7 @@ def k_grouped_gemm(a, b, split_sizes=None, *, out_dtype=torch.bfloat16, out: tor
         raise ValueError("accumulate=True adds into `out`: pass out=[E, N, K] (e.g. the fp32 main_grad)")
     if isinstance(a, GroupedTensor) or isinstance(b, GroupedTensor):
         _check_grouped_pair(a, b)
-        if a.columnwise_data is None or b.columnwise_data is None:
+        if not (a.has_copy(True) and b.has_copy(True)):
             raise ValueError("k_grouped_gemm reads columnwise data: quantize dy and x with columnwise=True")
         if a.shape[0] != b.shape[0]:
             raise ValueError(f"dy has {a.shape[0]} rows but x has {b.shape[0]}: both must hold the same tokens")

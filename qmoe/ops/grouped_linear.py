@@ -34,13 +34,14 @@ from dataclasses import dataclass
 import torch
 
 from qmoe.contracts.carriers import ActivatedRows, AmaxSlot, RowsWithAmax
-from qmoe.contracts.enums import Activation, GroupedPath, parse_activation, parse_grouped_path
+from qmoe.contracts.enums import Activation, GroupedPath, Scaling, parse_activation, parse_grouped_path
 from qmoe.contracts.validate import check_flag, check_group_amax, check_scaled_activation_args, check_split_sizes
-from qmoe.dispatch import BIAS
+from qmoe.dispatch import BIAS, GROUPED_GEMM
 from qmoe.ops.activation import activation_backward, activation_forward, expert_activation
 from qmoe.ops.amp import autocast_off
 from qmoe.ops.grouped_linear_paths import PATHS, Groups, LinearPath, drop_rowwise
 from qmoe.quant import QuantizedTensor
+from qmoe.quant.quantizer import MXFP8Quantizer
 from qmoe.quant.replay import ForwardLog, active_log, using_log
 from qmoe.quant.weight_cache import BoundWeightCache
 
@@ -112,6 +113,7 @@ class GroupedLinearPlan:
 
     # ---- quantize steps: a recipe's operands, or plain tensors in x's dtype without one
     def quantize_input(self, x, probs, groups: Groups, wgrad: bool, rowwise: bool = True):
+        rows = x.shape[0]
         if self.activation is not None:
             if self.fuses_activation:
                 x = ActivatedRows(x, probs, self.activation.value, self.glu_interleave_size)
@@ -121,8 +123,11 @@ class GroupedLinearPlan:
             return x
         if self.input_amax is not None:  # the permute reduced it: the quantizer only casts
             x = RowsWithAmax(x, self.input_amax)
-        out = self.path.quantize_input(x, groups, self.quantizers["input"], wgrad, self.quantized_input,
-                                       rowwise=rowwise)
+        quantizer = self.quantizers["input"]
+        values = _values_only(quantizer, rows, groups.split_sizes.shape[0], groups.split_sizes,
+                              "rowwise" if rowwise else "columnwise")
+        out = self.path.quantize_input(x, groups, quantizer, wgrad, self.quantized_input, rowwise=rowwise,
+                                       values=values)
         if _observer is not None:
             _observer(self, "quantize_input", (x, groups), out)
         return out
@@ -147,20 +152,22 @@ class GroupedLinearPlan:
             return self.quantize_input(h, probs, groups, wgrad=True, rowwise=False)
 
     def quantize_weight(self, weight: torch.Tensor, dtype: torch.dtype, dgrad: bool, rowwise: bool = True,
-                        keep: bool = True):
+                        keep: bool = True, rows: int = 0):
         """fprop's rowwise W (unless rowwise=False) and, if `dgrad`, dgrad's columnwise copy: from
-        the weight cache where there is one and `keep`, else quantized now."""
+        the weight cache where there is one and `keep`, else quantized now. rows: the tokens the
+        GEMM multiplies W with (whether its copy may come as exact values, `_values_only`)."""
         if self.quantizers is None:
             return weight.to(dtype)
         quantizer = self.quantizers["weight"]
 
-        def fresh(rowwise: bool, columnwise: bool):
-            return self.path.quantize_weight(weight, quantizer, columnwise, rowwise=rowwise)
+        def fresh(rowwise: bool, columnwise: bool, values=()):
+            return self.path.quantize_weight(weight, quantizer, columnwise, rowwise=rowwise, values=values)
 
         if keep and self.kept_weights:
             out = self.weight_cache.quantize(weight, quantizer, rowwise, dgrad, fresh)
-        else:
-            out = fresh(rowwise, dgrad)
+        else:  # the copy its GEMM reads now (a columnwise one made with it is kept for the backward)
+            out = fresh(rowwise, dgrad, _values_only(quantizer, rows, weight.shape[0], weight,
+                                                     "rowwise" if rowwise else "columnwise"))
         if _observer is not None:
             _observer(self, "quantize_weight", (weight,), out)
         return out
@@ -170,16 +177,16 @@ class GroupedLinearPlan:
         """Whether the quantized weights may come from (and stay in) the weight cache."""
         return self.weight_cache is not None and self.quantizers is not None and self.path.keeps_weights
 
-    def rebuild_weight(self, weight, dtype: torch.dtype, log: ForwardLog | None):
+    def rebuild_weight(self, weight, dtype: torch.dtype, log: ForwardLog | None, rows: int):
         """dgrad's weight operand made again in the backward (recompute_weight_columnwise): the
         columnwise copy only, quantized with the forward's scales (no amax recorded again), so dgrad
         gets the bits the kept copy would have had. Never stored in the weight cache (that would
         keep the copy this option exists not to keep)."""
         if log is None:
-            return self.quantize_weight(weight, dtype, dgrad=True, rowwise=False, keep=False)
+            return self.quantize_weight(weight, dtype, dgrad=True, rowwise=False, keep=False, rows=rows)
         log.start_replay()
         with using_log(log):
-            return self.quantize_weight(weight, dtype, dgrad=True, rowwise=False, keep=False)
+            return self.quantize_weight(weight, dtype, dgrad=True, rowwise=False, keep=False, rows=rows)
 
     def quantize_grad(self, dy: torch.Tensor, groups: Groups, dtype: torch.dtype, dgrad: bool, wgrad: bool,
                       amax: torch.Tensor | None = None):
@@ -188,9 +195,13 @@ class GroupedLinearPlan:
             return dy.to(dtype)
         if not (dgrad or wgrad):  # only the bias and scales take gradients: they read dy itself
             return None
+        quantizer = self.quantizers["grad_output"]
+        # a deferred wgrad (wgrad_sink) holds its copy until later: codes there, half the bytes
+        copies = ("rowwise",) * dgrad + ("columnwise",) * (wgrad and self.wgrad_sink is None)
+        values = _values_only(quantizer, dy.shape[0], groups.split_sizes.shape[0], dy, *copies)
         if amax is not None:
             dy = RowsWithAmax(dy, amax)
-        out = self.path.quantize_grad(dy, groups, self.quantizers["grad_output"], dgrad, wgrad)
+        out = self.path.quantize_grad(dy, groups, quantizer, dgrad, wgrad, values=values)
         if _observer is not None:
             _observer(self, "quantize_grad", (dy, groups), out)
         return out
@@ -213,6 +224,16 @@ class GroupedLinearPlan:
         if _observer is not None:
             _observer(self, "wgrad", (dy, x), dw)
         return dw
+
+
+def _values_only(quantizer, rows: int, groups: int, on: torch.Tensor, *copies: str) -> tuple[str, ...]:
+    """The copies (of `copies`, read once by the GEMM that follows) to cast as exact bf16 values
+    (`GroupedTensor.quantize`'s values): MXFP8's, where the GEMMs that run `on` this tensor's
+    device multiply `rows` tokens over `groups` experts from their exact values (`reads_values`)
+    and so need no codes."""
+    if isinstance(quantizer, MXFP8Quantizer) and GROUPED_GEMM.pick("reads_values", on)(Scaling.MX, rows, groups):
+        return copies
+    return ()
 
 
 @dataclass
@@ -293,7 +314,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         rebuild_w = needs.dgrad and plan.recompute_weight_columnwise
         ctx.weight_log = log = plan.replay_log() if rebuild_w else None
         with using_log(log) if log is not None else contextlib.nullcontext():
-            w_op = plan.quantize_weight(weight, x.dtype, dgrad=needs.dgrad and not rebuild_w)
+            w_op = plan.quantize_weight(weight, x.dtype, dgrad=needs.dgrad and not rebuild_w, rows=x.shape[0])
         y = plan.fprop(x_op, w_op, groups, out_dtype=x.dtype)
         if bias is not None:
             y = BIAS.pick("grouped_bias_forward", y)(y, bias, groups.offsets, scales)
@@ -326,7 +347,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         if needs.dgrad:
             w_op = saved.w_operand
             if plan.recompute_weight_columnwise:
-                w_op = plan.rebuild_weight(saved.weight, saved.x_dtype, ctx.weight_log)
+                w_op = plan.rebuild_weight(saved.weight, saved.x_dtype, ctx.weight_log, dy.shape[0])
             dx = plan.dgrad(g_op, w_op, groups, saved.x_shape, out_dtype=dy.dtype)
             if release:
                 saved.w_operand = w_op = None

@@ -86,6 +86,8 @@ def drop_rowwise(operand, shared: bool = False):
         if shared:
             operand = copy.copy(operand)
         operand.rowwise_data = operand.rowwise_scale_inv = None
+        if getattr(operand, "values", None):  # a GroupedTensor's rowwise copy held as values
+            operand.values = {k: v for k, v in operand.values.items() if k != "rowwise"} or None
     return operand
 
 
@@ -126,7 +128,7 @@ class LinearPath:
         raise NotImplementedError
 
     def quantize_input(self, x, groups: Groups, quantizer: Quantizer, wgrad: bool,
-                       quantized_input: QuantizedTensor | None = None, rowwise: bool = True):
+                       quantized_input: QuantizedTensor | None = None, rowwise: bool = True, values: tuple = ()):
         """x [R, K] (or an ActivatedRows where fused), rowwise for fprop and columnwise if `wgrad`.
 
         x and quantize_grad's dy may come as a `RowsWithAmax` (their producer's per-group amax).
@@ -134,14 +136,18 @@ class LinearPath:
         quantized_input: x's rows already quantized rowwise (expert-parallel dispatch), used as
         they are; wgrad's columnwise copy is then quantized from x's values.
         rowwise=False: wgrad's columnwise copy only (rebuilt in the backward, recompute_activation).
+        values (here and below): the copies wanted as exact values (`GroupedTensor.quantize`), a
+        hint the grouped path passes on and the split path ignores.
         """
         raise NotImplementedError
 
-    def quantize_weight(self, weight: torch.Tensor, quantizer: Quantizer, dgrad: bool, rowwise: bool = True):
+    def quantize_weight(self, weight: torch.Tensor, quantizer: Quantizer, dgrad: bool, rowwise: bool = True,
+                        values: tuple = ()):
         """W [E, N, K], rowwise for fprop and columnwise if `dgrad`; rowwise=False: dgrad's copy only."""
         raise NotImplementedError
 
-    def quantize_grad(self, dy: torch.Tensor, groups: Groups, quantizer: Quantizer, dgrad: bool, wgrad: bool):
+    def quantize_grad(self, dy: torch.Tensor, groups: Groups, quantizer: Quantizer, dgrad: bool, wgrad: bool,
+                      values: tuple = ()):
         raise NotImplementedError
 
     def fprop(self, x, w, groups: Groups, out_dtype: torch.dtype) -> torch.Tensor:
@@ -169,10 +175,10 @@ class GroupedLinearPath(LinearPath):
         split_sizes = absorb_tail(split_sizes, x.shape[0])
         return Groups(split_sizes, _offsets(split_sizes), None, x.device)
 
-    def quantize_input(self, x, groups, quantizer, wgrad, quantized_input=None, rowwise=True):
+    def quantize_input(self, x, groups, quantizer, wgrad, quantized_input=None, rowwise=True, values=()):
         if quantized_input is None:  # x: a tensor, or an ActivatedRows the kernels activate as they load
             return GroupedTensor.quantize(x, groups.split_sizes, quantizer, rowwise=rowwise, columnwise=wgrad,
-                                          validate=False)
+                                          validate=False, values=values)
         xq = GroupedTensor.from_rows(quantized_input, groups.split_sizes)
         if wgrad:
             cols = GroupedTensor.quantize(x, groups.split_sizes, quantizer, rowwise=False, columnwise=True,
@@ -180,12 +186,12 @@ class GroupedLinearPath(LinearPath):
             xq.columnwise_data, xq.columnwise_scale_inv = cols.columnwise_data, gemm_scale(cols, True)
         return xq
 
-    def quantize_weight(self, weight, quantizer, dgrad, rowwise=True):
-        return quantize_weights(weight, quantizer, rowwise=rowwise, columnwise=dgrad)
+    def quantize_weight(self, weight, quantizer, dgrad, rowwise=True, values=()):
+        return quantize_weights(weight, quantizer, rowwise=rowwise, columnwise=dgrad, values=values)
 
-    def quantize_grad(self, dy, groups, quantizer, dgrad, wgrad):
+    def quantize_grad(self, dy, groups, quantizer, dgrad, wgrad, values=()):
         return GroupedTensor.quantize(dy, groups.split_sizes, quantizer, rowwise=dgrad, columnwise=wgrad,
-                                      validate=False)
+                                      validate=False, values=values)
 
     def fprop(self, x, w, groups, out_dtype):
         return m_grouped_gemm(x, w, groups.split_sizes if _is_plain(x) else None, out_dtype=out_dtype)
@@ -219,7 +225,7 @@ class SplitLinearPath(LinearPath):
         return [quantizer.for_group(g, e, x.device).quantize(x[a:b], rowwise=rowwise, columnwise=columnwise)
                 if b > a else None for g, (a, b) in enumerate(bounds)]
 
-    def quantize_input(self, x, groups, quantizer, wgrad, quantized_input=None, rowwise=True):
+    def quantize_input(self, x, groups, quantizer, wgrad, quantized_input=None, rowwise=True, values=()):
         assert not isinstance(x, ActivatedRows), "the split path runs the activation before it quantizes"
         x = _rows(x)
         if quantized_input is None:
@@ -231,12 +237,12 @@ class SplitLinearPath(LinearPath):
                     t.columnwise_data, t.columnwise_scale_inv = c.columnwise_data, gemm_scale(c, True)
         return xs
 
-    def quantize_weight(self, weight, quantizer, dgrad, rowwise=True):
+    def quantize_weight(self, weight, quantizer, dgrad, rowwise=True, values=()):
         e = weight.shape[0]
         return [quantizer.for_group(g, e, weight.device).quantize(weight[g], rowwise=rowwise, columnwise=dgrad)
                 for g in range(e)]
 
-    def quantize_grad(self, dy, groups, quantizer, dgrad, wgrad):
+    def quantize_grad(self, dy, groups, quantizer, dgrad, wgrad, values=()):
         return self._per_group(_rows(dy), groups.bounds, quantizer, dgrad, wgrad)
 
     @staticmethod

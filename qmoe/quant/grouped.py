@@ -6,6 +6,8 @@ on the device; layouts are described in `qmoe/reference/grouped_quantize.py`.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from qmoe.backend import use_kernels
@@ -39,6 +41,9 @@ class GroupedTensor:
     bf16_copies: None, or (weights kept across calls, `qmoe.quant.weight_cache`) a dict in which
     the emulated MXFP8 / NVFP4 GEMMs' dequantize-first route keeps the exact bf16 values it
     makes of these weights, so it makes them once.
+    values: None, or {"rowwise" / "columnwise": [sum M, K] bf16} for copies held as their exact
+    values instead of codes and scales (`quantize(values=...)`): what the emulated GEMMs'
+    dequantize-first route multiplies, written by the cast itself, so no dequantize pass runs.
     """
 
     bf16_copies: dict | None = None
@@ -47,13 +52,14 @@ class GroupedTensor:
 
     def __init__(self, quantizer: Quantizer, shape: torch.Size, dtype: torch.dtype, split_sizes: torch.Tensor,
                  rowwise_data=None, rowwise_scale_inv=None, columnwise_data=None, columnwise_scale_inv=None,
-                 amax=None, columnwise_amax=None):
+                 amax=None, columnwise_amax=None, values=None):
         self.quantizer, self.shape, self.dtype = quantizer, torch.Size(shape), dtype
         self.split_sizes = split_sizes
         self.offsets = torch.cat((split_sizes.new_zeros(1), split_sizes.cumsum(0)))
         self.rowwise_data, self.rowwise_scale_inv = rowwise_data, rowwise_scale_inv
         self.columnwise_data, self.columnwise_scale_inv = columnwise_data, columnwise_scale_inv
         self.amax, self.columnwise_amax = amax, columnwise_amax
+        self.values = values or None
         block = quantizer.block
         self.rowwise_scale_offsets = (group_scale_offsets(split_sizes, block[0])
                                       if block is not None and block[0] > 1 else None)
@@ -68,9 +74,19 @@ class GroupedTensor:
     def device(self) -> torch.device:
         return self.split_sizes.device
 
+    def exact_values(self, columnwise: bool) -> torch.Tensor | None:
+        """The copy's exact bf16 values [sum M, K] where it is held as values, else None."""
+        return (self.values or {}).get("columnwise" if columnwise else "rowwise")
+
+    def has_copy(self, columnwise: bool) -> bool:
+        """Whether the rowwise (columnwise) copy is here, as codes or as values."""
+        data = self.columnwise_data if columnwise else self.rowwise_data
+        return data is not None or self.exact_values(columnwise) is not None
+
     @classmethod
     def quantize(cls, x: torch.Tensor | ActivatedRows | RowsWithAmax, split_sizes, quantizer: Quantizer,
-                 rowwise: bool = True, columnwise: bool = True, validate: bool = True) -> "GroupedTensor":
+                 rowwise: bool = True, columnwise: bool = True, validate: bool = True,
+                 values: tuple = ()) -> "GroupedTensor":
         """Quantize x [sum M_g, K] group by group with `quantizer`.
 
         x may be an `ActivatedRows` (act(h) * probs, qmoe.reference.activation): the kernels
@@ -86,6 +102,10 @@ class GroupedTensor:
         split_sizes: [G] int tensor (on x's device, or the host) or a list of ints; zeros allowed.
         validate=False skips the sign/sum check, which reads device splits on the host; pass it
         only for splits that are valid by construction (e.g. from `qmoe.ops.moe_permute`).
+
+        values: copies ("rowwise", "columnwise") that only an emulated GEMM will read, wanted as
+        their exact bf16 values (`GroupedTensor.values`) in place of codes. A hint: formats and
+        kernels that do not make them (all but MXFP8) return codes.
 
         >>> q = MXFP8BlockScaling().quantizer("input")
         >>> gt = GroupedTensor.quantize(torch.randn(96, 64), [32, 0, 64], q)
@@ -104,6 +124,11 @@ class GroupedTensor:
         check_flag("columnwise", columnwise)
         if not (rowwise or columnwise):
             raise ValueError("GroupedTensor.quantize needs rowwise=True, columnwise=True or both")
+        values = tuple(values)
+        unknown = [v for v in values if v not in ("rowwise", "columnwise")]
+        if unknown:
+            raise ValueError(f"values names copies, \"rowwise\" and / or \"columnwise\"; got {unknown}")
+        values = tuple(v for v in values if (rowwise if v == "rowwise" else columnwise))
         splits = _device_splits(split_sizes, x.shape[0], x.device, validate)
         if amax is not None:
             if isinstance(x, ActivatedRows):
@@ -122,7 +147,7 @@ class GroupedTensor:
                 quantizer.check_group_rows(m, columnwise)
         if amax is not None and quantizer.takes_amax:
             x = RowsWithAmax(x, amax)
-        parts = quantizer._quantize_grouped(x, splits, rowwise, columnwise)
+        parts = quantizer._quantize_grouped(x, splits, rowwise, columnwise, values)
         return cls(quantizer, x.shape, x.dtype, splits, **parts)
 
     @classmethod
@@ -173,6 +198,9 @@ class GroupedTensor:
     def split(self) -> list[QuantizedTensor]:
         """One QuantizedTensor per group, in canonical layouts (reads the split sizes on the host)."""
         fp4 = isinstance(self.quantizer, NVFP4Quantizer)
+        if self.values:
+            raise ValueError(f"the {' and '.join(self.values)} copy is held as exact values, not codes: it has no "
+                             f"per-group QuantizedTensors; read it with dequantize()")
         out = []
         for g, (a, b) in enumerate(self._host_bounds()):
             row = col = None
@@ -198,10 +226,17 @@ class GroupedTensor:
         """[sum M, K] high-precision values (columnwise=True: the [K, sum M] transposed copies)."""
         check_dequantize_dtype(dtype)
         check_flag("columnwise", columnwise)
-        parts = [t.dequantize(dtype, columnwise=columnwise) for t in self.split()]
+        held = self.exact_values(columnwise)
+        if held is not None:
+            return (held.t() if columnwise else held).to(dtype).contiguous()
+        codes = self
+        if self.values:  # the other copy is held as values: split the codes alone
+            codes = copy.copy(self)
+            codes.values = None
+        parts = [t.dequantize(dtype, columnwise=columnwise) for t in codes.split()]
         return torch.cat(parts, 1 if columnwise else 0)
 
     def __repr__(self) -> str:
         return (f"GroupedTensor(num_groups={self.num_groups}, shape={tuple(self.shape)}, "
-                f"quantizer={self.quantizer!r}, rowwise={self.rowwise_data is not None}, "
-                f"columnwise={self.columnwise_data is not None})")
+                f"quantizer={self.quantizer!r}, rowwise={self.has_copy(False)}, "
+                f"columnwise={self.has_copy(True)}" + (f", values={sorted(self.values)}" if self.values else "") + ")")

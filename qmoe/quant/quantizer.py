@@ -124,8 +124,11 @@ class Quantizer:
     def _quantize_2d(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> dict:
         raise NotImplementedError
 
-    def _quantize_grouped(self, x: torch.Tensor, splits: torch.Tensor, rowwise: bool, columnwise: bool) -> dict:
-        """GroupedTensor parts for x [sum M_g, K] split by `splits` [G] (device int64)."""
+    def _quantize_grouped(self, x: torch.Tensor, splits: torch.Tensor, rowwise: bool, columnwise: bool,
+                          values: tuple = ()) -> dict:
+        """GroupedTensor parts for x [sum M_g, K] split by `splits` [G] (device int64). values: the
+        copies wanted as exact bf16 values (`GroupedTensor.quantize`); a format that does not make
+        them returns codes."""
         raise NotImplementedError
 
     @staticmethod
@@ -204,7 +207,7 @@ class Float8CurrentQuantizer(Quantizer):
             amax = self._impl(GROUPED_QUANTIZE, "grouped_tensor_amax", x)(x, splits)
         return self.compute_scale(self._shared_amax(amax))
 
-    def _quantize_grouped(self, x, splits, rowwise, columnwise):
+    def _quantize_grouped(self, x, splits, rowwise, columnwise, values=()):
         amax = None
         if isinstance(x, RowsWithAmax):  # GroupedTensor.quantize checked it (takes_amax)
             x, amax = x.rows, x.amax
@@ -362,7 +365,7 @@ class Float8BlockQuantizer(Quantizer):
             x, self.block[0], self.block[1], self.fmt, self.power_2_scale, self.amax_epsilon, rowwise, columnwise)
         return dict(rowwise_data=row, rowwise_scale_inv=row_si, columnwise_data=col, columnwise_scale_inv=col_si)
 
-    def _quantize_grouped(self, x, splits, rowwise, columnwise):
+    def _quantize_grouped(self, x, splits, rowwise, columnwise, values=()):
         row, rs, col, cs = self._impl(GROUPED_QUANTIZE, "grouped_quantize_fp8_block", x)(
             x, splits, self.block[0], self.block[1], self.fmt, self.power_2_scale, self.amax_epsilon,
             rowwise, columnwise)
@@ -389,10 +392,16 @@ class MXFP8Quantizer(Quantizer):
             x, self.fmt, self.scale_mode, rowwise, columnwise)
         return dict(rowwise_data=row, rowwise_scale_inv=row_s, columnwise_data=col, columnwise_scale_inv=col_s)
 
-    def _quantize_grouped(self, x, splits, rowwise, columnwise):
+    def _quantize_grouped(self, x, splits, rowwise, columnwise, values=()):
         row, rs, col, cs = self._impl(GROUPED_QUANTIZE, "grouped_quantize_mxfp8", x)(
-            x, splits, self.fmt, self.scale_mode, rowwise, columnwise)
-        return dict(rowwise_data=row, rowwise_scale_inv=rs, columnwise_data=col, columnwise_scale_inv=cs)
+            x, splits, self.fmt, self.scale_mode, rowwise, columnwise, values)
+        exact = {}  # a copy that came without scales came as its values
+        if row is not None and rs is None:
+            exact["rowwise"], row = row, None
+        if col is not None and cs is None:
+            exact["columnwise"], col = col, None
+        return dict(rowwise_data=row, rowwise_scale_inv=rs, columnwise_data=col, columnwise_scale_inv=cs,
+                    values=exact or None)
 
     def dequantize(self, qt, dtype=torch.float32, columnwise=False):
         data, s = self._stored(qt, columnwise)
@@ -450,7 +459,7 @@ class NVFP4Quantizer(Quantizer):
         return dict(rowwise_data=row, rowwise_scale_inv=row_s, columnwise_data=col, columnwise_scale_inv=col_s,
                     amax=amax, columnwise_amax=col_amax)
 
-    def _quantize_grouped(self, x, splits, rowwise, columnwise):
+    def _quantize_grouped(self, x, splits, rowwise, columnwise, values=()):
         row, rs, amax, col, cs, camax = self._impl(GROUPED_QUANTIZE, "grouped_quantize_nvfp4", x)(
             x, splits, self.block_2d, rowwise, columnwise, self.rht, self.stochastic, self._generator_for(x))
         return dict(rowwise_data=row, rowwise_scale_inv=rs, columnwise_data=col, columnwise_scale_inv=cs,

@@ -99,18 +99,22 @@ def _(x, split_sizes, block_rows, block_cols, fp8_dtype, power_2_scale, amax_eps
 
 @custom_op("qmoe_ref::grouped_quantize_mxfp8", mutates_args=())
 def _mxfp8_op(x: torch.Tensor, split_sizes: torch.Tensor, fp8_dtype: torch.dtype, scale_mode: str, rowwise: bool,
-              columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+              columnwise: bool, row_values: bool,
+              col_values: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    values = ("rowwise",) * row_values + ("columnwise",) * col_values
     parts = _gq.grouped_quantize_mxfp8(x, split_sizes, fp8_format(fp8_dtype), ScaleMode(scale_mode), rowwise,
-                                       columnwise)
+                                       columnwise, values)
     return tuple(_present(t, x) for t in parts)
 
 
 @_mxfp8_op.register_fake
-def _(x, split_sizes, fp8_dtype, scale_mode, rowwise, columnwise):
+def _(x, split_sizes, fp8_dtype, scale_mode, rowwise, columnwise, row_values, col_values):
     m, k = x.shape
     rs, cs = _block_scale_shapes(m, k, split_sizes.numel(), (1, 32))
-    return (_empty(x, (m, k), fp8_dtype, rowwise), _empty(x, rs, _E8M0, rowwise),
-            _empty(x, (k, m), fp8_dtype, columnwise), _empty(x, cs, _E8M0, columnwise))
+    return (_empty(x, (m, k), torch.bfloat16 if row_values else fp8_dtype, rowwise),
+            _empty(x, rs, _E8M0, rowwise and not row_values),
+            _empty(x, (m, k) if col_values else (k, m), torch.bfloat16 if col_values else fp8_dtype, columnwise),
+            _empty(x, cs, _E8M0, columnwise and not col_values))
 
 
 @custom_op("qmoe_ref::grouped_quantize_nvfp4", mutates_args=())
@@ -148,10 +152,13 @@ def grouped_quantize_fp8_block(x, split_sizes, block_rows, block_cols, fmt, powe
     return _or_none(row, rowwise), _or_none(rs, rowwise), _or_none(col, columnwise), _or_none(cs, columnwise)
 
 
-def grouped_quantize_mxfp8(x, split_sizes, fmt, scale_mode=ScaleMode.ROUND_UP, rowwise=True, columnwise=False):
+def grouped_quantize_mxfp8(x, split_sizes, fmt, scale_mode=ScaleMode.ROUND_UP, rowwise=True, columnwise=False,
+                           values=()):
+    row_values, col_values = rowwise and "rowwise" in values, columnwise and "columnwise" in values
     row, rs, col, cs = torch.ops.qmoe_ref.grouped_quantize_mxfp8(x, split_sizes, fmt.dtype, scale_mode.value,
-                                                                 rowwise, columnwise)
-    return _or_none(row, rowwise), _or_none(rs, rowwise), _or_none(col, columnwise), _or_none(cs, columnwise)
+                                                                 rowwise, columnwise, row_values, col_values)
+    return (_or_none(row, rowwise), _or_none(rs, rowwise and not row_values), _or_none(col, columnwise),
+            _or_none(cs, columnwise and not col_values))
 
 
 def grouped_quantize_nvfp4(x, split_sizes, block_2d=False, rowwise=True, columnwise=False, rht=False,

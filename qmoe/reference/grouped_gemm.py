@@ -44,16 +44,43 @@ def _offsets_of(split_sizes) -> torch.Tensor:
     return torch.cat((s.new_zeros(1), s.cumsum(0)))
 
 
+def reads_values(scaling, rows: int, groups: int) -> bool:
+    """Twin of the kernels' route question: the reference multiplies dequantized codes and exact
+    values alike, so no cast needs to write values for it."""
+    return False
+
+
 # ---------------------------------------------------------------- per-group fp32 operands
+
+def _held_parts(gt, columnwise: bool) -> list[torch.Tensor] | None:
+    """Per-group fp32 values of a copy held as exact values (GroupedTensor.values), else None."""
+    held = gt.exact_values(columnwise)
+    if held is None:
+        return None
+    bounds = host_bounds(gt.offsets)
+    return [held[s:e].t().float() if columnwise else held[s:e].float() for s, e in bounds]
+
+
+def _copy_parts(gt, columnwise: bool) -> list[torch.Tensor]:
+    """Per-group fp32 values of gt's rowwise copies [M_g, K] or columnwise ones [K, M_g]."""
+    held = _held_parts(gt, columnwise)
+    if held is not None:
+        return held
+    one_copy = copy.copy(gt)  # split() would also repack the other copy, which is not needed
+    one_copy.values = None
+    if columnwise:
+        one_copy.rowwise_data = one_copy.rowwise_scale_inv = None
+    else:
+        one_copy.columnwise_data = one_copy.columnwise_scale_inv = None
+    return [qt.dequantize(torch.float32, columnwise=columnwise) for qt in one_copy.split()]
+
 
 def _m_operands(a, b, split_sizes, b_columnwise):
     """(row bounds per group, [A_g fp32], [B_g fp32], total rows, out features)."""
     if is_grouped(a):
         bounds = host_bounds(a.offsets)
-        rowwise_only = copy.copy(a)  # split() would also repack the columnwise copy, which is not needed
-        rowwise_only.columnwise_data = rowwise_only.columnwise_scale_inv = None
-        a_parts = [qt.dequantize(torch.float32) for qt in rowwise_only.split()]
-        b_parts = [qt.dequantize(torch.float32, columnwise=b_columnwise) for qt in b.split()]
+        a_parts = _copy_parts(a, False)
+        b_parts = _copy_parts(b, b_columnwise)
         rows = a.shape[0]
     else:
         bounds = host_bounds(_offsets_of(split_sizes))
@@ -80,9 +107,9 @@ def _nvfp4_columnwise(gt) -> list[torch.Tensor]:
 
 
 def _columnwise_parts(gt) -> list[torch.Tensor]:
-    if scaling_of(gt) is Scaling.NVFP4:
+    if scaling_of(gt) is Scaling.NVFP4 and gt.exact_values(True) is None:
         return _nvfp4_columnwise(gt)
-    return [qt.dequantize(torch.float32, columnwise=True) for qt in gt.split()]
+    return _copy_parts(gt, True)
 
 
 def _k_operands(a, b, split_sizes):

@@ -110,12 +110,22 @@ def grouped_quantize_fp8_block(x, split_sizes, block_rows, block_cols, fmt, powe
 
 
 def grouped_quantize_mxfp8(x, split_sizes, fmt, scale_mode: ScaleMode = ScaleMode.ROUND_UP, rowwise=True,
-                           columnwise=False):
+                           columnwise=False, values=()):
+    """values: the copies ("rowwise", "columnwise") returned as their exact bf16 values [sum M, K]
+    (the dequantized codes, which the emulated GEMMs multiply) with no scales, instead of codes."""
     x = rows_of(x)
     def one(xg):
         return q.quantize_mxfp8(xg, fmt, scale_mode, True, True)
 
-    return _grouped_blocks(x, split_sizes, (1, 32), one, rowwise, columnwise, torch.float8_e8m0fnu)
+    row, row_s, col, col_s = _grouped_blocks(x, split_sizes, (1, 32), one, rowwise, columnwise, torch.float8_e8m0fnu)
+    if rowwise and "rowwise" in values:
+        row, row_s = q.dequantize_mxfp8(row, row_s, torch.bfloat16), None
+    if columnwise and "columnwise" in values:
+        starts = group_scale_offsets(split_sizes, 32).tolist()
+        parts = [q.dequantize_mxfp8(col[:, a:b], col_s[:, s:s + -(-(b - a) // 32)], torch.bfloat16).t()
+                 for (a, b), s in zip(_bounds(split_sizes), starts)]
+        col, col_s = (torch.cat(parts, 0) if parts else x.new_zeros((0, x.shape[1]), dtype=torch.bfloat16)), None
+    return row, row_s, col, col_s
 
 
 def grouped_quantize_nvfp4(x, split_sizes, block_2d=False, rowwise=True, columnwise=False, rht=False,

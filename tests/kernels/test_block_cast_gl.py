@@ -403,7 +403,7 @@ def test_the_mxfp8_cast_is_dispatched_only_where_it_applies(sm90):
 
 def test_a_failed_mxfp8_compile_falls_back_with_one_warning(sm90, monkeypatch):
     outs = [torch.empty(0) for _ in range(4)]
-    args = (_Rows(), None, 1, 32, -1, 0, None, None, 448.0, 8, True, True, *outs)
+    args = (_Rows(), None, 1, 32, -1, 0, None, None, 448.0, 8, True, True, True, *outs)
     assert_a_compile_failure_falls_back_once(monkeypatch, sm90, "launch", lambda: sm90.launch_dispatched_mx(*args),
                                              False)
 
@@ -418,3 +418,51 @@ def test_mxfp8_op_asks_the_gluon_cast_only_for_a_columnwise_copy(monkeypatch):
     for rowwise, columnwise in ((True, True), (False, True), (True, False)):
         K.mxfp8_op(x, None, 1, torch.float8_e4m3fn, E4M3.max, E4M3.emax, True, 32, rowwise, columnwise)
     assert asked == [True, False, "triton"]
+
+
+@pytest.mark.parametrize("gluon_runs", [True, False], ids=["gluon", "compile-failure"])
+def test_mxfp8_op_values_come_from_the_gluon_cast_or_as_codes(monkeypatch, gluon_runs):
+    """Asked for exact values, mxfp8_op hands the Gluon cast bf16 [M, K] buffers and no scales, even for
+    rowwise values alone; where that launch fails it falls back to codes from the Triton kernel."""
+    from qmoe.kernels import quantize as K
+
+    asked = []
+
+    def gluon(*args):
+        asked.append((args[11], args[12], args[-1], args[13].dtype, tuple(args[13].shape), args[14].numel(),
+                      args[15].dtype, tuple(args[15].shape), args[16].numel()))
+        return gluon_runs
+
+    monkeypatch.setattr(K._block_cast_gl, "writes_values", lambda *args: True)
+    monkeypatch.setattr(K._block_cast_gl, "launch_dispatched_mx", gluon)
+    monkeypatch.setattr(K, "launch_cast", lambda *args, **kwargs: asked.append("triton"))
+    x = torch.zeros(256, 192, dtype=torch.bfloat16)
+    fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    row, row_s, col, col_s = K.mxfp8_op(x, None, 1, fp8, E4M3.max, E4M3.emax, True, 32, True, True, None, -1, 0,
+                                        True, False)
+    assert asked[0] == (True, True, (True, False), bf16, (256, 192), 0, fp8, (192, 256), 256 * 192 // 32)
+    row, row_s, col, col_s = K.mxfp8_op(x, None, 1, fp8, E4M3.max, E4M3.emax, True, 32, True, False, None, -1, 0,
+                                        True, True)  # rowwise values alone also go to the Gluon cast
+    assert asked[-1 if gluon_runs else -2][:3] == (True, False, (True, False))
+    if gluon_runs:
+        assert row.dtype == bf16 and row.shape == (256, 192) and row_s.numel() == 0
+    else:
+        assert asked[-1] == "triton"
+        assert row.dtype == fp8 and row_s.numel() == 256 * 192 // 32
+
+
+def test_values_are_asked_only_where_the_gluon_cast_will_run(sm90, monkeypatch):
+    """writes_values answers for the real call even inside a fake-tensor pass (so a compiled graph's
+    outputs have the dtypes the real launch gives), and no otherwise."""
+    from qmoe.kernels import _launch
+
+    ct = sm90
+    assert ct.writes_values(_Rows())
+    monkeypatch.setattr(_launch._FAKE, "on", True, raising=False)
+    assert ct.writes_values(_Rows())
+    assert ct.unsupported(_Rows(), 32, mx=True) is not None  # a kernel launch itself is still declined there
+    monkeypatch.setattr(_launch._FAKE, "on", False, raising=False)
+    assert not ct.writes_values(_Rows(dtype=torch.float32))
+    assert not ct.writes_values(_Rows(k=260))
+    monkeypatch.setenv("QMOE_BLOCK_CAST", "triton")
+    assert not ct.writes_values(_Rows())

@@ -107,3 +107,15 @@ def test_block_cast_compiles(compile_only, dtype, mx, activation, canonical):
     kernels = compile_only(ct, "fp8_block_cast_kernel")
     cast_launch(dtype, mx, activation, canonical)()
     _fits(kernels)
+
+
+@pytest.mark.parametrize("values", [(True, False), (False, True), (True, True)], ids=["rows", "columns", "both"])
+@pytest.mark.parametrize("activation", [None, "swiglu"])
+def test_mxfp8_cast_with_exact_values_compiles(compile_only, values, activation):
+    """The MXFP8 cast writing a copy's exact bf16 values in place of its codes (mxfp8_op's values)."""
+    from benchmarks.kernel_sass import cast_launch
+    from qmoe.kernels import _cast_transpose_gl as ct
+
+    kernels = compile_only(ct, "fp8_block_cast_kernel")
+    cast_launch(torch.bfloat16, True, activation, values=values)()
+    _fits(kernels)
