@@ -177,6 +177,14 @@ class GroupedLinearPlan:
         """Whether the quantized weights may come from (and stay in) the weight cache."""
         return self.weight_cache is not None and self.quantizers is not None and self.path.keeps_weights
 
+    def weight_values_later(self, rows: int, weight: torch.Tensor) -> bool:
+        """Whether dgrad's weight copy is made in the backward even without
+        recompute_weight_columnwise: where it would come as exact values (MXFP8, the emulated GEMMs'
+        dequantize-first route) and no weight cache keeps it, writing them from W there moves the
+        bytes that keeping codes and dequantizing them would, and holds no copy in between."""
+        return (self.quantizers is not None and not self.kept_weights
+                and bool(_values_only(self.quantizers["weight"], rows, weight.shape[0], weight, "columnwise")))
+
     def rebuild_weight(self, weight, dtype: torch.dtype, log: ForwardLog | None, rows: int):
         """dgrad's weight operand made again in the backward (recompute_weight_columnwise): the
         columnwise copy only, quantized with the forward's scales (no amax recorded again), so dgrad
@@ -311,7 +319,8 @@ class GroupedLinearFunction(torch.autograd.Function):
         ctx.input_log = log = plan.replay_log() if needs.weight and plan.recompute_activation else None
         with using_log(log) if log is not None else contextlib.nullcontext():
             x_op = plan.quantize_input(x, probs, groups, wgrad=keep_input)
-        rebuild_w = needs.dgrad and plan.recompute_weight_columnwise
+        rebuild_w = needs.dgrad and (plan.recompute_weight_columnwise or plan.weight_values_later(x.shape[0], weight))
+        ctx.rebuild_w = rebuild_w
         ctx.weight_log = log = plan.replay_log() if rebuild_w else None
         with using_log(log) if log is not None else contextlib.nullcontext():
             w_op = plan.quantize_weight(weight, x.dtype, dgrad=needs.dgrad and not rebuild_w, rows=x.shape[0])
@@ -346,7 +355,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         g_op = plan.quantize_grad(dy, groups, saved.x_dtype, dgrad=needs.dgrad, wgrad=needs.weight, amax=dy_amax)
         if needs.dgrad:
             w_op = saved.w_operand
-            if plan.recompute_weight_columnwise:
+            if ctx.rebuild_w:
                 w_op = plan.rebuild_weight(saved.weight, saved.x_dtype, ctx.weight_log, dy.shape[0])
             dx = plan.dgrad(g_op, w_op, groups, saved.x_shape, out_dtype=dy.dtype)
             if release:

@@ -127,15 +127,17 @@ def test_a_gemm_asks_for_the_copy_it_reads_whether_codes_or_values():
                        b_columnwise=True)
 
 
-def test_the_layer_gives_the_same_bits_when_its_copies_come_as_values(monkeypatch):
+@pytest.mark.parametrize("recompute", [False, True], ids=["default", "recompute-weight-columnwise"])
+def test_the_layer_gives_the_same_bits_when_its_copies_come_as_values(monkeypatch, recompute):
     """The reference GEMMs never ask for values (`reads_values`); made to, the MoE layer's output
-    and gradients keep their bits, and every GEMM read a copy held as values."""
+    and gradients keep their bits, and every GEMM read a copy held as values (dgrad's weight copy
+    too: made in the backward then, `weight_values_later`, so no copy is held in between)."""
     import qmoe
     gl = importlib.import_module("qmoe.ops.grouped_linear")
 
     def step():
         torch.manual_seed(0)
-        layer = qmoe.nn.MoELayer(64, 64, 4, 2, params_dtype=torch.bfloat16, recompute_weight_columnwise=True)
+        layer = qmoe.nn.MoELayer(64, 64, 4, 2, params_dtype=torch.bfloat16, recompute_weight_columnwise=recompute)
         x = torch.randn(48, 64, dtype=torch.bfloat16, requires_grad=True)
         with qmoe.autocast(recipe=MXFP8BlockScaling()):
             y = layer(x)
@@ -145,9 +147,15 @@ def test_the_layer_gives_the_same_bits_when_its_copies_come_as_values(monkeypatc
     codes = step()
     seen = []
     monkeypatch.setattr(gl, "_values_only", lambda quantizer, rows, groups, on, *copies: copies)
-    with gl.observe_steps(lambda plan, name, inputs, out: seen.append(name) if name in ("fprop", "dgrad", "wgrad")
-                          and any(getattr(op, "values", None) for op in inputs) else None):
+    def observe(plan, name, inputs, out):
+        if name in ("fprop", "dgrad", "wgrad"):
+            seen.append((name, [sorted(getattr(op, "values", None) or ()) for op in inputs]))
+
+    with gl.observe_steps(observe):
         values = step()
-    assert sorted(set(seen)) == ["dgrad", "fprop", "wgrad"]
+    assert sorted({name for name, _ in seen}) == ["dgrad", "fprop", "wgrad"]
+    for name, held in seen:  # wgrad's x copy is kept for the backward: codes, half the bytes held
+        assert held == {"fprop": [["rowwise"], ["rowwise"]], "dgrad": [["columnwise", "rowwise"], ["columnwise"]],
+                        "wgrad": [["columnwise"], []]}[name], (name, held)
     for a, b in zip(codes, values):
         assert torch.equal(a, b)
