@@ -135,9 +135,10 @@ def is_sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
 
-def tma_aligned(t: torch.Tensor) -> bool:
-    """TMA: a 16-byte aligned base, unit last stride, 16-byte aligned row stride."""
-    return (t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
+def tma_aligned(t: torch.Tensor, base: bool = True) -> bool:
+    """TMA: a 16-byte aligned base (unless `base` is False: not asked), unit last stride, 16-byte
+    aligned row stride."""
+    return (t.dim() == 2 and t.stride(1) == 1 and (not base or t.data_ptr() % 16 == 0)
             and (t.stride(0) * t.element_size()) % 16 == 0)
 
 

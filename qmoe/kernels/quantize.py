@@ -411,8 +411,9 @@ def mxfp8_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, o
     where it applies (same bits; rowwise codes alone stay with the Triton kernel)."""
     m, k = x.shape[0], input_width(x, act)
     grouped = splits is not None
+    asked = (row_values and rowwise) or (col_values and columnwise)
     values = ((row_values and rowwise, col_values and columnwise)
-              if m * k and not is_forced(_mxfp8_kernel) and _block_cast_gl.writes_values(x, act, glu_block)
+              if asked and m * k and not is_forced(_mxfp8_kernel) and _block_cast_gl.writes_values(x, act, glu_block)
               else (False, False))
 
     def outputs(values):
