@@ -182,7 +182,7 @@ class GroupedLinearPlan:
         recompute_weight_columnwise: where it would come as exact values (MXFP8, the emulated GEMMs'
         dequantize-first route) and no weight cache keeps it, writing them from W there moves the
         bytes that keeping codes and dequantizing them would, and holds no copy in between."""
-        return (self.quantizers is not None and not self.kept_weights
+        return (self.quantizers is not None and not self.kept_weights and self.path.kind is GroupedPath.GROUPED
                 and bool(_values_only(self.quantizers["weight"], rows, weight.shape[0], weight, "columnwise")))
 
     def rebuild_weight(self, weight, dtype: torch.dtype, log: ForwardLog | None, rows: int):
