@@ -556,14 +556,15 @@ def k_grouped_gemm_with(a, b, split_sizes=None, *, out_dtype=torch.bfloat16, out
     a_op, b_op = tokens_operand(a, scaling), tokens_operand(b, scaling)
     if route is GemmRoute.AUTO:
         route = GemmRoute.DEQUANT if reads_values(scaling, total, groups) else GemmRoute.FUSED
-    if a.exact_values(True) is not None or b.exact_values(True) is not None:  # held as values only
+    a_held, b_held = a.exact_values(True), b.exact_values(True)
+    if a_held is not None or b_held is not None:  # held as values only
         route = GemmRoute.DEQUANT
     if route is GemmRoute.DEQUANT and scaling in (Scaling.MX, Scaling.NVFP4) and total > 0:
         on_torch = scaling is Scaling.MX and config is None and out is None and out_dtype == torch.bfloat16
         tile = config.dq if config is not None else None
-        a16, b16 = (x.exact_values(True).t() if x.exact_values(True) is not None  # [features, tokens] views
+        a16, b16 = (held.t() if held is not None  # [features, tokens] views of the values
                     else _dequantized_tokens(x, op, scaling, tile=tile, token_major=on_torch)
-                    for x, op in ((a, a_op), (b, b_op)))
+                    for x, op, held in ((a, a_op, a_held), (b, b_op, b_held)))
         if on_torch and _tokens_grouped_mm_ok(a16, b16.t(), a.offsets, out, out_dtype):
             return _tokens_grouped_mm(a16, b16.t(), a.offsets)
         a_plain, b_plain = (_Operand(x16, x16.stride(0), x16.stride(1), factor=op.factor if op is not None else None)
