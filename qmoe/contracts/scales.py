@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from qmoe.contracts.formats import E2M1, nvfp4_tensor_scale
+
 
 class ScaleSlot:
     """A scale attribute (`rowwise_scale_inv`, `columnwise_scale_inv`) of a quantized tensor class.
@@ -40,3 +42,12 @@ class ScaleSlot:
 def gemm_scale(t, columnwise: bool) -> torch.Tensor | None:
     """The scales of t's rowwise or columnwise copy as stored (any strides): what the GEMMs read."""
     return t.__dict__.get("_stored_columnwise_scale_inv" if columnwise else "_stored_rowwise_scale_inv")
+
+
+def tensor_factor(t, columnwise: bool) -> torch.Tensor | None:
+    """NVFP4's per-tensor (per-group) factor S_dec = 1 / S_enc(amax) of t's rowwise or columnwise
+    copy, fp32: what multiplies the exact q * s_b products (a GEMM's accumulator, a copy held as
+    values) to give the dequantized values (NUMERICS.md); None for formats without one."""
+    if t.quantizer.fmt != E2M1:
+        return None
+    return 1.0 / nvfp4_tensor_scale(t.columnwise_amax if columnwise else t.amax)

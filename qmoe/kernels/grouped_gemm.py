@@ -35,8 +35,8 @@ import torch
 import triton
 
 from qmoe.contracts.errors import UnsupportedError
-from qmoe.contracts.formats import ceil_div, nvfp4_tensor_scale
-from qmoe.contracts.scales import gemm_scale
+from qmoe.contracts.formats import ceil_div
+from qmoe.contracts.scales import gemm_scale, tensor_factor
 from qmoe.kernels import _block_gemm_ws, _block_wgrad_ws, _tensor_gemm_ws
 from qmoe.kernels import _grouped_gemm_jit as jit
 from qmoe.kernels._launch import capability, kernel_op, num_sms, wrapped
@@ -167,8 +167,7 @@ def _factor(gt, scaling: Scaling, columnwise: bool) -> torch.Tensor | None:
     if scaling is Scaling.TENSOR:
         return gemm_scale(gt, columnwise).float().contiguous()
     if scaling is Scaling.NVFP4:
-        amax = gt.columnwise_amax if columnwise else gt.amax
-        return (1.0 / nvfp4_tensor_scale(amax)).contiguous()
+        return tensor_factor(gt, columnwise).contiguous()
     return None
 
 
@@ -406,8 +405,8 @@ def _m_dequant_route(a, b, a_op, b_op, scaling, b_columnwise, out_dtype, cfg=Non
     n_out = mat_b.shape[2]
     if scaling is Scaling.MX and _torch_grouped_mm_ok(a16, mat_b, out_dtype):
         return _torch_grouped_mm(a16, mat_b, a.offsets, total_rows)
-    a_plain = _Operand(a16, k, 1, factor=a_op.factor if a_op is not None else None)
-    plain.factor = b_op.factor if b_op is not None else None
+    a_plain = _Operand(a16, k, 1, factor=_factor(a, scaling, False))  # codes or values: the amaxes' factor
+    plain.factor = _factor(b, scaling, b_columnwise)
     gemm_cfg = cfg if cfg is not None and cfg.bm >= 128 else None
     return _launch_m(a_plain, plain, a.offsets, total_rows, n_out, k, e, Scaling.NONE, out_dtype, gemm_cfg)
 
@@ -567,8 +566,8 @@ def k_grouped_gemm_with(a, b, split_sizes=None, *, out_dtype=torch.bfloat16, out
                     for x, op, held in ((a, a_op, a_held), (b, b_op, b_held)))
         if on_torch and _tokens_grouped_mm_ok(a16, b16.t(), a.offsets, out, out_dtype):
             return _tokens_grouped_mm(a16, b16.t(), a.offsets)
-        a_plain, b_plain = (_Operand(x16, x16.stride(0), x16.stride(1), factor=op.factor if op is not None else None)
-                            for x16, op in ((a16, a_op), (b16, b_op)))
+        a_plain, b_plain = (_Operand(x16, x16.stride(0), x16.stride(1), factor=_factor(x, scaling, True))
+                            for x16, x in ((a16, a), (b16, b)))
         gemm_cfg = config if config is not None and config.bm >= 128 else None
         return _launch_k(a_plain, b_plain, a.offsets, n, k, groups, Scaling.NONE, out, accumulate, gemm_cfg,
                          out_dtype)

@@ -97,16 +97,22 @@ def grouped_quantize_mxfp8(x, split_sizes, fmt, scale_mode: ScaleMode = ScaleMod
 
 
 def grouped_quantize_nvfp4(x, split_sizes, block_2d=False, rowwise=True, columnwise=False, rht=False,
-                           stochastic=False, generator=None):
+                           stochastic=False, generator=None, values=()):
     """-> (row, row_scale, amax [G], col, col_scale, col_amax [G]); data packed over all groups.
 
     With rht, every group's row count must be a multiple of 16 (NVFP4's align_size, 128, is);
     a group that is not is transformed as if padded with zero rows (the reference raises).
+    values: copies ("rowwise", "columnwise") wanted as their exact values q * s_b, [sum M, K]
+    bf16 with no scale (the tensor factor stays with the amaxes).
     """
     m, k = x.shape
     x, splits, g, fused = _prepare(x, split_sizes)
     check_nvfp4_shape(m, k, rowwise, columnwise, rht, block_2d)
+    fused = fused or (None, NO_ACTIVATION, 0)
+    row_values, col_values = rowwise and "rowwise" in values, columnwise and "columnwise" in values
     row, rs, amax, col, cs, camax = nvfp4_op(
-        x, splits, g, block_2d, rowwise, columnwise, rht, draw_seeds(stochastic, generator, x.device), *fused)
-    return (row if rowwise else None, rs if rowwise else None, amax,
-            col if columnwise else None, cs if columnwise else None, camax if columnwise else None)
+        x, splits, g, block_2d, rowwise, columnwise, rht, draw_seeds(stochastic, generator, x.device), *fused,
+        row_values, col_values)
+    return (row if rowwise else None, rs if rowwise and not row_values else None, amax,
+            col if columnwise else None, cs if columnwise and not col_values else None,
+            camax if columnwise else None)

@@ -65,6 +65,33 @@ def e2m1_value(c):
 
 
 @triton.jit
+def e2m1_signed(c):
+    """Values of 4-bit codes (int32), sign bit 8."""
+    v = e2m1_value(c & 7)
+    return tl.where((c & 8) != 0, -v, v)
+
+
+@triton.jit
+def store_values(ptr, codes, scales, rows, cols, m_ok, k_ok, K, R: tl.constexpr, C: tl.constexpr, SHAPE: tl.constexpr,
+                 TRANSPOSED: tl.constexpr):
+    """Store the exact values q * s_b (bf16; NVFP4's tensor factor is not in them) of codes [R, C]
+    and their E4M3 block scales, into ptr [M, K] bf16 at rows x cols of x's own layout. SHAPE: how
+    the scales lie over the codes (0: runs along the last axis, 1: along the first, 2: 16 x 16);
+    TRANSPOSED: codes [R, C] are the tile's [BK, BM] transpose."""
+    s = scales.to(tl.float32)
+    if SHAPE == 0:
+        v = scale_last(e2m1_signed(codes), s, R, C, 16)
+    elif SHAPE == 1:
+        v = scale_first(e2m1_signed(codes), s, R, C, 16)
+    else:
+        v = scale_2d(e2m1_signed(codes), s, R, C, 16)
+    v = v.to(tl.bfloat16)
+    if TRANSPOSED:
+        v = tl.trans(v)
+    tl.store(ptr + rows[:, None].to(tl.int64) * K + cols[None, :], v, mask=m_ok[:, None] & k_ok[None, :])
+
+
+@triton.jit
 def e2m1_codes(y, STOCHASTIC: tl.constexpr, u):
     """4-bit E2M1 codes (int32) of y in [-6, 6]: RNE on the grid, or up with probability
     (|y| - lo) / (hi - lo) when u < p (u uniform in [0, 1)); NaN -> 0, -0 -> +0.
@@ -184,7 +211,7 @@ def _nvfp4_amax_kernel(
 
 # ---------------------------------------------------------------- quantize launch
 
-@triton.autotune(configs=_CONFIGS, key=ORIENTED_KEY + ["BLOCK_2D"],
+@triton.autotune(configs=_CONFIGS, key=ORIENTED_KEY + ["BLOCK_2D", "ROW_VALUES", "COL_VALUES"],
                  prune_configs_by={"early_config_prune": prune_blocks})
 @triton.jit
 def _nvfp4_kernel(
@@ -198,7 +225,10 @@ def _nvfp4_kernel(
         ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, B: tl.constexpr, BLOCK_2D: tl.constexpr, RHT: tl.constexpr,
         STOCHASTIC: tl.constexpr,
         ROWWISE: tl.constexpr, COLWISE: tl.constexpr, GROUPED: tl.constexpr, G_P2: tl.constexpr,
-        SIGN_MASK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+        SIGN_MASK: tl.constexpr, ROW_VALUES: tl.constexpr, COL_VALUES: tl.constexpr, BM: tl.constexpr,
+        BK: tl.constexpr):
+    """ROW_VALUES / COL_VALUES: that copy as its exact bf16 values [M, K] (x's layout) at row_ptr /
+    col_ptr, with no scales, in place of its packed codes and scales."""
     pid_k = tl.program_id(1)
     g, row0, row_end, sblk0, gstart = tile_rows(splits_ptr, M, G, tl.program_id(0), BM, B, G_P2, GROUPED)
     if g >= G:
@@ -219,7 +249,9 @@ def _nvfp4_kernel(
         sb, enc = block_scale(block_amax_2d(x, BM, BK, B), s_enc, reciprocal(s_enc))
         y = clamp_nan(scale_2d(x, enc, BM, BK, B), -_E2M1_MAX, _E2M1_MAX)
         codes = e2m1_codes(y, STOCHASTIC, u_row)
-        if ROWWISE:
+        if ROW_VALUES:
+            store_values(row_ptr, codes, sb, rows, cols, m_ok, k_ok, K, BM, BK, 2, False)
+        elif ROWWISE:
             store8(row_ptr, pack_pairs(codes, BM, BK), row0, col0 // 2, stride_row, row_end, stride_row, BM, BK // 2)
             tl.store(row_s_ptr + mb[:, None] * stride_rs + kb[None, :], sb.to(tl.uint8, bitcast=True),
                      mask=mb_ok[:, None] & kb_ok[None, :])
@@ -228,17 +260,27 @@ def _nvfp4_kernel(
                 u_col = uniform_tile(tl.load(seed_ptr + 1), cols[:, None].to(tl.int64) * M
                                      + (row0 + 4 * tl.arange(0, BM // 4))[None, :], BK, BM)
                 codes_t = e2m1_codes(tl.trans(y), STOCHASTIC, u_col)
+                if COL_VALUES:
+                    store_values(col_ptr, codes_t, tl.trans(sb.to(tl.float32)), rows, cols, m_ok, k_ok, K, BK, BM, 2,
+                                 True)
+            elif COL_VALUES:  # the same codes and scales as the rowwise copy: the same values
+                store_values(col_ptr, codes, sb, rows, cols, m_ok, k_ok, K, BM, BK, 2, False)
             else:
                 codes_t = tl.trans(codes)
-            store_col_codes(col_ptr, codes_t, col0, row0, row_end, gstart, K, stride_col, BK, BM, GROUPED)
-            tl.store(col_s_ptr + kb[:, None] * stride_cs + mb[None, :], trans8(sb),
-                     mask=kb_ok[:, None] & mb_ok[None, :])
+            if not COL_VALUES:
+                store_col_codes(col_ptr, codes_t, col0, row0, row_end, gstart, K, stride_col, BK, BM, GROUPED)
+                tl.store(col_s_ptr + kb[:, None] * stride_cs + mb[None, :], trans8(sb),
+                         mask=kb_ok[:, None] & mb_ok[None, :])
     else:
         if ROWWISE:
             codes, sb = quantize_runs_last(x, s_enc, BM, BK, STOCHASTIC, u_row)
-            store8(row_ptr, pack_pairs(codes, BM, BK), row0, col0 // 2, stride_row, row_end, stride_row, BM, BK // 2)
-            tl.store(row_s_ptr + rows[:, None].to(tl.int64) * stride_rs + kb[None, :], sb.to(tl.uint8, bitcast=True),
-                     mask=m_ok[:, None] & kb_ok[None, :])
+            if ROW_VALUES:
+                store_values(row_ptr, codes, sb, rows, cols, m_ok, k_ok, K, BM, BK, 0, False)
+            else:
+                store8(row_ptr, pack_pairs(codes, BM, BK), row0, col0 // 2, stride_row, row_end, stride_row, BM,
+                       BK // 2)
+                tl.store(row_s_ptr + rows[:, None].to(tl.int64) * stride_rs + kb[None, :],
+                         sb.to(tl.uint8, bitcast=True), mask=m_ok[:, None] & kb_ok[None, :])
         if COLWISE:
             if RHT:  # transform runs of 16 rows on tensor cores; quantize the [BK, BM] result along M
                 xt = rht_last(tl.trans(x_raw), BK, BM, SIGN_MASK)
@@ -248,42 +290,55 @@ def _nvfp4_kernel(
                                          + (row0 + 4 * tl.arange(0, BM // 4))[None, :], BK, BM)
                 codes_t, sb_t = quantize_runs_last(xt, tensor_scale(tl.load(col_amax_ptr + g)), BK, BM,
                                                    STOCHASTIC, u_col)
+                if COL_VALUES:  # in the Hadamard domain, as the codes
+                    store_values(col_ptr, codes_t, sb_t, rows, cols, m_ok, k_ok, K, BK, BM, 0, True)
             else:  # runs along M quantized in the loaded layout, then transposed
                 u_col = 0.0
                 if STOCHASTIC:
                     u_col = uniform_tile(tl.load(seed_ptr + 1), quads[None, :].to(tl.int64) * M + rows[:, None],
                                          BM, BK)
                 codes, sb_c = quantize_runs_first(x, s_enc, BM, BK, STOCHASTIC, u_col)
-                codes_t = tl.trans(codes)  # 32-bit: see trans8
-                sb_t = trans8(sb_c)
-            store_col_codes(col_ptr, codes_t, col0, row0, row_end, gstart, K, stride_col, BK, BM, GROUPED)
-            tl.store(col_s_ptr + cols[:, None].to(tl.int64) * stride_cs + mb[None, :], sb_t.to(tl.uint8, bitcast=True),
-                     mask=k_ok[:, None] & mb_ok[None, :])
+                if COL_VALUES:
+                    store_values(col_ptr, codes, sb_c, rows, cols, m_ok, k_ok, K, BM, BK, 1, False)
+                else:
+                    codes_t = tl.trans(codes)  # 32-bit: see trans8
+                    sb_t = trans8(sb_c)
+            if not COL_VALUES:
+                store_col_codes(col_ptr, codes_t, col0, row0, row_end, gstart, K, stride_col, BK, BM, GROUPED)
+                tl.store(col_s_ptr + cols[:, None].to(tl.int64) * stride_cs + mb[None, :],
+                         sb_t.to(tl.uint8, bitcast=True), mask=k_ok[:, None] & mb_ok[None, :])
 
 
 @kernel_op("qmoe::quantize_nvfp4")
 def nvfp4_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, block_2d: bool, rowwise: bool,
              columnwise: bool, rht: bool, seeds: Optional[torch.Tensor], probs: Optional[torch.Tensor] = None,
-             act: int = NO_ACTIVATION, glu_block: int = 0) -> tuple[
+             act: int = NO_ACTIVATION, glu_block: int = 0, row_values: bool = False, col_values: bool = False) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(row [M, K/2] u8, row_s e4m3, amax [G], col [K, M/2] u8, col_s e4m3, col_amax [G]); empty if unasked.
 
     seeds: [2] int64 on the device for stochastic rounding (None: round to nearest).
     probs, act, glu_block: the fused activation (kernels.quantize.amax_op).
+    row_values / col_values: that copy as its exact values q * s_b, [M, K] bf16 both (x's layout;
+    the columnwise one in the Hadamard domain with rht), and an empty scale: what the emulated
+    GEMMs multiply, with the amax's tensor factor applied to their accumulators.
     """
     m, k = x.shape[0], input_width(x, act)
     b, grouped, dev = NVFP4_BLOCK, splits is not None, x.device
     nkb, width = ceil_div(k, b), scale_width(m, b, num_groups, grouped)
     alloc = torch.zeros if grouped else torch.empty  # grouped scale entries no group uses are zero
-    e4m3, u8 = torch.float8_e4m3fn, torch.uint8
-    row = torch.empty((m, k // 2) if rowwise else (0,), dtype=u8, device=dev)
-    col = torch.empty((k, m // 2) if columnwise else (0,), dtype=u8, device=dev)
+    e4m3, u8, bf16 = torch.float8_e4m3fn, torch.uint8, torch.bfloat16
+    row_values, col_values = row_values and rowwise, col_values and columnwise
+    row = torch.empty((m, k) if row_values else (m, k // 2) if rowwise else (0,), dtype=bf16 if row_values else u8,
+                      device=dev)
+    col = torch.empty((m, k) if col_values else (k, m // 2) if columnwise else (0,), dtype=bf16 if col_values else u8,
+                      device=dev)
+    rows_s, cols_s = rowwise and not row_values, columnwise and not col_values
     if block_2d:
-        row_s = alloc((width, nkb) if rowwise else (0,), dtype=e4m3, device=dev)
-        col_s = alloc((nkb, width) if columnwise else (0,), dtype=e4m3, device=dev)
+        row_s = alloc((width, nkb) if rows_s else (0,), dtype=e4m3, device=dev)
+        col_s = alloc((nkb, width) if cols_s else (0,), dtype=e4m3, device=dev)
     else:
-        row_s = torch.empty((m, nkb) if rowwise else (0,), dtype=e4m3, device=dev)
-        col_s = alloc((k, width) if columnwise else (0,), dtype=e4m3, device=dev)
+        row_s = torch.empty((m, nkb) if rows_s else (0,), dtype=e4m3, device=dev)
+        col_s = alloc((k, width) if cols_s else (0,), dtype=e4m3, device=dev)
     bits = torch.zeros((2, num_groups), dtype=torch.int32, device=dev)  # amax, amax after RHT
     amax, rht_amax = bits.view(torch.float32).unbind(0)
     if m * k:
@@ -293,7 +348,7 @@ def nvfp4_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, b
         dummy = splits if grouped else x
         p = probs if probs is not None else x
         launch(_nvfp4_amax_kernel, grid, (x, p, amax_bits, rht_bits, col, dummy, m, k, num_groups, x.stride(0), m // 2),
-               _SMALL, m * k, ACT=act, GLU_BLOCK=glu_block, RHT=rht_col, ZERO_ODD=grouped and columnwise,
+               _SMALL, m * k, ACT=act, GLU_BLOCK=glu_block, RHT=rht_col, ZERO_ODD=grouped and cols_s,
                GROUPED=grouped,
                G_P2=group_pow2(num_groups), SIGN_MASK=RHT_SIGN_MASK)
         launch(_nvfp4_kernel, grid,
@@ -303,7 +358,7 @@ def nvfp4_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, b
                _SMALL, m * k, ACT=act, GLU_BLOCK=glu_block, B=b, BLOCK_2D=block_2d, RHT=rht_col,
                STOCHASTIC=seeds is not None,
                ROWWISE=rowwise, COLWISE=columnwise, GROUPED=grouped, G_P2=group_pow2(num_groups),
-               SIGN_MASK=RHT_SIGN_MASK)
+               SIGN_MASK=RHT_SIGN_MASK, ROW_VALUES=row_values, COL_VALUES=col_values)
     col_amax = rht_amax if rht and columnwise else amax
     return row, row_s, amax.clone(), col, col_s, col_amax.clone()
 

@@ -41,7 +41,7 @@ from qmoe.ops.activation import activation_backward, activation_forward, expert_
 from qmoe.ops.amp import autocast_off
 from qmoe.ops.grouped_linear_paths import PATHS, Groups, LinearPath, drop_rowwise
 from qmoe.quant import QuantizedTensor
-from qmoe.quant.quantizer import MXFP8Quantizer
+from qmoe.quant.quantizer import MXFP8Quantizer, NVFP4Quantizer
 from qmoe.quant.replay import ForwardLog, active_log, using_log
 from qmoe.quant.weight_cache import BoundWeightCache
 
@@ -179,7 +179,7 @@ class GroupedLinearPlan:
 
     def weight_values_later(self, rows: int, weight: torch.Tensor) -> bool:
         """Whether dgrad's weight copy is made in the backward even without
-        recompute_weight_columnwise: where it would come as exact values (MXFP8, the emulated GEMMs'
+        recompute_weight_columnwise: where it would come as exact values (MXFP8, NVFP4: the emulated GEMMs'
         dequantize-first route) and no weight cache keeps it, writing them from W there moves the
         bytes that keeping codes and dequantizing them would, and holds no copy in between."""
         return (self.quantizers is not None and not self.kept_weights and self.path.kind is GroupedPath.GROUPED
@@ -236,10 +236,12 @@ class GroupedLinearPlan:
 
 def _values_only(quantizer, rows: int, groups: int, on: torch.Tensor, *copies: str) -> tuple[str, ...]:
     """The copies (of `copies`, read once by the GEMM that follows) to cast as exact bf16 values
-    (`GroupedTensor.quantize`'s values): MXFP8's, where the GEMMs that run `on` this tensor's
-    device multiply `rows` tokens over `groups` experts from their exact values (`reads_values`)
-    and so need no codes."""
-    if isinstance(quantizer, MXFP8Quantizer) and GROUPED_GEMM.pick("reads_values", on)(Scaling.MX, rows, groups):
+    (`GroupedTensor.quantize`'s values): MXFP8's and NVFP4's, where the GEMMs that run `on` this
+    tensor's device multiply `rows` tokens over `groups` experts from their exact values
+    (`reads_values`) and so need no codes."""
+    scaling = (Scaling.MX if isinstance(quantizer, MXFP8Quantizer)
+               else Scaling.NVFP4 if isinstance(quantizer, NVFP4Quantizer) else None)
+    if scaling is not None and GROUPED_GEMM.pick("reads_values", on)(scaling, rows, groups):
         return copies
     return ()
 

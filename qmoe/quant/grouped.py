@@ -13,12 +13,13 @@ import torch
 from qmoe.backend import use_kernels
 from qmoe.contracts.carriers import ActivatedRows, RowsWithAmax
 from qmoe.contracts.formats import pack_e2m1, unpack_e2m1
-from qmoe.contracts.scales import ScaleSlot, gemm_scale
+from qmoe.contracts.scales import ScaleSlot, gemm_scale, tensor_factor
 from qmoe.contracts.validate import check_dequantize_dtype, check_flag, check_group_amax, check_split_sizes
 from qmoe.dispatch import ACTIVATION
 from qmoe.quant.quantizer import NVFP4Quantizer, Quantizer, check_float_input
 from qmoe.quant.tensor import QuantizedTensor
 from qmoe.reference.grouped_quantize import group_scale_offsets
+from qmoe.reference.quantize import saturate_to
 
 
 def _device_splits(split_sizes, num_rows: int, device: torch.device, validate: bool = True) -> torch.Tensor:
@@ -44,6 +45,8 @@ class GroupedTensor:
     values: None, or {"rowwise" / "columnwise": [sum M, K] bf16} for copies held as their exact
     values instead of codes and scales (`quantize(values=...)`): what the emulated GEMMs'
     dequantize-first route multiplies, written by the cast itself, so no dequantize pass runs.
+    NVFP4's are q * s_b: its tensor factor (`contracts.scales.tensor_factor`, from the amaxes,
+    which stay) multiplies them, as it does the GEMMs' accumulators.
     """
 
     bf16_copies: dict | None = None
@@ -105,7 +108,7 @@ class GroupedTensor:
 
         values: copies ("rowwise", "columnwise") that only an emulated GEMM will read, wanted as
         their exact bf16 values (`GroupedTensor.values`) in place of codes. A hint: formats and
-        kernels that do not make them (all but MXFP8) return codes.
+        kernels that do not make them (all but MXFP8 and NVFP4) return codes.
 
         >>> q = MXFP8BlockScaling().quantizer("input")
         >>> gt = GroupedTensor.quantize(torch.randn(96, 64), [32, 0, 64], q)
@@ -228,7 +231,13 @@ class GroupedTensor:
         check_flag("columnwise", columnwise)
         held = self.exact_values(columnwise)
         if held is not None:
-            return (held.t() if columnwise else held).to(dtype).contiguous()
+            held = held.float()
+            factor = tensor_factor(self, columnwise)
+            if factor is not None:  # each row times its group's factor, as the codes' dequantize
+                rows = torch.arange(held.shape[0], device=held.device)
+                group = torch.searchsorted(self.offsets[1:], rows, right=True).clamp(max=self.num_groups - 1)
+                held = held * factor.to(held.device)[group][:, None]
+            return saturate_to(held.t() if columnwise else held, dtype).contiguous()
         codes = self
         if self.values:  # the other copy is held as values: split the codes alone
             codes = copy.copy(self)

@@ -395,13 +395,7 @@ class MXFP8Quantizer(Quantizer):
     def _quantize_grouped(self, x, splits, rowwise, columnwise, values=()):
         row, rs, col, cs = self._impl(GROUPED_QUANTIZE, "grouped_quantize_mxfp8", x)(
             x, splits, self.fmt, self.scale_mode, rowwise, columnwise, values)
-        exact = {}  # a copy that came without scales came as its values
-        if row is not None and rs is None:
-            exact["rowwise"], row = row, None
-        if col is not None and cs is None:
-            exact["columnwise"], col = col, None
-        return dict(rowwise_data=row, rowwise_scale_inv=rs, columnwise_data=col, columnwise_scale_inv=cs,
-                    values=exact or None)
+        return _held_as_values(row, rs, col, cs)
 
     def dequantize(self, qt, dtype=torch.float32, columnwise=False):
         data, s = self._stored(qt, columnwise)
@@ -461,11 +455,22 @@ class NVFP4Quantizer(Quantizer):
 
     def _quantize_grouped(self, x, splits, rowwise, columnwise, values=()):
         row, rs, amax, col, cs, camax = self._impl(GROUPED_QUANTIZE, "grouped_quantize_nvfp4", x)(
-            x, splits, self.block_2d, rowwise, columnwise, self.rht, self.stochastic, self._generator_for(x))
-        return dict(rowwise_data=row, rowwise_scale_inv=rs, columnwise_data=col, columnwise_scale_inv=cs,
-                    amax=amax, columnwise_amax=camax)
+            x, splits, self.block_2d, rowwise, columnwise, self.rht, self.stochastic, self._generator_for(x), values)
+        return dict(_held_as_values(row, rs, col, cs), amax=amax, columnwise_amax=camax)
 
     def dequantize(self, qt, dtype=torch.float32, columnwise=False):
         data, s = self._stored(qt, columnwise)
         amax = qt.columnwise_amax if columnwise else qt.amax
         return self._impl(QUANTIZE_NVFP4, "dequantize_nvfp4", data)(data, s, amax, self.block_2d, dtype)
+
+
+def _held_as_values(row, rs, col, cs) -> dict:
+    """GroupedTensor parts of a cast's copies, where a copy that came without its scales came as
+    its exact values (`GroupedTensor.values`)."""
+    exact = {}
+    if row is not None and rs is None:
+        exact["rowwise"], row = row, None
+    if col is not None and cs is None:
+        exact["columnwise"], col = col, None
+    return dict(rowwise_data=row, rowwise_scale_inv=rs, columnwise_data=col, columnwise_scale_inv=cs,
+                values=exact or None)

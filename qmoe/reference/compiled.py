@@ -119,20 +119,23 @@ def _(x, split_sizes, fp8_dtype, scale_mode, rowwise, columnwise, row_values, co
 
 @custom_op("qmoe_ref::grouped_quantize_nvfp4", mutates_args=())
 def _nvfp4_op(x: torch.Tensor, split_sizes: torch.Tensor, block_2d: bool, rowwise: bool, columnwise: bool,
-              rht: bool, stochastic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                    torch.Tensor, torch.Tensor]:
-    parts = _gq.grouped_quantize_nvfp4(x, split_sizes, block_2d, rowwise, columnwise, rht, stochastic, None)
+              rht: bool, stochastic: bool, row_values: bool, col_values: bool) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    values = ("rowwise",) * row_values + ("columnwise",) * col_values
+    parts = _gq.grouped_quantize_nvfp4(x, split_sizes, block_2d, rowwise, columnwise, rht, stochastic, None, values)
     return tuple(_present(t, x) for t in parts)
 
 
 @_nvfp4_op.register_fake
-def _(x, split_sizes, block_2d, rowwise, columnwise, rht, stochastic):
+def _(x, split_sizes, block_2d, rowwise, columnwise, rht, stochastic, row_values, col_values):
     m, k = x.shape
     g = split_sizes.numel()
     rs, cs = _block_scale_shapes(m, k, g, (16, 16) if block_2d else (1, 16))
-    return (_empty(x, (m, k // 2), torch.uint8, rowwise), _empty(x, rs, _E4M3, rowwise), _empty(x, (g,), _FP32),
-            _empty(x, (k, m // 2), torch.uint8, columnwise), _empty(x, cs, _E4M3, columnwise),
-            _empty(x, (g,), _FP32, columnwise))
+    return (_empty(x, (m, k) if row_values else (m, k // 2), torch.bfloat16 if row_values else torch.uint8, rowwise),
+            _empty(x, rs, _E4M3, rowwise and not row_values), _empty(x, (g,), _FP32),
+            _empty(x, (m, k) if col_values else (k, m // 2), torch.bfloat16 if col_values else torch.uint8,
+                   columnwise),
+            _empty(x, cs, _E4M3, columnwise and not col_values), _empty(x, (g,), _FP32, columnwise))
 
 
 def grouped_tensor_amax(x, split_sizes):
@@ -162,14 +165,16 @@ def grouped_quantize_mxfp8(x, split_sizes, fmt, scale_mode=ScaleMode.ROUND_UP, r
 
 
 def grouped_quantize_nvfp4(x, split_sizes, block_2d=False, rowwise=True, columnwise=False, rht=False,
-                           stochastic=False, generator=None):
+                           stochastic=False, generator=None, values=()):
     if stochastic and generator is not None:
         # a Generator cannot enter a custom op: run the spec as it is (torch.compile breaks the graph there)
-        return _gq.grouped_quantize_nvfp4(x, split_sizes, block_2d, rowwise, columnwise, rht, stochastic, generator)
-    row, rs, amax, col, cs, camax = torch.ops.qmoe_ref.grouped_quantize_nvfp4(x, split_sizes, block_2d, rowwise,
-                                                                              columnwise, rht, stochastic)
-    return (_or_none(row, rowwise), _or_none(rs, rowwise), amax, _or_none(col, columnwise),
-            _or_none(cs, columnwise), _or_none(camax, columnwise))
+        return _gq.grouped_quantize_nvfp4(x, split_sizes, block_2d, rowwise, columnwise, rht, stochastic, generator,
+                                          values)
+    row_values, col_values = rowwise and "rowwise" in values, columnwise and "columnwise" in values
+    row, rs, amax, col, cs, camax = torch.ops.qmoe_ref.grouped_quantize_nvfp4(
+        x, split_sizes, block_2d, rowwise, columnwise, rht, stochastic, row_values, col_values)
+    return (_or_none(row, rowwise), _or_none(rs, rowwise and not row_values), amax, _or_none(col, columnwise),
+            _or_none(cs, columnwise and not col_values), _or_none(camax, columnwise))
 
 
 # ---------------------------------------------------------------- grouped GEMMs

@@ -31,7 +31,8 @@ import copy
 import torch
 
 from qmoe.contracts.enums import Scaling, is_grouped, scaling_of
-from qmoe.contracts.formats import e2m1_decode, nvfp4_tensor_scale, unpack_e2m1
+from qmoe.contracts.formats import e2m1_decode, unpack_e2m1
+from qmoe.contracts.scales import tensor_factor
 from qmoe.reference.quantize import expand_blocks
 
 def host_bounds(offsets: torch.Tensor) -> list[tuple[int, int]]:
@@ -57,8 +58,12 @@ def _held_parts(gt, columnwise: bool) -> list[torch.Tensor] | None:
     held = gt.exact_values(columnwise)
     if held is None:
         return None
-    bounds = host_bounds(gt.offsets)
-    return [held[s:e].t().float() if columnwise else held[s:e].float() for s, e in bounds]
+    factor = tensor_factor(gt, columnwise)  # NVFP4's values are q * s_b: times S_dec, as its codes
+    parts = []
+    for g, (s, e) in enumerate(host_bounds(gt.offsets)):
+        part = held[s:e].float() * (factor[g] if factor is not None else 1.0)
+        parts.append(part.t() if columnwise else part)
+    return parts
 
 
 def _copy_parts(gt, columnwise: bool) -> list[torch.Tensor]:
@@ -98,11 +103,11 @@ def _nvfp4_columnwise(gt) -> list[torch.Tensor]:
     """
     values = e2m1_decode(unpack_e2m1(gt.columnwise_data))
     soff = [int(v) for v in gt.columnwise_scale_offsets.tolist()]
+    s_dec = tensor_factor(gt, True)
     out = []
     for g, (s, e) in enumerate(host_bounds(gt.offsets)):
         scale = gt.columnwise_scale_inv[:, soff[g]:soff[g + 1]].float()
-        s_dec = 1.0 / nvfp4_tensor_scale(gt.columnwise_amax[g])
-        out.append(values[:, s:e] * expand_blocks(scale, gt.quantizer.block, (values.shape[0], e - s)) * s_dec)
+        out.append(values[:, s:e] * expand_blocks(scale, gt.quantizer.block, (values.shape[0], e - s)) * s_dec[g])
     return out
 
 

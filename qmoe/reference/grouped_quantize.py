@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from qmoe.contracts.formats import ElementFormat, ScaleMode, pack_e2m1, unpack_e2m1
+from qmoe.contracts.formats import ElementFormat, ScaleMode, e2m1_decode, pack_e2m1, unpack_e2m1
 from qmoe.reference import quantize as q
 from qmoe.reference import quantize_nvfp4 as q4
 from qmoe.reference.activation import rows_of
@@ -129,10 +129,15 @@ def grouped_quantize_mxfp8(x, split_sizes, fmt, scale_mode: ScaleMode = ScaleMod
 
 
 def grouped_quantize_nvfp4(x, split_sizes, block_2d=False, rowwise=True, columnwise=False, rht=False,
-                           stochastic=False, generator=None):
-    """-> (row, row_scale, amax [G], col, col_scale, col_amax [G]); data packed over all groups."""
+                           stochastic=False, generator=None, values=()):
+    """-> (row, row_scale, amax [G], col, col_scale, col_amax [G]); data packed over all groups.
+
+    values: the copies ("rowwise", "columnwise") returned as their exact values q * s_b, [sum M, K]
+    bf16 with no scale (the columnwise one in the Hadamard domain with rht): what the emulated
+    GEMMs multiply before the amaxes' tensor factor, exact in bf16 (NUMERICS.md)."""
     x = rows_of(x)
-    amaxes, col_amaxes = [], []
+    block = (16, 16) if block_2d else (1, 16)
+    amaxes, col_amaxes, row_values, col_values = [], [], [], []
 
     def one(xg):
         odd = xg.shape[0] % 2
@@ -144,12 +149,25 @@ def grouped_quantize_nvfp4(x, split_sizes, block_2d=False, rowwise=True, columnw
         if odd:
             rc, cc = rc[:-1], cc[:, :-1] if columnwise else None
             rs = rs if block_2d else rs[:-1]
+        row_values.append(_exact_values(rc, rs, block))
+        if columnwise:
+            col_values.append(_exact_values(cc, cs, block).t())
         return rc, rs, cc, cs
 
-    row, row_s, col, col_s = _grouped_blocks(x, split_sizes, (16, 16) if block_2d else (1, 16), one,
-                                             True, columnwise, torch.float8_e4m3fn)
+    row, row_s, col, col_s = _grouped_blocks(x, split_sizes, block, one, True, columnwise, torch.float8_e4m3fn)
     empty = x.new_zeros(0, dtype=torch.float32)
-    return (pack_e2m1(row) if rowwise else None, row_s if rowwise else None,
+    row, col = pack_e2m1(row), pack_e2m1(col) if columnwise else None
+    nothing = x.new_zeros((0, x.shape[1]), dtype=torch.bfloat16)
+    if rowwise and "rowwise" in values:
+        row, row_s = (torch.cat(row_values, 0) if row_values else nothing), None
+    if columnwise and "columnwise" in values:
+        col, col_s = (torch.cat(col_values, 0) if col_values else nothing), None
+    return (row if rowwise else None, row_s if rowwise else None,
             torch.stack(amaxes) if amaxes else empty,
-            pack_e2m1(col) if columnwise else None, col_s,
+            col, col_s,
             (torch.stack(col_amaxes) if col_amaxes else empty) if columnwise else None)
+
+
+def _exact_values(codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """bf16 q * s_b of E2M1 codes [R, C] (one per byte) and their E4M3 block scales: exact."""
+    return (e2m1_decode(codes) * q.expand_blocks(scales.float(), block, tuple(codes.shape))).to(torch.bfloat16)

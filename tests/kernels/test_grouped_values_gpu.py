@@ -1,5 +1,6 @@
 """GPU: the MXFP8 cast's exact values (`GroupedTensor.quantize(values=...)`) are the reference's bit
-for bit, and the MoE layer gives the same bits whether its GEMMs read values or codes.
+for bit, and the MoE layer gives the same bits whether its GEMMs read values or codes (MXFP8 and
+NVFP4; NVFP4's cast is checked in tests/kernels/test_nvfp4_values_interpret.py).
 
 The reference (`qmoe.reference.grouped_quantize.grouped_quantize_mxfp8`) dequantizes its own codes
 (tests/quant/test_grouped_values.py pins that to the codes); here the Gluon cast writes the values
@@ -17,7 +18,7 @@ from qmoe.contracts.carriers import ActivatedRows
 from qmoe.contracts.formats import E4M3, E5M2, ScaleMode
 from qmoe.kernels import grouped_quantize as KG
 from qmoe.ops.activation import activation_forward
-from qmoe.recipes import MXFP8BlockScaling
+from qmoe.recipes import MXFP8BlockScaling, NVFP4BlockScaling
 from qmoe.reference import grouped_quantize as RG
 from tests.kernels.test_quantize_kernels import assert_same, make_input
 
@@ -66,17 +67,19 @@ def test_the_fused_activation_casts_values_too(values):
         assert_same(g, w, name)
 
 
-def _moe_step(layer, x, g):
+def _moe_step(layer, x, g, recipe):
     x = x.detach().clone().requires_grad_(True)
     layer.zero_grad(set_to_none=True)
-    with qmoe.autocast(recipe=MXFP8BlockScaling()):
+    torch.manual_seed(1)  # NVFP4's stochastic rounding: the same random stream in both runs
+    with qmoe.autocast(recipe=recipe):
         y = layer(x)
     y.backward(g)
     return [y.detach(), x.grad] + [p.grad.clone() for p in layer.parameters()]
 
 
+@pytest.mark.parametrize("recipe", [MXFP8BlockScaling(), NVFP4BlockScaling()], ids=["mxfp8", "nvfp4"])
 @pytest.mark.parametrize("recompute", [False, True], ids=["kept-weights", "recompute-weight-columnwise"])
-def test_the_layer_gives_the_same_bits_from_values_as_from_codes(monkeypatch, recompute):
+def test_the_layer_gives_the_same_bits_from_values_as_from_codes(monkeypatch, recompute, recipe):
     """Every GEMM's operands as codes (values never asked) against the default, where the casts write
     the values of the copies the dequantize-first GEMMs read; the default did hold values."""
     gl = importlib.import_module("qmoe.ops.grouped_linear")
@@ -94,9 +97,9 @@ def test_the_layer_gives_the_same_bits_from_values_as_from_codes(monkeypatch, re
             seen.append(sorted(k for op in inputs for k in (getattr(op, "values", None) or {})))
 
     with gl.observe_steps(observe):
-        default = _moe_step(layer, x, g)
+        default = _moe_step(layer, x, g, recipe)
     assert seen and all(seen), f"a GEMM read codes where values were due: {seen}"
     monkeypatch.setattr(gl, "_values_only", lambda *args: ())
-    codes = _moe_step(layer, x, g)
+    codes = _moe_step(layer, x, g, recipe)
     for i, (a, b) in enumerate(zip(default, codes)):
         assert torch.equal(a, b), f"output {i} differs"

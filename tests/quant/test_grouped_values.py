@@ -1,10 +1,11 @@
 """GroupedTensor copies held as exact values (`GroupedTensor.quantize(values=...)`): what the
-emulated MXFP8 GEMMs multiply, bit for bit the dequantized codes, and the GEMMs' results with
-them are those with the codes.
+emulated MXFP8 and NVFP4 GEMMs multiply, bit for bit the dequantized codes (NVFP4: q * s_b, its
+tensor factor kept apart), and the GEMMs' results with them are those with the codes.
 
-NUMERICS.md: E4M3 * 2^k products are exact in bf16, so the values are the fp32 dequantization
-rounded to bf16 with nothing lost. The GPU kernel's values are compared with these in
-tests/kernels/test_grouped_values_gpu.py.
+NUMERICS.md: E4M3 * 2^k and E2M1 * E4M3 products are exact in bf16, so the values are the fp32
+products rounded to bf16 with nothing lost. The GPU kernels' values are compared with these in
+tests/kernels/test_grouped_values_gpu.py, the NVFP4 kernel's also under the interpreter
+(tests/kernels/test_nvfp4_values_interpret.py).
 """
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ from hypothesis import strategies as st
 
 from qmoe import GroupedTensor
 from qmoe.ops import k_grouped_gemm, m_grouped_gemm, quantize_weights
-from qmoe.recipes import Float8BlockScaling, Format, MXFP8BlockScaling, ScaleMode
+from qmoe.contracts.formats import e2m1_decode, unpack_e2m1
+from qmoe.contracts.scales import tensor_factor
+from qmoe.recipes import Float8BlockScaling, Format, MXFP8BlockScaling, NVFP4BlockScaling, ScaleMode
+from qmoe.reference.quantize import expand_blocks
 
 COPIES = ("rowwise", "columnwise")
 
@@ -73,6 +77,49 @@ def test_values_are_the_codes_dequantized_exactly(splits, k, which, recipe, role
                                        equal_nan=True)
 
 
+def _nvfp4_products(qt, columnwise: bool) -> torch.Tensor:
+    """q * s_b of one group's copy in fp32 ([M, K] either way), from its codes and block scales."""
+    data = qt.columnwise_data if columnwise else qt.rowwise_data
+    scale = qt.columnwise_scale_inv if columnwise else qt.rowwise_scale_inv
+    codes = e2m1_decode(unpack_e2m1(data))  # [K, M] columnwise: runs of 16 along M, as rowwise along K
+    out = codes * expand_blocks(scale.float(), qt.quantizer.block, tuple(codes.shape))
+    return out.t() if columnwise else out
+
+
+@settings(max_examples=25, deadline=None)
+@given(splits=st.lists(st.integers(0, 4).map(lambda n: 16 * n), min_size=1, max_size=4), k=st.sampled_from([32, 64]),
+       which=st.sampled_from([("rowwise",), ("columnwise",), COPIES]),
+       role=st.sampled_from(["input", "grad_output", "weight"]),
+       recipe=st.sampled_from([NVFP4BlockScaling(), NVFP4BlockScaling(disable_rht=True, disable_2d_quantization=True)]),
+       seed=st.integers(0, 2**16))
+def test_nvfp4_values_are_the_codes_times_their_block_scales(splits, k, which, role, recipe, seed):
+    """Values q * s_b (the columnwise copy's in the Hadamard domain, as its codes), exact in bf16;
+    dequantized they give the codes' dequantization bit for bit: both multiply by the same tensor
+    factor. Stochastic rounding draws the same stream for codes and values."""
+    x = _x(sum(splits), k, seed, special=True)
+    q = recipe.quantizer(role)
+    torch.manual_seed(seed)
+    codes = GroupedTensor.quantize(x, splits, q)
+    torch.manual_seed(seed)
+    held = GroupedTensor.quantize(x, splits, q, values=which)
+    assert sorted(held.values) == sorted(which)
+    for copy in COPIES:
+        columnwise = copy == "columnwise"
+        back = held.dequantize(torch.float32, columnwise=columnwise)
+        torch.testing.assert_close(back, codes.dequantize(torch.float32, columnwise=columnwise), rtol=0, atol=0,
+                                   equal_nan=True)
+        if copy not in which:
+            assert held.exact_values(columnwise) is None
+            continue
+        got = held.exact_values(columnwise)
+        assert got.dtype == torch.bfloat16 and got.shape == x.shape
+        assert held.amax is not None and tensor_factor(held, columnwise) is not None  # kept for the GEMMs
+        want = torch.cat([_nvfp4_products(qt, columnwise) for qt in codes.split()], 0)
+        exact = dict(rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(want.to(torch.bfloat16).float(), want, **exact, msg="not exact in bf16")
+        torch.testing.assert_close(got.float(), want, **exact)
+
+
 def test_values_are_a_hint_other_formats_and_unrequested_copies_give_codes():
     x = _x(96, 256, 0)
     block = GroupedTensor.quantize(x, [32, 64], Float8BlockScaling().quantizer("input"), values=COPIES)
@@ -95,20 +142,26 @@ def test_a_copy_held_as_values_has_no_per_group_codes():
         gt.split()
 
 
+RECIPES = [MXFP8BlockScaling(), NVFP4BlockScaling()]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=["mxfp8", "nvfp4"])
 @pytest.mark.parametrize("held", [(), ("rowwise",), ("columnwise",), COPIES])
-def test_the_grouped_gemms_give_the_same_bits_from_values_as_from_codes(held):
-    """fprop, dgrad and wgrad on the reference, each operand as codes or as values."""
-    torch.manual_seed(0)
-    splits = [40, 0, 88, 32]
+def test_the_grouped_gemms_give_the_same_bits_from_values_as_from_codes(held, recipe):
+    """fprop, dgrad and wgrad on the reference, each operand as codes or as values (NVFP4's with
+    their tensor factors, and stochastic rounding's same random stream)."""
+    splits = [48, 0, 80, 32]
     e, n, k, t = len(splits), 64, 96, sum(splits)
-    r = MXFP8BlockScaling()
     x, dy, w = _x(t, k, 2), _x(t, n, 3), _x(e * n, k, 4).view(e, n, k)
-    xq = GroupedTensor.quantize(x, splits, r.quantizer("input"), values=held)
-    dq = GroupedTensor.quantize(dy, splits, r.quantizer("grad_output"), values=held)
-    wq = quantize_weights(w, r.quantizer("weight"), columnwise=True, values=held)
-    xc = GroupedTensor.quantize(x, splits, r.quantizer("input"))
-    dc = GroupedTensor.quantize(dy, splits, r.quantizer("grad_output"))
-    wc = quantize_weights(w, r.quantizer("weight"), columnwise=True)
+
+    def quantized(values):
+        torch.manual_seed(0)
+        return (GroupedTensor.quantize(x, splits, recipe.quantizer("input"), values=values),
+                GroupedTensor.quantize(dy, splits, recipe.quantizer("grad_output"), values=values),
+                quantize_weights(w, recipe.quantizer("weight"), columnwise=True, values=values))
+
+    (xq, dq, wq), (xc, dc, wc) = quantized(held), quantized(())
+    assert (xq.values is not None) == bool(held)
     pairs = [(m_grouped_gemm(xq, wq), m_grouped_gemm(xc, wc)),
              (m_grouped_gemm(dq, wq, b_columnwise=True), m_grouped_gemm(dc, wc, b_columnwise=True)),
              (k_grouped_gemm(dq, xq, out_dtype=torch.float32), k_grouped_gemm(dc, xc, out_dtype=torch.float32))]
@@ -127,8 +180,9 @@ def test_a_gemm_asks_for_the_copy_it_reads_whether_codes_or_values():
                        b_columnwise=True)
 
 
+@pytest.mark.parametrize("recipe", RECIPES, ids=["mxfp8", "nvfp4"])
 @pytest.mark.parametrize("recompute", [False, True], ids=["default", "recompute-weight-columnwise"])
-def test_the_layer_gives_the_same_bits_when_its_copies_come_as_values(monkeypatch, recompute):
+def test_the_layer_gives_the_same_bits_when_its_copies_come_as_values(monkeypatch, recompute, recipe):
     """The reference GEMMs never ask for values (`reads_values`); made to, the MoE layer's output
     and gradients keep their bits, and every GEMM read a copy held as values (dgrad's weight copy
     too: made in the backward then, `weight_values_later`, so no copy is held in between)."""
@@ -139,7 +193,7 @@ def test_the_layer_gives_the_same_bits_when_its_copies_come_as_values(monkeypatc
         torch.manual_seed(0)
         layer = qmoe.nn.MoELayer(64, 64, 4, 2, params_dtype=torch.bfloat16, recompute_weight_columnwise=recompute)
         x = torch.randn(48, 64, dtype=torch.bfloat16, requires_grad=True)
-        with qmoe.autocast(recipe=MXFP8BlockScaling()):
+        with qmoe.autocast(recipe=recipe):
             y = layer(x)
         y.backward(torch.randn_like(y))
         return [y, x.grad] + [p.grad for p in layer.parameters()]
