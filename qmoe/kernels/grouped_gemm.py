@@ -374,8 +374,8 @@ def _weights16(b, b_op: _Operand, scaling: Scaling, b_columnwise: bool, dq) -> t
     e = b.num_groups
     n_w, k_w = b.shape[0] // e, b.shape[1]
     held = b.exact_values(b_columnwise)
-    if held is not None:  # the cast wrote them: [E*N, K], W's own layout either way
-        return held.view(e, n_w, k_w)
+    if held is not None:  # the cast wrote them: [E*N, K] (a 1 x 16 NVFP4 columnwise copy's transposed: copied)
+        return held.reshape(e, n_w, k_w)
     copies = getattr(b, "bf16_copies", None)
     slot = "2d" if b_op.block[0] > 1 else ("columnwise" if b_columnwise else "rowwise")
     if copies is not None and slot in copies:

@@ -103,7 +103,8 @@ def grouped_quantize_nvfp4(x, split_sizes, block_2d=False, rowwise=True, columnw
     With rht, every group's row count must be a multiple of 16 (NVFP4's align_size, 128, is);
     a group that is not is transformed as if padded with zero rows (the reference raises).
     values: copies ("rowwise", "columnwise") wanted as their exact values q * s_b, [sum M, K]
-    bf16 with no scale (the tensor factor stays with the amaxes).
+    bf16 with no scale (the tensor factor stays with the amaxes); a 1 x 16 columnwise copy's is
+    the transpose of a [K, sum M] buffer (`nvfp4_op`).
     """
     m, k = x.shape
     x, splits, g, fused = _prepare(x, split_sizes)
@@ -113,6 +114,8 @@ def grouped_quantize_nvfp4(x, split_sizes, block_2d=False, rowwise=True, columnw
     row, rs, amax, col, cs, camax = nvfp4_op(
         x, splits, g, block_2d, rowwise, columnwise, rht, draw_seeds(stochastic, generator, x.device), *fused,
         row_values, col_values)
+    if col_values and not block_2d:
+        col = col.t()
     return (row if rowwise else None, rs if rowwise and not row_values else None, amax,
             col if columnwise else None, cs if columnwise and not col_values else None,
             camax if columnwise else None)

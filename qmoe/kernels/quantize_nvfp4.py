@@ -72,12 +72,12 @@ def e2m1_signed(c):
 
 
 @triton.jit
-def store_values(ptr, codes, scales, rows, cols, m_ok, k_ok, K, R: tl.constexpr, C: tl.constexpr, SHAPE: tl.constexpr,
-                 TRANSPOSED: tl.constexpr):
+def store_values(ptr, codes, scales, r_idx, c_idx, r_ok, c_ok, stride, R: tl.constexpr, C: tl.constexpr,
+                 SHAPE: tl.constexpr, TRANSPOSE: tl.constexpr):
     """Store the exact values q * s_b (bf16; NVFP4's tensor factor is not in them) of codes [R, C]
-    and their E4M3 block scales, into ptr [M, K] bf16 at rows x cols of x's own layout. SHAPE: how
-    the scales lie over the codes (0: runs along the last axis, 1: along the first, 2: 16 x 16);
-    TRANSPOSED: codes [R, C] are the tile's [BK, BM] transpose."""
+    and their E4M3 block scales at ptr[r * stride + c] for r in r_idx, c in c_idx (transposed
+    first with TRANSPOSE). SHAPE: how the scales lie over the codes (0: runs along the last axis,
+    1: along the first, 2: 16 x 16 blocks)."""
     s = scales.to(tl.float32)
     if SHAPE == 0:
         v = scale_last(e2m1_signed(codes), s, R, C, 16)
@@ -86,9 +86,9 @@ def store_values(ptr, codes, scales, rows, cols, m_ok, k_ok, K, R: tl.constexpr,
     else:
         v = scale_2d(e2m1_signed(codes), s, R, C, 16)
     v = v.to(tl.bfloat16)
-    if TRANSPOSED:
+    if TRANSPOSE:
         v = tl.trans(v)
-    tl.store(ptr + rows[:, None].to(tl.int64) * K + cols[None, :], v, mask=m_ok[:, None] & k_ok[None, :])
+    tl.store(ptr + r_idx[:, None].to(tl.int64) * stride + c_idx[None, :], v, mask=r_ok[:, None] & c_ok[None, :])
 
 
 @triton.jit
@@ -227,8 +227,9 @@ def _nvfp4_kernel(
         ROWWISE: tl.constexpr, COLWISE: tl.constexpr, GROUPED: tl.constexpr, G_P2: tl.constexpr,
         SIGN_MASK: tl.constexpr, ROW_VALUES: tl.constexpr, COL_VALUES: tl.constexpr, BM: tl.constexpr,
         BK: tl.constexpr):
-    """ROW_VALUES / COL_VALUES: that copy as its exact bf16 values [M, K] (x's layout) at row_ptr /
-    col_ptr, with no scales, in place of its packed codes and scales."""
+    """ROW_VALUES / COL_VALUES: that copy as its exact bf16 values at row_ptr / col_ptr, with no
+    scales, in place of its packed codes and scales: [M, K], or [K, M] for 1 x 16 columnwise copies
+    (nvfp4_op)."""
     pid_k = tl.program_id(1)
     g, row0, row_end, sblk0, gstart = tile_rows(splits_ptr, M, G, tl.program_id(0), BM, B, G_P2, GROUPED)
     if g >= G:
@@ -290,16 +291,16 @@ def _nvfp4_kernel(
                                          + (row0 + 4 * tl.arange(0, BM // 4))[None, :], BK, BM)
                 codes_t, sb_t = quantize_runs_last(xt, tensor_scale(tl.load(col_amax_ptr + g)), BK, BM,
                                                    STOCHASTIC, u_col)
-                if COL_VALUES:  # in the Hadamard domain, as the codes
-                    store_values(col_ptr, codes_t, sb_t, rows, cols, m_ok, k_ok, K, BK, BM, 0, True)
+                if COL_VALUES:  # [K, M], in the Hadamard domain as the codes
+                    store_values(col_ptr, codes_t, sb_t, cols, rows, k_ok, m_ok, M, BK, BM, 0, False)
             else:  # runs along M quantized in the loaded layout, then transposed
                 u_col = 0.0
                 if STOCHASTIC:
                     u_col = uniform_tile(tl.load(seed_ptr + 1), quads[None, :].to(tl.int64) * M + rows[:, None],
                                          BM, BK)
                 codes, sb_c = quantize_runs_first(x, s_enc, BM, BK, STOCHASTIC, u_col)
-                if COL_VALUES:
-                    store_values(col_ptr, codes, sb_c, rows, cols, m_ok, k_ok, K, BM, BK, 1, False)
+                if COL_VALUES:  # [K, M]
+                    store_values(col_ptr, codes, sb_c, cols, rows, k_ok, m_ok, M, BM, BK, 1, True)
                 else:
                     codes_t = tl.trans(codes)  # 32-bit: see trans8
                     sb_t = trans8(sb_c)
@@ -318,9 +319,10 @@ def nvfp4_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, b
 
     seeds: [2] int64 on the device for stochastic rounding (None: round to nearest).
     probs, act, glu_block: the fused activation (kernels.quantize.amax_op).
-    row_values / col_values: that copy as its exact values q * s_b, [M, K] bf16 both (x's layout;
-    the columnwise one in the Hadamard domain with rht), and an empty scale: what the emulated
-    GEMMs multiply, with the amax's tensor factor applied to their accumulators.
+    row_values / col_values: that copy as its exact values q * s_b in bf16, and an empty scale:
+    what the emulated GEMMs multiply, with the amax's tensor factor applied to their accumulators.
+    Rows [M, K]; 1 x 16 columns [K, M], tokens contiguous as wgrad reads them (in the Hadamard
+    domain with rht); 16 x 16 columns [M, K], the rows' values (the two copies share every scale).
     """
     m, k = x.shape[0], input_width(x, act)
     b, grouped, dev = NVFP4_BLOCK, splits is not None, x.device
@@ -330,8 +332,8 @@ def nvfp4_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, b
     row_values, col_values = row_values and rowwise, col_values and columnwise
     row = torch.empty((m, k) if row_values else (m, k // 2) if rowwise else (0,), dtype=bf16 if row_values else u8,
                       device=dev)
-    col = torch.empty((m, k) if col_values else (k, m // 2) if columnwise else (0,), dtype=bf16 if col_values else u8,
-                      device=dev)
+    col_shape = ((m, k) if block_2d else (k, m)) if col_values else (k, m // 2) if columnwise else (0,)
+    col = torch.empty(col_shape, dtype=bf16 if col_values else u8, device=dev)
     rows_s, cols_s = rowwise and not row_values, columnwise and not col_values
     if block_2d:
         row_s = alloc((width, nkb) if rows_s else (0,), dtype=e4m3, device=dev)

@@ -179,11 +179,15 @@ class GroupedLinearPlan:
 
     def weight_values_later(self, rows: int, weight: torch.Tensor) -> bool:
         """Whether dgrad's weight copy is made in the backward even without
-        recompute_weight_columnwise: where it would come as exact values (MXFP8, NVFP4: the emulated GEMMs'
+        recompute_weight_columnwise: where it would come as MXFP8's exact values (the emulated GEMMs'
         dequantize-first route) and no weight cache keeps it, writing them from W there moves the
-        bytes that keeping codes and dequantizing them would, and holds no copy in between."""
-        return (self.quantizers is not None and not self.kept_weights and self.path.kind is GroupedPath.GROUPED
-                and bool(_values_only(self.quantizers["weight"], rows, weight.shape[0], weight, "columnwise")))
+        bytes that keeping codes and dequantizing them would, and holds no copy in between. Not
+        NVFP4's: its cast is bound by instructions, not bytes, so casting W again costs more than
+        dequantizing kept codes."""
+        quantizer = self.quantizers["weight"] if self.quantizers is not None else None
+        return (isinstance(quantizer, MXFP8Quantizer) and not self.kept_weights
+                and self.path.kind is GroupedPath.GROUPED
+                and bool(_values_only(quantizer, rows, weight.shape[0], weight, "columnwise")))
 
     def rebuild_weight(self, weight, dtype: torch.dtype, log: ForwardLog | None, rows: int):
         """dgrad's weight operand made again in the backward (recompute_weight_columnwise): the

@@ -441,7 +441,7 @@ class NVFP4Quantizer(Quantizer):
 
     def _generator_for(self, x):
         g = self.generator
-        if self.stochastic and g is not None and g.device != x.device:
+        if self.stochastic and g is not None and _device_key(g.device) != _device_key(x.device):
             raise ValueError(f"the stochastic-rounding generator is on {g.device} but the tensor is on {x.device}; "
                              f"create it with torch.Generator(device=x.device)")
         return g
@@ -474,3 +474,11 @@ def _held_as_values(row, rs, col, cs) -> dict:
         exact["columnwise"], col = col, None
     return dict(rowwise_data=row, rowwise_scale_inv=rs, columnwise_data=col, columnwise_scale_inv=cs,
                 values=exact or None)
+
+
+def _device_key(device: torch.device) -> tuple:
+    """(type, index) of a device, a CUDA device without an index ("cuda", as
+    torch.Generator(device="cuda") reports it) being the current one."""
+    if device.type == "cuda" and device.index is None:
+        return device.type, torch.cuda.current_device()
+    return device.type, device.index

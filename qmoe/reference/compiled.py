@@ -122,7 +122,10 @@ def _nvfp4_op(x: torch.Tensor, split_sizes: torch.Tensor, block_2d: bool, rowwis
               rht: bool, stochastic: bool, row_values: bool, col_values: bool) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     values = ("rowwise",) * row_values + ("columnwise",) * col_values
-    parts = _gq.grouped_quantize_nvfp4(x, split_sizes, block_2d, rowwise, columnwise, rht, stochastic, None, values)
+    parts = list(_gq.grouped_quantize_nvfp4(x, split_sizes, block_2d, rowwise, columnwise, rht, stochastic, None,
+                                            values))
+    if col_values and not block_2d:
+        parts[3] = parts[3].t()  # its [K, M] buffer: an op returns no view
     return tuple(_present(t, x) for t in parts)
 
 
@@ -133,8 +136,8 @@ def _(x, split_sizes, block_2d, rowwise, columnwise, rht, stochastic, row_values
     rs, cs = _block_scale_shapes(m, k, g, (16, 16) if block_2d else (1, 16))
     return (_empty(x, (m, k) if row_values else (m, k // 2), torch.bfloat16 if row_values else torch.uint8, rowwise),
             _empty(x, rs, _E4M3, rowwise and not row_values), _empty(x, (g,), _FP32),
-            _empty(x, (m, k) if col_values else (k, m // 2), torch.bfloat16 if col_values else torch.uint8,
-                   columnwise),
+            _empty(x, ((m, k) if block_2d else (k, m)) if col_values else (k, m // 2),
+                   torch.bfloat16 if col_values else torch.uint8, columnwise),
             _empty(x, cs, _E4M3, columnwise and not col_values), _empty(x, (g,), _FP32, columnwise))
 
 
@@ -173,6 +176,8 @@ def grouped_quantize_nvfp4(x, split_sizes, block_2d=False, rowwise=True, columnw
     row_values, col_values = rowwise and "rowwise" in values, columnwise and "columnwise" in values
     row, rs, amax, col, cs, camax = torch.ops.qmoe_ref.grouped_quantize_nvfp4(
         x, split_sizes, block_2d, rowwise, columnwise, rht, stochastic, row_values, col_values)
+    if col_values and not block_2d:
+        col = col.t()
     return (_or_none(row, rowwise), _or_none(rs, rowwise and not row_values), amax, _or_none(col, columnwise),
             _or_none(cs, columnwise and not col_values), _or_none(camax, columnwise))
 

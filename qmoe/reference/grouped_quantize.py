@@ -133,8 +133,9 @@ def grouped_quantize_nvfp4(x, split_sizes, block_2d=False, rowwise=True, columnw
     """-> (row, row_scale, amax [G], col, col_scale, col_amax [G]); data packed over all groups.
 
     values: the copies ("rowwise", "columnwise") returned as their exact values q * s_b, [sum M, K]
-    bf16 with no scale (the columnwise one in the Hadamard domain with rht): what the emulated
-    GEMMs multiply before the amaxes' tensor factor, exact in bf16 (NUMERICS.md)."""
+    bf16 with no scale (the columnwise one in the Hadamard domain with rht; for 1 x 16 blocks the
+    transpose of a [K, sum M] buffer): what the emulated GEMMs multiply before the amaxes' tensor
+    factor, exact in bf16 (NUMERICS.md)."""
     x = rows_of(x)
     block = (16, 16) if block_2d else (1, 16)
     amaxes, col_amaxes, row_values, col_values = [], [], [], []
@@ -151,7 +152,7 @@ def grouped_quantize_nvfp4(x, split_sizes, block_2d=False, rowwise=True, columnw
             rs = rs if block_2d else rs[:-1]
         row_values.append(_exact_values(rc, rs, block))
         if columnwise:
-            col_values.append(_exact_values(cc, cs, block).t())
+            col_values.append(_exact_values(cc, cs, block))
         return rc, rs, cc, cs
 
     row, row_s, col, col_s = _grouped_blocks(x, split_sizes, block, one, True, columnwise, torch.float8_e4m3fn)
@@ -160,8 +161,9 @@ def grouped_quantize_nvfp4(x, split_sizes, block_2d=False, rowwise=True, columnw
     nothing = x.new_zeros((0, x.shape[1]), dtype=torch.bfloat16)
     if rowwise and "rowwise" in values:
         row, row_s = (torch.cat(row_values, 0) if row_values else nothing), None
-    if columnwise and "columnwise" in values:
-        col, col_s = (torch.cat(col_values, 0) if col_values else nothing), None
+    if columnwise and "columnwise" in values:  # 1 x 16: a [K, sum M] buffer, tokens contiguous as wgrad reads them
+        col = torch.cat(col_values, 1) if col_values else nothing.t()
+        col, col_s = (col.t().contiguous() if block_2d else col.t()), None
     return (row if rowwise else None, row_s if rowwise else None,
             torch.stack(amaxes) if amaxes else empty,
             col, col_s,

@@ -7,6 +7,8 @@ operations NUMERICS.md prescribes (a relative 2**-20 and the smallest subnormal)
 """
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -404,6 +406,15 @@ def test_stochastic_rounding_reproducible_with_seeded_generator():
     d = q.quantize(x).rowwise_data
     torch.manual_seed(3)
     assert torch.equal(d, q.quantize(x).rowwise_data)
+
+
+def test_a_stochastic_rounding_generator_on_another_device_is_an_error():
+    """A generator must draw where the tensor is; "cuda" without an index is the current CUDA
+    device (tests/kernels/test_nvfp4_values_interpret.py quantizes with one on the GPU)."""
+    q = NVFP4BlockScaling().quantizer("grad_output")
+    q.generator = types.SimpleNamespace(device=torch.device("cuda", 0))  # no CUDA needed to be refused
+    with pytest.raises(ValueError, match=r"generator is on cuda:0 but the tensor is on cpu.*Generator\(device="):
+        q.quantize(torch.randn(32, 32))
 
 
 # ---------------------------------------------------------------- bad inputs
