@@ -65,26 +65,19 @@ def e2m1_value(c):
 
 
 @triton.jit
-def e2m1_signed(c):
-    """Values of 4-bit codes (int32), sign bit 8."""
-    v = e2m1_value(c & 7)
-    return tl.where((c & 8) != 0, -v, v)
-
-
-@triton.jit
-def store_values(ptr, codes, scales, r_idx, c_idx, r_ok, c_ok, stride, R: tl.constexpr, C: tl.constexpr,
+def store_values(ptr, grid, scales, r_idx, c_idx, r_ok, c_ok, stride, R: tl.constexpr, C: tl.constexpr,
                  SHAPE: tl.constexpr, TRANSPOSE: tl.constexpr):
-    """Store the exact values q * s_b (bf16; NVFP4's tensor factor is not in them) of codes [R, C]
-    and their E4M3 block scales at ptr[r * stride + c] for r in r_idx, c in c_idx (transposed
-    first with TRANSPOSE). SHAPE: how the scales lie over the codes (0: runs along the last axis,
-    1: along the first, 2: 16 x 16 blocks)."""
+    """Store the exact values q * s_b (bf16; NVFP4's tensor factor is not in them) of the grid
+    values q [R, C] (e2m1_round) and their E4M3 block scales at ptr[r * stride + c] for r in
+    r_idx, c in c_idx (transposed first with TRANSPOSE). SHAPE: how the scales lie over the
+    values (0: runs along the last axis, 1: along the first, 2: 16 x 16 blocks)."""
     s = scales.to(tl.float32)
     if SHAPE == 0:
-        v = scale_last(e2m1_signed(codes), s, R, C, 16)
+        v = scale_last(grid, s, R, C, 16)
     elif SHAPE == 1:
-        v = scale_first(e2m1_signed(codes), s, R, C, 16)
+        v = scale_first(grid, s, R, C, 16)
     else:
-        v = scale_2d(e2m1_signed(codes), s, R, C, 16)
+        v = scale_2d(grid, s, R, C, 16)
     v = v.to(tl.bfloat16)
     if TRANSPOSE:
         v = tl.trans(v)
@@ -120,6 +113,29 @@ def e2m1_codes(y, STOCHASTIC: tl.constexpr, u):
 
 
 @triton.jit
+def e2m1_round(y, STOCHASTIC: tl.constexpr, u):
+    """The value (fp32) of e2m1_codes(y, STOCHASTIC, u), rounded onto the grid directly for
+    copies held as values: from 1 up the kept bits themselves (the dropped ones added in, or
+    one unit of the kept bit with probability p), below 1 |y| rounded to a multiple of 0.5
+    (by 2^22, whose unit is 0.5); NaN and -0 give +0 as their codes do (y is within [-6, 6])."""
+    bits = y.to(tl.int32, bitcast=True)
+    a_bits = bits & 0x7FFFFFFF
+    a = a_bits.to(tl.float32, bitcast=True)
+    if STOCHASTIC:
+        twice = a * 2.0
+        below = twice.to(tl.int32)  # toward zero: 0 or 1 under 1
+        small = (below + (u < twice - below.to(tl.float32)).to(tl.int32)).to(tl.float32) * 0.5
+        up = u < (a_bits & 0x3FFFFF).to(tl.float32) * (1.0 / 4194304.0)
+        big = ((a_bits & -4194304) + (up.to(tl.int32) << 22)).to(tl.float32, bitcast=True)
+    else:
+        small = (a + 4194304.0) - 4194304.0
+        big = ((a_bits + 0x1FFFFF + ((a_bits >> 22) & 1)) & -4194304).to(tl.float32, bitcast=True)
+    mag = tl.where(a < 1.0, small, big)
+    keep = (mag > 0) & (mag <= 6.0)  # a NaN's bits round to inf or NaN: 0, as its code
+    return tl.where(keep, tl.where(bits < 0, -mag, mag), 0.0)
+
+
+@triton.jit
 def block_scale(amax_b, s_enc, s_dec):
     """(E4M3 block scale s_b, encode multiplier min(1 / (s_b * S_dec), FLT_MAX)) from block amaxes."""
     sb = cast_satfinite(tl.minimum(amax_b * (s_enc * _ONE_SIXTH), _FLT_MAX, propagate_nan=tl.PropagateNan.ALL),
@@ -129,18 +145,25 @@ def block_scale(amax_b, s_enc, s_dec):
 
 
 @triton.jit
-def quantize_runs_last(x, s_enc, R: tl.constexpr, C: tl.constexpr, STOCHASTIC: tl.constexpr, u):
-    """1x16 NVFP4 of x [R, C] fp32 in runs along the last axis -> (codes [R, C], scales [R, C/16] e4m3)."""
+def quantize_runs_last(x, s_enc, R: tl.constexpr, C: tl.constexpr, STOCHASTIC: tl.constexpr, u,
+                       VALUES: tl.constexpr = False):
+    """1x16 NVFP4 of x [R, C] fp32 in runs along the last axis -> (codes [R, C], or with VALUES
+    their grid values (e2m1_round), scales [R, C/16] e4m3)."""
     sb, enc = block_scale(block_amax_last(x, R, C, 16, False), s_enc, reciprocal(s_enc))
     y = clamp_nan(scale_last(x, enc, R, C, 16), -_E2M1_MAX, _E2M1_MAX)
+    if VALUES:
+        return e2m1_round(y, STOCHASTIC, u), sb
     return e2m1_codes(y, STOCHASTIC, u), sb
 
 
 @triton.jit
-def quantize_runs_first(x, s_enc, R: tl.constexpr, C: tl.constexpr, STOCHASTIC: tl.constexpr, u):
-    """1x16 NVFP4 in runs along the first axis -> (codes [R, C], scales [R/16, C] e4m3)."""
+def quantize_runs_first(x, s_enc, R: tl.constexpr, C: tl.constexpr, STOCHASTIC: tl.constexpr, u,
+                        VALUES: tl.constexpr = False):
+    """1x16 NVFP4 in runs along the first axis -> (codes [R, C] or their grid values, scales [R/16, C] e4m3)."""
     sb, enc = block_scale(block_amax_first(x, R, C, 16, False), s_enc, reciprocal(s_enc))
     y = clamp_nan(scale_first(x, enc, R, C, 16), -_E2M1_MAX, _E2M1_MAX)
+    if VALUES:
+        return e2m1_round(y, STOCHASTIC, u), sb
     return e2m1_codes(y, STOCHASTIC, u), sb
 
 
@@ -249,9 +272,12 @@ def _nvfp4_kernel(
     if BLOCK_2D:  # one scale per 16x16 block, shared by both copies
         sb, enc = block_scale(block_amax_2d(x, BM, BK, B), s_enc, reciprocal(s_enc))
         y = clamp_nan(scale_2d(x, enc, BM, BK, B), -_E2M1_MAX, _E2M1_MAX)
-        codes = e2m1_codes(y, STOCHASTIC, u_row)
+        if ROW_VALUES or (COL_VALUES and not STOCHASTIC):  # the rowwise rounding, as values
+            grid = e2m1_round(y, STOCHASTIC, u_row)
+        if (ROWWISE and not ROW_VALUES) or (COLWISE and not COL_VALUES and not STOCHASTIC):  # as codes
+            codes = e2m1_codes(y, STOCHASTIC, u_row)
         if ROW_VALUES:
-            store_values(row_ptr, codes, sb, rows, cols, m_ok, k_ok, K, BM, BK, 2, False)
+            store_values(row_ptr, grid, sb, rows, cols, m_ok, k_ok, K, BM, BK, 2, False)
         elif ROWWISE:
             store8(row_ptr, pack_pairs(codes, BM, BK), row0, col0 // 2, stride_row, row_end, stride_row, BM, BK // 2)
             tl.store(row_s_ptr + mb[:, None] * stride_rs + kb[None, :], sb.to(tl.uint8, bitcast=True),
@@ -260,12 +286,13 @@ def _nvfp4_kernel(
             if STOCHASTIC:  # the columnwise copy draws its own random stream
                 u_col = uniform_tile(tl.load(seed_ptr + 1), cols[:, None].to(tl.int64) * M
                                      + (row0 + 4 * tl.arange(0, BM // 4))[None, :], BK, BM)
-                codes_t = e2m1_codes(tl.trans(y), STOCHASTIC, u_col)
                 if COL_VALUES:
-                    store_values(col_ptr, codes_t, tl.trans(sb.to(tl.float32)), rows, cols, m_ok, k_ok, K, BK, BM, 2,
-                                 True)
+                    store_values(col_ptr, e2m1_round(tl.trans(y), STOCHASTIC, u_col), tl.trans(sb.to(tl.float32)),
+                                 rows, cols, m_ok, k_ok, K, BK, BM, 2, True)
+                else:
+                    codes_t = e2m1_codes(tl.trans(y), STOCHASTIC, u_col)
             elif COL_VALUES:  # the same codes and scales as the rowwise copy: the same values
-                store_values(col_ptr, codes, sb, rows, cols, m_ok, k_ok, K, BM, BK, 2, False)
+                store_values(col_ptr, grid, sb, rows, cols, m_ok, k_ok, K, BM, BK, 2, False)
             else:
                 codes_t = tl.trans(codes)
             if not COL_VALUES:
@@ -274,7 +301,7 @@ def _nvfp4_kernel(
                          mask=kb_ok[:, None] & mb_ok[None, :])
     else:
         if ROWWISE:
-            codes, sb = quantize_runs_last(x, s_enc, BM, BK, STOCHASTIC, u_row)
+            codes, sb = quantize_runs_last(x, s_enc, BM, BK, STOCHASTIC, u_row, ROW_VALUES)
             if ROW_VALUES:
                 store_values(row_ptr, codes, sb, rows, cols, m_ok, k_ok, K, BM, BK, 0, False)
             else:
@@ -290,7 +317,7 @@ def _nvfp4_kernel(
                     u_col = uniform_tile(tl.load(seed_ptr + 1), cols[:, None].to(tl.int64) * M
                                          + (row0 + 4 * tl.arange(0, BM // 4))[None, :], BK, BM)
                 codes_t, sb_t = quantize_runs_last(xt, tensor_scale(tl.load(col_amax_ptr + g)), BK, BM,
-                                                   STOCHASTIC, u_col)
+                                                   STOCHASTIC, u_col, COL_VALUES)
                 if COL_VALUES:  # [K, M], in the Hadamard domain as the codes
                     store_values(col_ptr, codes_t, sb_t, cols, rows, k_ok, m_ok, M, BK, BM, 0, False)
             else:  # runs along M quantized in the loaded layout, then transposed
@@ -298,7 +325,7 @@ def _nvfp4_kernel(
                 if STOCHASTIC:
                     u_col = uniform_tile(tl.load(seed_ptr + 1), quads[None, :].to(tl.int64) * M + rows[:, None],
                                          BM, BK)
-                codes, sb_c = quantize_runs_first(x, s_enc, BM, BK, STOCHASTIC, u_col)
+                codes, sb_c = quantize_runs_first(x, s_enc, BM, BK, STOCHASTIC, u_col, COL_VALUES)
                 if COL_VALUES:  # [K, M]
                     store_values(col_ptr, codes, sb_c, cols, rows, k_ok, m_ok, M, BM, BK, 1, True)
                 else:

@@ -179,15 +179,12 @@ class GroupedLinearPlan:
 
     def weight_values_later(self, rows: int, weight: torch.Tensor) -> bool:
         """Whether dgrad's weight copy is made in the backward even without
-        recompute_weight_columnwise: where it would come as MXFP8's exact values (the emulated GEMMs'
-        dequantize-first route) and no weight cache keeps it, writing them from W there moves the
-        bytes that keeping codes and dequantizing them would, and holds no copy in between. Not
-        NVFP4's: its cast is bound by instructions, not bytes, so casting W again costs more than
-        dequantizing kept codes."""
-        quantizer = self.quantizers["weight"] if self.quantizers is not None else None
-        return (isinstance(quantizer, MXFP8Quantizer) and not self.kept_weights
-                and self.path.kind is GroupedPath.GROUPED
-                and bool(_values_only(quantizer, rows, weight.shape[0], weight, "columnwise")))
+        recompute_weight_columnwise: where it would come as exact values (`_values_only`: MXFP8's,
+        the emulated GEMMs' dequantize-first route) and no weight cache keeps it, writing them from W
+        there moves the bytes that keeping codes and dequantizing them would, and holds no copy in
+        between."""
+        return (self.quantizers is not None and not self.kept_weights and self.path.kind is GroupedPath.GROUPED
+                and bool(_values_only(self.quantizers["weight"], rows, weight.shape[0], weight, "columnwise")))
 
     def rebuild_weight(self, weight, dtype: torch.dtype, log: ForwardLog | None, rows: int):
         """dgrad's weight operand made again in the backward (recompute_weight_columnwise): the
@@ -240,12 +237,17 @@ class GroupedLinearPlan:
 
 def _values_only(quantizer, rows: int, groups: int, on: torch.Tensor, *copies: str) -> tuple[str, ...]:
     """The copies (of `copies`, read once by the GEMM that follows) to cast as exact bf16 values
-    (`GroupedTensor.quantize`'s values): MXFP8's and NVFP4's, where the GEMMs that run `on` this
-    tensor's device multiply `rows` tokens over `groups` experts from their exact values
-    (`reads_values`) and so need no codes."""
-    scaling = (Scaling.MX if isinstance(quantizer, MXFP8Quantizer)
-               else Scaling.NVFP4 if isinstance(quantizer, NVFP4Quantizer) else None)
-    if scaling is not None and GROUPED_GEMM.pick("reads_values", on)(scaling, rows, groups):
+    (`GroupedTensor.quantize`'s values): where the GEMMs that run `on` this tensor's device multiply
+    `rows` tokens over `groups` experts from their exact values (`reads_values`) and so need no
+    codes, MXFP8's, and NVFP4's rowwise ones. NVFP4's columnwise copies stay codes: its cast is
+    bound by instructions, not bytes, so writing their values costs it about what the dequantize
+    pass they save costs, and they would hold 4x the codes' bytes until wgrad (or, for the
+    weights' copy, casting W again in the backward would cost more than that pass)."""
+    if isinstance(quantizer, NVFP4Quantizer):
+        scaling, copies = Scaling.NVFP4, tuple(c for c in copies if c == "rowwise")
+    else:
+        scaling = Scaling.MX if isinstance(quantizer, MXFP8Quantizer) else None
+    if scaling is not None and copies and GROUPED_GEMM.pick("reads_values", on)(scaling, rows, groups):
         return copies
     return ()
 

@@ -2,14 +2,16 @@
 codes (qmoe.reference.quantize_nvfp4.e2m1_codes) for every input: round to nearest even and
 stochastic rounding with the same uniforms, through Triton's interpreter on every bfloat16
 value, the grid points, the midpoints and their fp32 neighbours, and on the GPU for every fp32
-value in [-6, 6]."""
+value in [-6, 6]. Its direct rounding to grid values (e2m1_round, for copies held as values)
+gives those codes' values, bit for bit (+0 for code 0)."""
 
 import pytest
 import torch
 import triton
 import triton.language as tl
 
-from qmoe.kernels.quantize_nvfp4 import e2m1_codes
+from qmoe.contracts.formats import e2m1_decode
+from qmoe.kernels.quantize_nvfp4 import e2m1_codes, e2m1_round
 from qmoe.reference import quantize_nvfp4 as R4
 from tests.kernels.interpret import INTERPRETING, inside, launcher, assert_passed_under_interpreter
 
@@ -20,28 +22,34 @@ GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]  # the E2M1 magnitudes
 
 
 @triton.jit
-def _codes_kernel(y_ptr, u_ptr, out_ptr, n, STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr):
+def _codes_kernel(y_ptr, u_ptr, out_ptr, grid_ptr, n, STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     y = tl.load(y_ptr + offs, mask=ok, other=0.0)
     u = tl.load(u_ptr + offs, mask=ok, other=0.0)
     tl.store(out_ptr + offs, e2m1_codes(y, STOCHASTIC, u).to(tl.uint8), mask=ok)
+    tl.store(grid_ptr + offs, e2m1_round(y, STOCHASTIC, u), mask=ok)
 
 
-def _kernel_codes(y: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
+def _kernel_codes(y: torch.Tensor, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty(y.shape, dtype=torch.uint8, device=y.device)
+    grid = torch.empty(y.shape, dtype=torch.float32, device=y.device)
     uu = u if u is not None else torch.zeros_like(y)
-    _codes_kernel[(triton.cdiv(y.numel(), _BLOCK),)](y, uu, out, y.numel(), STOCHASTIC=u is not None, BLOCK=_BLOCK)
-    return out
+    _codes_kernel[(triton.cdiv(y.numel(), _BLOCK),)](y, uu, out, grid, y.numel(), STOCHASTIC=u is not None,
+                                                     BLOCK=_BLOCK)
+    return out, grid
 
 
 def _assert_same(y: torch.Tensor, u: torch.Tensor | None):
-    got, want = _kernel_codes(y, u), R4.e2m1_codes(y, u)
-    bad = (got != want).nonzero().flatten()
-    if bad.numel():
-        i = bad[0]
-        pytest.fail(f"{bad.numel()} codes differ; first: y={y[i].item()!r} (bits {y[i].view(torch.int32).item():#x}), "
-                    f"u={None if u is None else u[i].item()}: got {got[i].item()}, want {want[i].item()}")
+    (got, grid), want = _kernel_codes(y, u), R4.e2m1_codes(y, u)
+    for what, bad in (("codes", got != want),
+                      ("grid values", grid.view(torch.int32) != e2m1_decode(want).view(torch.int32))):
+        bad = bad.nonzero().flatten()
+        if bad.numel():
+            i = bad[0]
+            pytest.fail(f"{bad.numel()} {what} differ; first: y={y[i].item()!r} (bits "
+                        f"{y[i].view(torch.int32).item():#x}), u={None if u is None else u[i].item()}: got code "
+                        f"{got[i].item()} / value {grid[i].item()}, want code {want[i].item()}")
 
 
 def _special_values(device) -> torch.Tensor:

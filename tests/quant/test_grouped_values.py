@@ -208,13 +208,8 @@ def test_the_layer_gives_the_same_bits_when_its_copies_come_as_values(monkeypatc
     with gl.observe_steps(observe):
         values = step()
     assert sorted({name for name, _ in seen}) == ["dgrad", "fprop", "wgrad"]
-    # wgrad's x copy is kept for the backward: codes, fewer bytes held. dgrad's weight copy: MXFP8's
-    # is made in the backward as values (weight_values_later); NVFP4's kept as codes from the
-    # forward's cast (whose values fprop read, then dropped) unless recomputed
-    w_later = recompute or isinstance(recipe, MXFP8BlockScaling)
-    for name, held in seen:
-        assert held == {"fprop": [["rowwise"], ["rowwise"]],
-                        "dgrad": [["columnwise", "rowwise"], ["columnwise"] if w_later else []],
+    for name, held in seen:  # wgrad's x copy is kept for the backward: codes, fewer bytes held
+        assert held == {"fprop": [["rowwise"], ["rowwise"]], "dgrad": [["columnwise", "rowwise"], ["columnwise"]],
                         "wgrad": [["columnwise"], []]}[name], (name, held)
     for a, b in zip(codes, values):
         assert torch.equal(a, b)
