@@ -152,8 +152,10 @@ def quantize_runs_last(x, s_enc, R: tl.constexpr, C: tl.constexpr, STOCHASTIC: t
     sb, enc = block_scale(block_amax_last(x, R, C, 16, False), s_enc, reciprocal(s_enc))
     y = clamp_nan(scale_last(x, enc, R, C, 16), -_E2M1_MAX, _E2M1_MAX)
     if VALUES:
-        return e2m1_round(y, STOCHASTIC, u), sb
-    return e2m1_codes(y, STOCHASTIC, u), sb
+        q = e2m1_round(y, STOCHASTIC, u)
+    else:
+        q = e2m1_codes(y, STOCHASTIC, u)
+    return q, sb
 
 
 @triton.jit
@@ -163,8 +165,10 @@ def quantize_runs_first(x, s_enc, R: tl.constexpr, C: tl.constexpr, STOCHASTIC: 
     sb, enc = block_scale(block_amax_first(x, R, C, 16, False), s_enc, reciprocal(s_enc))
     y = clamp_nan(scale_first(x, enc, R, C, 16), -_E2M1_MAX, _E2M1_MAX)
     if VALUES:
-        return e2m1_round(y, STOCHASTIC, u), sb
-    return e2m1_codes(y, STOCHASTIC, u), sb
+        q = e2m1_round(y, STOCHASTIC, u)
+    else:
+        q = e2m1_codes(y, STOCHASTIC, u)
+    return q, sb
 
 
 @triton.jit
