@@ -85,6 +85,16 @@ def store_values(ptr, grid, scales, r_idx, c_idx, r_ok, c_ok, stride, R: tl.cons
 
 
 @triton.jit
+def _magnitude(y):
+    """(y's bits, |y|'s bits, |y|, 2|y|, 2|y| truncated: 0 or 1 under 1), what both roundings start from."""
+    bits = y.to(tl.int32, bitcast=True)
+    a_bits = bits & 0x7FFFFFFF
+    a = a_bits.to(tl.float32, bitcast=True)
+    twice = a * 2.0
+    return bits, a_bits, a, twice, twice.to(tl.int32)
+
+
+@triton.jit
 def e2m1_codes(y, STOCHASTIC: tl.constexpr, u):
     """4-bit E2M1 codes (int32) of y in [-6, 6]: RNE on the grid, or up with probability
     (|y| - lo) / (hi - lo) when u < p (u uniform in [0, 1)); NaN -> 0, -0 -> +0.
@@ -94,12 +104,8 @@ def e2m1_codes(y, STOCHASTIC: tl.constexpr, u):
     grid, and the 22 bits dropped are p exactly; below 1 the codes 0, 1, 2 are 2|y| rounded,
     and p its fraction. Same codes as the reference's comparisons with far fewer instructions,
     which bound the cast."""
-    bits = y.to(tl.int32, bitcast=True)
-    a_bits = bits & 0x7FFFFFFF
-    a = a_bits.to(tl.float32, bitcast=True)
+    bits, a_bits, a, twice, below = _magnitude(y)
     if STOCHASTIC:
-        twice = a * 2.0
-        below = twice.to(tl.int32)  # toward zero: 0 or 1 under 1
         lo = tl.where(a < 1.0, below, (a_bits >> 22) - 252)
         p = tl.where(a < 1.0, twice - below.to(tl.float32), (a_bits & 0x3FFFFF).to(tl.float32) * (1.0 / 4194304.0))
         mag = lo + (u < p).to(tl.int32)
@@ -118,12 +124,8 @@ def e2m1_round(y, STOCHASTIC: tl.constexpr, u):
     copies held as values: from 1 up the kept bits themselves (the dropped ones added in, or
     one unit of the kept bit with probability p), below 1 |y| rounded to a multiple of 0.5
     (by 2^22, whose unit is 0.5); NaN and -0 give +0 as their codes do (y is within [-6, 6])."""
-    bits = y.to(tl.int32, bitcast=True)
-    a_bits = bits & 0x7FFFFFFF
-    a = a_bits.to(tl.float32, bitcast=True)
+    bits, a_bits, a, twice, below = _magnitude(y)
     if STOCHASTIC:
-        twice = a * 2.0
-        below = twice.to(tl.int32)  # toward zero: 0 or 1 under 1
         small = (below + (u < twice - below.to(tl.float32)).to(tl.int32)).to(tl.float32) * 0.5
         up = u < (a_bits & 0x3FFFFF).to(tl.float32) * (1.0 / 4194304.0)
         big = ((a_bits & -4194304) + (up.to(tl.int32) << 22)).to(tl.float32, bitcast=True)
