@@ -12,6 +12,8 @@ along M) with their E4M3 block scales.
 - Stochastic rounding: `tl.rand` (Philox) from two seeds drawn on the device from the torch
   generator (no host sync), one stream per copy; unbiased and reproducible, not the
   reference's random stream.
+- Values (ROW_VALUES / COL_VALUES): a copy held as its exact values q * s_b in bf16, for the
+  emulated GEMMs, rounded onto the E2M1 grid directly (`e2m1_round`), in place of codes.
 - Grouped columnwise data is packed over all groups, so a group may start in the middle of a
   byte. Bytes shared by two groups (odd group starts or ends) are written with int32
   `atomic_or` of nibbles into bytes the amax launch zeroed; all others with plain stores.
