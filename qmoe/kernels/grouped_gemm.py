@@ -405,8 +405,9 @@ def _m_dequant_route(a, b, a_op, b_op, scaling, b_columnwise, out_dtype, cfg=Non
     n_out = mat_b.shape[2]
     if scaling is Scaling.MX and _torch_grouped_mm_ok(a16, mat_b, out_dtype):
         return _torch_grouped_mm(a16, mat_b, a.offsets, total_rows)
-    a_plain = _Operand(a16, k, 1, factor=_factor(a, scaling, False))  # codes or values: the amaxes' factor
-    plain.factor = _factor(b, scaling, b_columnwise)
+    # codes or values: the amaxes' factor (a codes operand has it already)
+    a_plain = _Operand(a16, k, 1, factor=a_op.factor if a_op is not None else _factor(a, scaling, False))
+    plain.factor = b_op.factor if b_op is not None else _factor(b, scaling, b_columnwise)
     gemm_cfg = cfg if cfg is not None and cfg.bm >= 128 else None
     return _launch_m(a_plain, plain, a.offsets, total_rows, n_out, k, e, Scaling.NONE, out_dtype, gemm_cfg)
 
@@ -566,8 +567,9 @@ def k_grouped_gemm_with(a, b, split_sizes=None, *, out_dtype=torch.bfloat16, out
                     for x, op, held in ((a, a_op, a_held), (b, b_op, b_held)))
         if on_torch and _tokens_grouped_mm_ok(a16, b16.t(), a.offsets, out, out_dtype):
             return _tokens_grouped_mm(a16, b16.t(), a.offsets)
-        a_plain, b_plain = (_Operand(x16, x16.stride(0), x16.stride(1), factor=_factor(x, scaling, True))
-                            for x16, x in ((a16, a), (b16, b)))
+        a_plain, b_plain = (_Operand(x16, x16.stride(0), x16.stride(1),
+                                     factor=op.factor if op is not None else _factor(x, scaling, True))
+                            for x16, x, op in ((a16, a, a_op), (b16, b, b_op)))
         gemm_cfg = config if config is not None and config.bm >= 128 else None
         return _launch_k(a_plain, b_plain, a.offsets, n, k, groups, Scaling.NONE, out, accumulate, gemm_cfg,
                          out_dtype)

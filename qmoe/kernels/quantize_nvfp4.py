@@ -309,11 +309,11 @@ def _nvfp4_kernel(
                          mask=kb_ok[:, None] & mb_ok[None, :])
     else:
         if ROWWISE:
-            codes, sb = quantize_runs_last(x, s_enc, BM, BK, STOCHASTIC, u_row, ROW_VALUES)
+            q, sb = quantize_runs_last(x, s_enc, BM, BK, STOCHASTIC, u_row, ROW_VALUES)  # codes or grid values
             if ROW_VALUES:
-                store_values(row_ptr, codes, sb, rows, cols, m_ok, k_ok, K, BM, BK, 0, False)
+                store_values(row_ptr, q, sb, rows, cols, m_ok, k_ok, K, BM, BK, 0, False)
             else:
-                store8(row_ptr, pack_pairs(codes, BM, BK), row0, col0 // 2, stride_row, row_end, stride_row, BM,
+                store8(row_ptr, pack_pairs(q, BM, BK), row0, col0 // 2, stride_row, row_end, stride_row, BM,
                        BK // 2)
                 tl.store(row_s_ptr + rows[:, None].to(tl.int64) * stride_rs + kb[None, :],
                          sb.to(tl.uint8, bitcast=True), mask=m_ok[:, None] & kb_ok[None, :])
@@ -324,20 +324,22 @@ def _nvfp4_kernel(
                 if STOCHASTIC:
                     u_col = uniform_tile(tl.load(seed_ptr + 1), cols[:, None].to(tl.int64) * M
                                          + (row0 + 4 * tl.arange(0, BM // 4))[None, :], BK, BM)
-                codes_t, sb_t = quantize_runs_last(xt, tensor_scale(tl.load(col_amax_ptr + g)), BK, BM,
-                                                   STOCHASTIC, u_col, COL_VALUES)
+                q_t, sb_t = quantize_runs_last(xt, tensor_scale(tl.load(col_amax_ptr + g)), BK, BM,
+                                               STOCHASTIC, u_col, COL_VALUES)
                 if COL_VALUES:  # [K, M], in the Hadamard domain as the codes
-                    store_values(col_ptr, codes_t, sb_t, cols, rows, k_ok, m_ok, M, BK, BM, 0, False)
+                    store_values(col_ptr, q_t, sb_t, cols, rows, k_ok, m_ok, M, BK, BM, 0, False)
+                else:
+                    codes_t = q_t
             else:  # runs along M quantized in the loaded layout, then transposed
                 u_col = 0.0
                 if STOCHASTIC:
                     u_col = uniform_tile(tl.load(seed_ptr + 1), quads[None, :].to(tl.int64) * M + rows[:, None],
                                          BM, BK)
-                codes, sb_c = quantize_runs_first(x, s_enc, BM, BK, STOCHASTIC, u_col, COL_VALUES)
+                q, sb_c = quantize_runs_first(x, s_enc, BM, BK, STOCHASTIC, u_col, COL_VALUES)
                 if COL_VALUES:  # [K, M]
-                    store_values(col_ptr, codes, sb_c, cols, rows, k_ok, m_ok, M, BM, BK, 1, True)
+                    store_values(col_ptr, q, sb_c, cols, rows, k_ok, m_ok, M, BM, BK, 1, True)
                 else:
-                    codes_t = tl.trans(codes)  # 32-bit: see trans8
+                    codes_t = tl.trans(q)  # 32-bit: see trans8
                     sb_t = trans8(sb_c)
             if not COL_VALUES:
                 store_col_codes(col_ptr, codes_t, col0, row0, row_end, gstart, K, stride_col, BK, BM, GROUPED)

@@ -11,7 +11,7 @@ import copy
 import torch
 
 from qmoe.backend import use_kernels
-from qmoe.contracts.carriers import ActivatedRows, RowsWithAmax
+from qmoe.contracts.carriers import ActivatedRows, RowsWithAmax, row_groups
 from qmoe.contracts.formats import pack_e2m1, unpack_e2m1
 from qmoe.contracts.scales import ScaleSlot, gemm_scale, tensor_factor
 from qmoe.contracts.validate import check_dequantize_dtype, check_flag, check_group_amax, check_split_sizes
@@ -234,8 +234,7 @@ class GroupedTensor:
             held = held.float()
             factor = tensor_factor(self, columnwise)
             if factor is not None:  # each row times its group's factor, as the codes' dequantize
-                rows = torch.arange(held.shape[0], device=held.device)
-                group = torch.searchsorted(self.offsets[1:], rows, right=True).clamp(max=self.num_groups - 1)
+                group = row_groups(self.offsets, held.shape[0]).clamp(max=self.num_groups - 1)
                 held = held * factor.to(held.device)[group][:, None]
             return saturate_to(held.t() if columnwise else held, dtype).contiguous()
         codes = self

@@ -61,7 +61,7 @@ def _held_parts(gt, columnwise: bool) -> list[torch.Tensor] | None:
     factor = tensor_factor(gt, columnwise)  # NVFP4's values are q * s_b: times S_dec, as its codes
     parts = []
     for g, (s, e) in enumerate(host_bounds(gt.offsets)):
-        part = held[s:e].float() * (factor[g] if factor is not None else 1.0)
+        part = held[s:e].float() if factor is None else held[s:e].float() * factor[g]
         parts.append(part.t() if columnwise else part)
     return parts
 
