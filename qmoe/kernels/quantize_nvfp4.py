@@ -26,21 +26,17 @@ import torch
 import triton
 import triton.language as tl
 
-from qmoe.contracts.formats import E2M1, E4M3, FLT_MAX, NVFP4_BLOCK, NVFP4_TENSOR_MAX, RHT_SIZE, ceil_div
+from qmoe.contracts.formats import NVFP4_BLOCK, RHT_SIZE, ceil_div
 from qmoe.kernels.activation import NO_ACTIVATION, input_width, load_rows
-from qmoe.kernels._arith import (atomic_max_bits, cast_satfinite, clamp_nan, is_nan, max_abs_bits, reciprocal, saturate,
-                                trans8)
+from qmoe.kernels._arith import atomic_max_bits, clamp_nan, max_abs_bits, reciprocal, saturate, trans8
+from qmoe.kernels._e2m1 import E2M1_MAX, block_scale, e2m1_codes, e2m1_round, e2m1_value, tensor_scale
+from qmoe.kernels import _cast_transpose_gl as _block_cast_gl
+from qmoe.kernels._cast_variants import is_forced
 from qmoe.kernels._launch import kernel_op, launch, prune_oversized, tile_configs
 from qmoe.kernels._layout import as_rows, group_pow2
 from qmoe.kernels.quantize import ORIENTED_KEY, prune_blocks, scale_width, tile_grid
 from qmoe.kernels._tiles import (RHT_SIGN_MASK, block_amax_2d, block_amax_first, block_amax_last, rht_last, scale_2d,
                                 scale_first, scale_last, store8, tile_rows, tile_span, uniform_tile)
-
-_FLT_MAX = tl.constexpr(FLT_MAX)
-_ONE_SIXTH = tl.constexpr(float(torch.tensor(1.0 / 6.0, dtype=torch.float32)))  # fp32(1/6), as the reference
-_TENSOR_MAX = tl.constexpr(NVFP4_TENSOR_MAX)
-_E4M3_MAX = tl.constexpr(E4M3.max)
-_E2M1_MAX = tl.constexpr(E2M1.max)
 
 # Tiles: BM a multiple of the 16-row blocks and RHT runs; 16-32 elements per thread keep the
 # two copies, the Hadamard product and Philox in registers (ptxas -v on sm_90a).
@@ -50,21 +46,6 @@ _KEY = ["M", "K", "G", "ACT"]  # as in kernels/quantize.py
 
 
 # ---------------------------------------------------------------- elementwise pieces
-
-@triton.jit
-def tensor_scale(amax):
-    """S_enc = min(448*6 / amax, FLT_MAX) (NaN -> FLT_MAX), 1 where that is 0."""
-    s = tl.math.div_rn(tl.full(amax.shape, _TENSOR_MAX, tl.float32), amax)
-    s = tl.where(is_nan(s) | (s > _FLT_MAX), _FLT_MAX, s)
-    return tl.where(s == 0, 1.0, s)
-
-
-@triton.jit
-def e2m1_value(c):
-    """Magnitude of codes 0..7: {0, .5, 1, 1.5, 2, 3, 4, 6}."""
-    big = tl.where(c == 4, 2.0, tl.where(c == 5, 3.0, tl.where(c == 6, 4.0, 6.0)))
-    return tl.where(c < 4, c.to(tl.float32) * 0.5, big)
-
 
 @triton.jit
 def store_values(ptr, grid, scales, r_idx, c_idx, r_ok, c_ok, stride, R: tl.constexpr, C: tl.constexpr,
@@ -87,74 +68,12 @@ def store_values(ptr, grid, scales, r_idx, c_idx, r_ok, c_ok, stride, R: tl.cons
 
 
 @triton.jit
-def _magnitude(y):
-    """(y's bits, |y|'s bits, |y|, 2|y|, 2|y| truncated: 0 or 1 under 1), what both roundings start from."""
-    bits = y.to(tl.int32, bitcast=True)
-    a_bits = bits & 0x7FFFFFFF
-    a = a_bits.to(tl.float32, bitcast=True)
-    twice = a * 2.0
-    return bits, a_bits, a, twice, twice.to(tl.int32)
-
-
-@triton.jit
-def e2m1_codes(y, STOCHASTIC: tl.constexpr, u):
-    """4-bit E2M1 codes (int32) of y in [-6, 6]: RNE on the grid, or up with probability
-    (|y| - lo) / (hi - lo) when u < p (u uniform in [0, 1)); NaN -> 0, -0 -> +0.
-
-    From |y|'s bits rather than by comparing with the grid: from 1 up, a code is the exponent
-    and the first mantissa bit (1.0 is code 2), so keeping one mantissa bit rounds onto the
-    grid, and the 22 bits dropped are p exactly; below 1 the codes 0, 1, 2 are 2|y| rounded,
-    and p its fraction. Same codes as the reference's comparisons with far fewer instructions,
-    which bound the cast."""
-    bits, a_bits, a, twice, below = _magnitude(y)
-    if STOCHASTIC:
-        lo = tl.where(a < 1.0, below, (a_bits >> 22) - 252)
-        p = tl.where(a < 1.0, twice - below.to(tl.float32), (a_bits & 0x3FFFFF).to(tl.float32) * (1.0 / 4194304.0))
-        mag = lo + (u < p).to(tl.int32)
-    else:  # RNE: add just under half of the dropped bits' unit, plus the kept bit (ties to even)
-        above = (a_bits + (0x1FFFFF - (252 << 22)) + ((a_bits >> 22) & 1)) >> 22
-        below = (a * 2.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000  # 2^23 rounds to an integer
-        mag = tl.where(a < 1.0, below, above)
-    # NaN's magnitude comes out above 7 (its exponent field is all ones): 0, as is -0
-    keep = (mag - 1).to(tl.uint32, bitcast=True) < 7
-    return tl.where(keep, mag | ((bits >> 28) & 8), 0)
-
-
-@triton.jit
-def e2m1_round(y, STOCHASTIC: tl.constexpr, u):
-    """The value (fp32) of e2m1_codes(y, STOCHASTIC, u), rounded onto the grid directly for
-    copies held as values: from 1 up the kept bits themselves (the dropped ones added in, or
-    one unit of the kept bit with probability p), below 1 |y| rounded to a multiple of 0.5
-    (by 2^22, whose unit is 0.5); NaN and -0 give +0 as their codes do (y is within [-6, 6])."""
-    bits, a_bits, a, twice, below = _magnitude(y)
-    if STOCHASTIC:
-        small = (below + (u < twice - below.to(tl.float32)).to(tl.int32)).to(tl.float32) * 0.5
-        up = u < (a_bits & 0x3FFFFF).to(tl.float32) * (1.0 / 4194304.0)
-        big = ((a_bits & -4194304) + (up.to(tl.int32) << 22)).to(tl.float32, bitcast=True)
-    else:
-        small = (a + 4194304.0) - 4194304.0
-        big = ((a_bits + 0x1FFFFF + ((a_bits >> 22) & 1)) & -4194304).to(tl.float32, bitcast=True)
-    mag = tl.where(a < 1.0, small, big)
-    keep = (mag > 0) & (mag <= 6.0)  # a NaN's bits round to inf or NaN: 0, as its code
-    return tl.where(keep, tl.where(bits < 0, -mag, mag), 0.0)
-
-
-@triton.jit
-def block_scale(amax_b, s_enc, s_dec):
-    """(E4M3 block scale s_b, encode multiplier min(1 / (s_b * S_dec), FLT_MAX)) from block amaxes."""
-    sb = cast_satfinite(tl.minimum(amax_b * (s_enc * _ONE_SIXTH), _FLT_MAX, propagate_nan=tl.PropagateNan.ALL),
-                        _E4M3_MAX, tl.float8e4nv)
-    enc = tl.minimum(reciprocal(sb.to(tl.float32) * s_dec), _FLT_MAX, propagate_nan=tl.PropagateNan.ALL)
-    return sb, enc
-
-
-@triton.jit
 def quantize_runs_last(x, s_enc, R: tl.constexpr, C: tl.constexpr, STOCHASTIC: tl.constexpr, u,
                        VALUES: tl.constexpr = False):
     """1x16 NVFP4 of x [R, C] fp32 in runs along the last axis -> (codes [R, C], or with VALUES
     their grid values (e2m1_round), scales [R, C/16] e4m3)."""
     sb, enc = block_scale(block_amax_last(x, R, C, 16, False), s_enc, reciprocal(s_enc))
-    y = clamp_nan(scale_last(x, enc, R, C, 16), -_E2M1_MAX, _E2M1_MAX)
+    y = clamp_nan(scale_last(x, enc, R, C, 16), -E2M1_MAX, E2M1_MAX)
     if VALUES:
         q = e2m1_round(y, STOCHASTIC, u)
     else:
@@ -167,7 +86,7 @@ def quantize_runs_first(x, s_enc, R: tl.constexpr, C: tl.constexpr, STOCHASTIC: 
                         VALUES: tl.constexpr = False):
     """1x16 NVFP4 in runs along the first axis -> (codes [R, C] or their grid values, scales [R/16, C] e4m3)."""
     sb, enc = block_scale(block_amax_first(x, R, C, 16, False), s_enc, reciprocal(s_enc))
-    y = clamp_nan(scale_first(x, enc, R, C, 16), -_E2M1_MAX, _E2M1_MAX)
+    y = clamp_nan(scale_first(x, enc, R, C, 16), -E2M1_MAX, E2M1_MAX)
     if VALUES:
         q = e2m1_round(y, STOCHASTIC, u)
     else:
@@ -279,7 +198,7 @@ def _nvfp4_kernel(
     mb_ok = row0 + tl.arange(0, BM // B) * B < row_end
     if BLOCK_2D:  # one scale per 16x16 block, shared by both copies
         sb, enc = block_scale(block_amax_2d(x, BM, BK, B), s_enc, reciprocal(s_enc))
-        y = clamp_nan(scale_2d(x, enc, BM, BK, B), -_E2M1_MAX, _E2M1_MAX)
+        y = clamp_nan(scale_2d(x, enc, BM, BK, B), -E2M1_MAX, E2M1_MAX)
         if ROW_VALUES or (COL_VALUES and not STOCHASTIC):  # the rowwise rounding, as values
             grid = e2m1_round(y, STOCHASTIC, u_row)
         if (ROWWISE and not ROW_VALUES) or (COLWISE and not COL_VALUES and not STOCHASTIC):  # as codes
@@ -347,6 +266,18 @@ def _nvfp4_kernel(
                          sb_t.to(tl.uint8, bitcast=True), mask=k_ok[:, None] & mb_ok[None, :])
 
 
+def _gluon_cast(x, splits, num_groups, block_2d, rht, stochastic, act, glu_block, probs, amax, rowwise, columnwise,
+                row, row_s, col, col_s, values) -> bool:
+    """Whether the Gluon cast (`_cast_transpose_gl` with `_cast_nvfp4_gl`'s tiles, the same bits)
+    took this call, after the amax launch: where it applies (`unsupported_nvfp4`) and compiles."""
+    if is_forced(_nvfp4_kernel) or _block_cast_gl.unsupported_nvfp4(x, block_2d, rht, stochastic, values[1], act,
+                                                                    glu_block) is not None:
+        return False
+    return _block_cast_gl.launch_dispatched_nv(x, splits, num_groups, block_2d, act, glu_block, probs, amax, rowwise,
+                                               columnwise, row, row_s.view(torch.uint8), col, col_s.view(torch.uint8),
+                                               values)
+
+
 @kernel_op("qmoe::quantize_nvfp4")
 def nvfp4_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, block_2d: bool, rowwise: bool,
              columnwise: bool, rht: bool, seeds: Optional[torch.Tensor], probs: Optional[torch.Tensor] = None,
@@ -390,14 +321,16 @@ def nvfp4_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, b
                _SMALL, m * k, ACT=act, GLU_BLOCK=glu_block, RHT=rht_col, ZERO_ODD=grouped and cols_s,
                GROUPED=grouped,
                G_P2=group_pow2(num_groups), SIGN_MASK=RHT_SIGN_MASK)
-        launch(_nvfp4_kernel, grid,
-               (x, p, amax, rht_amax if rht_col else amax, seeds if seeds is not None else x, row,
-                row_s.view(torch.uint8), col, col_s.view(torch.uint8), dummy, m, k, num_groups, x.stride(0), k // 2,
-                m // 2, nkb, width),
-               _SMALL, m * k, ACT=act, GLU_BLOCK=glu_block, B=b, BLOCK_2D=block_2d, RHT=rht_col,
-               STOCHASTIC=seeds is not None,
-               ROWWISE=rowwise, COLWISE=columnwise, GROUPED=grouped, G_P2=group_pow2(num_groups),
-               SIGN_MASK=RHT_SIGN_MASK, ROW_VALUES=row_values, COL_VALUES=col_values)
+        if not _gluon_cast(x, splits, num_groups, block_2d, rht_col, seeds is not None, act, glu_block, probs, amax,
+                           rowwise, columnwise, row, row_s, col, col_s, (row_values, col_values)):
+            launch(_nvfp4_kernel, grid,
+                   (x, p, amax, rht_amax if rht_col else amax, seeds if seeds is not None else x, row,
+                    row_s.view(torch.uint8), col, col_s.view(torch.uint8), dummy, m, k, num_groups, x.stride(0), k // 2,
+                    m // 2, nkb, width),
+                   _SMALL, m * k, ACT=act, GLU_BLOCK=glu_block, B=b, BLOCK_2D=block_2d, RHT=rht_col,
+                   STOCHASTIC=seeds is not None,
+                   ROWWISE=rowwise, COLWISE=columnwise, GROUPED=grouped, G_P2=group_pow2(num_groups),
+                   SIGN_MASK=RHT_SIGN_MASK, ROW_VALUES=row_values, COL_VALUES=col_values)
     col_amax = rht_amax if rht and columnwise else amax
     return row, row_s, amax.clone(), col, col_s, col_amax.clone()
 

@@ -119,3 +119,18 @@ def test_mxfp8_cast_with_exact_values_compiles(compile_only, values, activation)
     kernels = compile_only(ct, "fp8_block_cast_kernel")
     cast_launch(torch.bfloat16, True, activation, values=values)()
     _fits(kernels)
+
+
+@pytest.mark.parametrize("case", [
+    dict(), dict(block_2d=True), dict(values=(True, False)), dict(block_2d=True, values=(True, False)),
+    dict(grouped=True), dict(block_2d=True, grouped=True, values=(True, True)),
+    dict(activation="swiglu", grouped=True)],
+    ids=["1x16", "16x16", "1x16-row-values", "16x16-row-values", "1x16-grouped", "16x16-grouped-values", "swiglu"])
+def test_nvfp4_cast_compiles(compile_only, case):
+    """NVFP4's tiles in the Gluon cast (`_cast_nvfp4_gl`): codes and exact values, grouped, fused GLU."""
+    from benchmarks.kernel_sass import nvfp4_cast_launch
+    from qmoe.kernels import _cast_transpose_gl as ct
+
+    kernels = compile_only(ct, "fp8_block_cast_kernel")
+    nvfp4_cast_launch(**case)()
+    _fits(kernels)
