@@ -18,7 +18,7 @@ from tests.kernels.test_block_cast_gl import _Rows
 from tests.kernels.interpret import INTERPRETING
 
 on_gpu = pytest.mark.skipif(INTERPRETING or not torch.cuda.is_available(), reason="needs a CUDA GPU")
-SPLITS = [0, 37, 1, 0, 130, 64, 0, 29, 300, 16, 8]  # empty, odd (shared bytes), off 8 rows, partial tiles
+SPLITS = [0, 37, 1, 0, 130, 64, 0, 29, 300, 16, 8, 33]  # empty, odd (shared bytes), off 8 rows, partial tiles; an even total
 ORIENTS = {"both": (True, True), "rows": (True, False), "cols": (False, True)}
 
 
