@@ -1,33 +1,35 @@
-"""One 128 x 128 bf16 tile of NVFP4's Gluon cast, in shared memory, to packed E2M1 codes and E4M3
-block scales (or a copy's exact values): the per-tile body of
+"""One 128 x 128 bf16 tile of NVFP4's Gluon cast (1 x 16 blocks), in shared memory, to packed
+E2M1 codes and E4M3 block scales, or the rowwise copy's exact values: the per-tile body of
 `_cast_transpose_gl.fp8_block_cast_kernel` for NVFP4 (its docstring tells the whole kernel: TMA
 ring, persistent programs, groups, a fused GLU), dispatched from `quantize_nvfp4.nvfp4_op`.
 
-Same bits as `quantize_nvfp4._nvfp4_kernel`, from the same elementwise arithmetic (`_e2m1`): the
-tensor amax comes from that module's amax launch, which also zeroes the columnwise bytes of
-groups that start on an odd row. The tile is read as words of two bf16 values, once per layout:
+Same bits as `quantize_nvfp4._nvfp4_kernel` from the same elementwise arithmetic (`_e2m1`), but
+for the Hadamard transform's rounding; the tensor amaxes come from that module's amax launch,
+which also zeroes the columnwise bytes of groups that start on an odd row. The tile is read as
+words of two bf16 values, once per layout:
 
-- rows, 1 x 16 blocks: a thread holds one block (8 words), so its amax, scale, codes and the two
-  words of packed codes never leave the thread;
-- columns: a thread holds 16 rows of one word, that is a 16-row block of two columns. Its
-  columnwise blocks (1 x 16 along M) stay in the thread; a 16 x 16 block spans the 8 lanes that
-  hold its words, and since both copies of a 16 x 16 block share scale and codes, that layout
-  also writes the rowwise copy (a byte, or a word of values, per row).
+- rows: a thread holds one block (8 words), so its amax, scale, codes and the two words of packed
+  codes never leave the thread;
+- columns: a thread holds 16 rows of one word, a 16-row block of two columns, so the columnwise
+  blocks, the 16-point Hadamard transform (four butterflies) and the packing along M stay in the
+  thread: no transpose, which is what holds the Triton kernel's columnwise copy back.
 
 Columnwise codes are packed along M, two rows per byte, 16 rows to two words, stored straight
 from registers. Where a tile's rows are not whole words of that copy (a group starting on a row
 not a multiple of 8, or ending inside the tile) it stores bytes, and nibbles of bytes two groups
-share with atomic ORs, as the Triton kernel does. Not here: stochastic rounding, the Hadamard
-transform, and 1 x 16 columnwise values (`unsupported_nvfp4` sends those to the Triton kernel).
+share with atomic ORs, as the Triton kernel does. Not here (`unsupported_nvfp4` sends them to the
+Triton kernel): 16 x 16 blocks (the Triton kernel, which computes their codes once for both
+copies, is faster), stochastic rounding, and columnwise copies as values.
 """
 from __future__ import annotations
 
 import triton
 
 from qmoe.kernels import _gluon_sm90 as sm90
-from qmoe.kernels._arith import bits_to_float, clamp_nan, reciprocal
+from qmoe.kernels._arith import abs_bits, bits_to_float, clamp_nan, reciprocal
 from qmoe.kernels._e2m1 import E2M1_MAX, block_scale, e2m1_codes, e2m1_round, tensor_scale
 from qmoe.kernels._gluon_sm90 import gluon
+from qmoe.kernels._tiles import RHT_SIGN_MASK
 
 NVFP4_VALUES = 16  # values per NVFP4 scale block
 
@@ -36,6 +38,7 @@ if gluon is not None:
     from qmoe.kernels._gluon_sm90 import gl
 
     NV_BLOCK = gl.constexpr(NVFP4_VALUES)
+    RHT_MASK = gl.constexpr(RHT_SIGN_MASK)
 
     @triton.constexpr_function
     def _axis_only(layout, rank, axis):
@@ -117,31 +120,33 @@ if gluon is not None:
 
     @gluon.jit
     def _store_col_codes(col_ptr, c, row0, row_end, kt, K, M, HALF: gl.constexpr):
-        """Store the columnwise codes c [RB, 2, 4, 2, NB, 8] of the columns 2w + HALF (w: the tile's
-        words) into col [K, M / 2] bytes, two rows to a byte: as words where the tile is whole and
-        starts on a word of that copy, else as bytes, with the nibbles of a byte another group shares
-        (the group starts or ends on an odd row) ORed in atomically into bytes zeroed before."""
+        """Store the columnwise codes c [RB, 2, 2, 2, 2, NB, 8] (rows: 16 per block, by bit from the
+        highest; words of the tile) of the columns 2w + HALF into col [K, M / 2] bytes, two rows to a
+        byte: as words where the tile is whole and starts on a word of that copy, else as bytes, with
+        the nibbles of a byte another group shares (the group starts or ends on an odd row) ORed in
+        atomically into bytes zeroed before."""
         P: gl.constexpr = c.type.layout
-        BW: gl.constexpr = c.shape[4] * c.shape[5]
-        cols = 2 * (kt * BW + _iota(c.shape[4], P, 6, 4) * 8 + _iota(8, P, 6, 5)) + HALF
-        rows = (row0 + _iota(c.shape[0], P, 6, 0) * NV_BLOCK + _iota(2, P, 6, 1) * 8 + _iota(4, P, 6, 2) * 2
-                + _iota(2, P, 6, 3))
-        if (row0 % 8 == 0) & (row0 + c.shape[0] * NV_BLOCK <= row_end) & (M % 8 == 0):
-            words = _pack(_pack(c, 6, 3, 4), 5, 2, 8)  # [RB, 2, NB, 8]: 8 rows per word
+        RB: gl.constexpr = c.shape[0]
+        NB: gl.constexpr = c.shape[5]
+        BW: gl.constexpr = NB * 8
+        bytes_ = _pack(c, 7, 4, 4)  # [RB, 2, 2, 2, NB, 8]: rows 2i and 2i + 1
+        if (row0 % 8 == 0) & (row0 + RB * NV_BLOCK <= row_end) & (M % 8 == 0):
+            words = _pack(_pack(bytes_, 6, 3, 8), 5, 2, 16)  # [RB, 2, NB, 8]: 8 rows per word
             W: gl.constexpr = words.type.layout
-            cols_w = 2 * (kt * BW + _iota(c.shape[4], W, 4, 2) * 8 + _iota(8, W, 4, 3)) + HALF
-            first = (row0 // 8) + _iota(c.shape[0], W, 4, 0) * 2 + _iota(2, W, 4, 1)
+            cols_w = 2 * (kt * BW + _iota(NB, W, 4, 2) * 8 + _iota(8, W, 4, 3)) + HALF
+            first = (row0 // 8) + _iota(RB, W, 4, 0) * 2 + _iota(2, W, 4, 1)
             gl.store(col_ptr.to(gl.pointer_type(gl.int32)) + cols_w.to(gl.int64) * (M // 8) + first, words,
                      mask=cols_w < K)
         else:
+            rows = _block_rows(row0, RB, P)
+            cols = 2 * (kt * BW + _iota(NB, P, 7, 5) * 8 + _iota(8, P, 7, 6)) + HALF
             ok = (rows < row_end) & (cols < K)
             if row0 % 2 == 0:  # whole bytes of this group as bytes; the last one, if shared, below
-                pairs = _pack(c, 6, 3, 4)  # [RB, 2, 4, NB, 8]
-                B: gl.constexpr = pairs.type.layout
-                cols_b = 2 * (kt * BW + _iota(c.shape[4], B, 5, 3) * 8 + _iota(8, B, 5, 4)) + HALF
-                even = (row0 + _iota(c.shape[0], B, 5, 0) * NV_BLOCK + _iota(2, B, 5, 1) * 8
-                        + _iota(4, B, 5, 2) * 2)
-                gl.store(col_ptr + cols_b.to(gl.int64) * (M // 2) + even // 2, pairs.to(gl.uint8),
+                B: gl.constexpr = bytes_.type.layout
+                cols_b = 2 * (kt * BW + _iota(NB, B, 6, 4) * 8 + _iota(8, B, 6, 5)) + HALF
+                even = row0 + _iota(RB, B, 6, 0) * NV_BLOCK + _iota(2, B, 6, 1) * 8 + _iota(2, B, 6, 2) * 4 + \
+                    _iota(2, B, 6, 3) * 2
+                gl.store(col_ptr + cols_b.to(gl.int64) * (M // 2) + even // 2, bytes_.to(gl.uint8),
                          mask=(even + 1 < row_end) & (cols_b < K))
                 shared = ok & (rows == row_end - 1) & (row_end % 2 == 1)
             else:
@@ -151,89 +156,92 @@ if gluon is not None:
             gl.atomic_or(col_ptr.to(gl.pointer_type(gl.int32)) + (byte >> 2), c << shift, mask=shared & (c != 0))
 
     @gluon.jit
-    def _columns(tile, row_ptr, row_s_ptr, col_ptr, col_s_ptr, s_enc, row0, row_end, sblk, kt, M, K, stride_rs,
-                 stride_rsk, stride_cs, stride_csm, BLOCK_2D: gl.constexpr, ROWWISE: gl.constexpr,
-                 COLWISE: gl.constexpr, ROW_VALUES: gl.constexpr, COL_VALUES: gl.constexpr,
-                 num_warps: gl.constexpr):
-        """The columnwise copy (1 x 16 blocks along M, or 16 x 16 blocks, then the rowwise copy too),
-        from the tile read as [row blocks, 2, 4, 2 rows, word blocks, 8 words]: a thread holds a
-        16-row block of one word."""
+    def _block_rows(row0, RB: gl.constexpr, P: gl.constexpr):
+        """The rows of a [RB, 2, 2, 2, 2, ...] tensor in layout P: 16 per block, by bit from the highest."""
+        return (row0 + _iota(RB, P, 7, 0) * NV_BLOCK + _iota(2, P, 7, 1) * 8
+                + _iota(2, P, 7, 2) * 4 + _iota(2, P, 7, 3) * 2 + _iota(2, P, 7, 4))
+
+    @gluon.jit
+    def _butterfly(v, AXIS: gl.constexpr):
+        """One step of the Walsh-Hadamard transform along the size-2 axis AXIS of a rank-7 v, which one
+        thread holds: (a, b) -> (a + b, a - b)."""
+        L: gl.constexpr = v.type.layout
+        first = _iota(2, L, 7, AXIS) == 0
+        total = gl.expand_dims(gl.sum(v, AXIS), AXIS)
+        diff = gl.expand_dims(gl.sum(gl.where(first, v, -v), AXIS), AXIS)
+        return gl.where(first, total, diff)
+
+    @gluon.jit
+    def _hadamard(w, row_ok):
+        """The random Hadamard transform of every 16-row block of both columns of each word (rows of
+        another group as zeros, as the Triton kernel loads them): signs, then the four butterflies of
+        the 16-point transform in each thread, then 1/4 (fp32; the Triton kernel's product sums in
+        another order, so they agree to fp32 rounding, exactly where every sum is exact)."""
+        L: gl.constexpr = w.type.layout
+        pos = _iota(2, L, 7, 1) * 8 + _iota(2, L, 7, 2) * 4 + _iota(2, L, 7, 3) * 2 + _iota(2, L, 7, 4)
+        neg = (RHT_MASK >> pos) & 1
+        lo, hi = _bf16_pairs_to_float(gl.where(row_ok, w ^ ((neg << 31) | (neg << 15)), 0))
+        for axis in gl.static_range(1, 5):
+            lo = _butterfly(lo, axis)
+            hi = _butterfly(hi, axis)
+        return lo * 0.25, hi * 0.25
+
+    @gluon.jit
+    def _block_amax(v):
+        """max|v| (NaN wins) over each 16-row block of a [RB, 2, 2, 2, 2, NB, 8] fp32 tensor -> [RB, NB, 8]."""
+        b = abs_bits(v)
+        return bits_to_float(gl.max(gl.max(gl.max(gl.max(b, 4), 3), 2), 1))
+
+    @gluon.jit
+    def _columns(tile, col_ptr, col_s_ptr, s_enc, row0, row_end, sblk, kt, M, K, stride_cs, stride_csm,
+                 RHT: gl.constexpr, num_warps: gl.constexpr):
+        """The columnwise copy, 1 x 16 blocks along M (after the Hadamard transform with RHT), from the
+        tile read as [row blocks, four bits of the row in the block, word blocks, 8 words]: a thread
+        holds a 16-row block of one word, two columns."""
         BM: gl.constexpr = tile.shape[0]
         BW: gl.constexpr = tile.shape[1] // 2
         RB: gl.constexpr = BM // NV_BLOCK
         NB: gl.constexpr = BW // 8
-        P: gl.constexpr = gl.BlockedLayout([1, 2, 4, 2, 1, 1], [1, 1, 1, 1, 4, 8], [num_warps, 1, 1, 1, 1, 1],
-                                           [5, 4, 3, 2, 1, 0])
-        plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[5, 4, 3, 2, 1, 0])
-        w = sm90.reinterpret(tile, gl.int32, [RB, 2, 4, 2, NB, 8], plain).load(P)
-        rows = (row0 + _iota(RB, P, 6, 0) * NV_BLOCK + _iota(2, P, 6, 1) * 8 + _iota(4, P, 6, 2) * 2
-                + _iota(2, P, 6, 3))
-        ok = rows < row_end  # rows of the group only
-        a = gl.reduce(gl.reduce(gl.reduce(w & gl.where(ok, 0x7FFF7FFF, 0), 3, _max_u16x2), 2, _max_u16x2), 1,
-                      _max_u16x2)  # [RB, NB, 8]: max|x| of both columns of each word over its 16 rows
-        C3: gl.constexpr = a.type.layout
-        if BLOCK_2D:
-            B2: gl.constexpr = gl.SliceLayout(2, C3)
-            blk = gl.max(gl.maximum(a << 16, a & -65536), 2)  # [RB, NB]
-            sb2, enc2 = block_scale(bits_to_float(blk), s_enc, reciprocal(s_enc))
-            s2 = gl.expand_dims(sb2.to(gl.float32), 2)  # [RB, NB, 1]: the value scale of every word
-            enc_lo = gl.expand_dims(enc2, 2)
-            enc_hi = enc_lo
-            kb = kt * NB + _iota(NB, B2, 2, 1)
-            rb_ok = row0 + _iota(RB, B2, 2, 0) * NV_BLOCK < row_end
-            sblks = sblk + _iota(RB, B2, 2, 0)
-            scale = sb2.to(gl.uint8, bitcast=True)
-            if ROWWISE and not ROW_VALUES:
-                gl.store(row_s_ptr + sblks * stride_rs + kb * stride_rsk, scale, mask=rb_ok & (kb * NV_BLOCK < K))
-            if COLWISE and not COL_VALUES:
-                gl.store(col_s_ptr + kb * stride_cs + sblks * stride_csm, scale, mask=rb_ok & (kb * NV_BLOCK < K))
+        P: gl.constexpr = gl.BlockedLayout([1, 2, 2, 2, 2, 1, 1], [1, 1, 1, 1, 1, 4, 8], [num_warps, 1, 1, 1, 1, 1, 1],
+                                           [6, 5, 4, 3, 2, 1, 0])
+        plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[6, 5, 4, 3, 2, 1, 0])
+        w = sm90.reinterpret(tile, gl.int32, [RB, 2, 2, 2, 2, NB, 8], plain).load(P)
+        ok = _block_rows(row0, RB, P) < row_end  # rows of the group only
+        if RHT:
+            lo, hi = _hadamard(w, ok)
+            amax_lo = _block_amax(lo)
+            amax_hi = _block_amax(hi)
         else:
-            s_lo, enc_lo = block_scale(bits_to_float(a << 16), s_enc, reciprocal(s_enc))
-            s_hi, enc_hi = block_scale(bits_to_float(a & -65536), s_enc, reciprocal(s_enc))
-            even = 2 * (kt * BW + _iota(NB, C3, 3, 1) * 8 + _iota(8, C3, 3, 2))  # column of each low half
-            s_ptrs = col_s_ptr + even.to(gl.int64) * stride_cs + (sblk + _iota(RB, C3, 3, 0)) * stride_csm
-            s_ok = (row0 + _iota(RB, C3, 3, 0) * NV_BLOCK < row_end) & (even < K)
-            gl.store(s_ptrs, s_lo.to(gl.uint8, bitcast=True), mask=s_ok)
-            gl.store(s_ptrs + stride_cs, s_hi.to(gl.uint8, bitcast=True), mask=s_ok)
-        e_lo = gl.expand_dims(gl.expand_dims(gl.expand_dims(enc_lo, 1), 2), 3)
-        e_hi = gl.expand_dims(gl.expand_dims(gl.expand_dims(enc_hi, 1), 2), 3)
-        y_lo, y_hi = _halves(w, e_lo, e_hi)
-        if BLOCK_2D:
-            words = kt * BW + _iota(NB, P, 6, 4) * 8 + _iota(8, P, 6, 5)
-            row_ok = ok & (words < K // 2)
-            if ROW_VALUES or COL_VALUES:
-                s6 = gl.expand_dims(gl.expand_dims(gl.expand_dims(s2, 1), 2), 3)
-                v = _values(y_lo, y_hi, s6, s6)
-                offs = rows.to(gl.int64) * (K // 2) + words
-                if ROW_VALUES:
-                    gl.store(row_ptr.to(gl.pointer_type(gl.int32)) + offs, v, mask=row_ok)
-                if COL_VALUES:  # the same values: both copies share codes and scales
-                    gl.store(col_ptr.to(gl.pointer_type(gl.int32)) + offs, v, mask=row_ok)
-            if (ROWWISE and not ROW_VALUES) or (COLWISE and not COL_VALUES):
-                c_lo = e2m1_codes(y_lo, False, 0.0)
-                c_hi = e2m1_codes(y_hi, False, 0.0)
-                if ROWWISE and not ROW_VALUES:  # a byte per row: the word's two columns
-                    gl.store(row_ptr + rows.to(gl.int64) * (K // 2) + words, (c_lo | (c_hi << 4)).to(gl.uint8),
-                             mask=row_ok)
-                if COLWISE and not COL_VALUES:
-                    _store_col_codes(col_ptr, c_lo, row0, row_end, kt, K, M, 0)
-                    _store_col_codes(col_ptr, c_hi, row0, row_end, kt, K, M, 1)
-        else:
-            _store_col_codes(col_ptr, e2m1_codes(y_lo, False, 0.0), row0, row_end, kt, K, M, 0)
-            _store_col_codes(col_ptr, e2m1_codes(y_hi, False, 0.0), row0, row_end, kt, K, M, 1)
+            lo, hi = _bf16_pairs_to_float(w)
+            m = w & gl.where(ok, 0x7FFF7FFF, 0)
+            a = gl.reduce(gl.reduce(gl.reduce(gl.reduce(m, 4, _max_u16x2), 3, _max_u16x2), 2, _max_u16x2), 1,
+                          _max_u16x2)  # [RB, NB, 8]: max|x| of both columns of each word over its 16 rows
+            amax_lo = bits_to_float(a << 16)
+            amax_hi = bits_to_float(a & -65536)
+        C3: gl.constexpr = amax_lo.type.layout
+        s_lo, enc_lo = block_scale(amax_lo, s_enc, reciprocal(s_enc))
+        s_hi, enc_hi = block_scale(amax_hi, s_enc, reciprocal(s_enc))
+        even = 2 * (kt * BW + _iota(NB, C3, 3, 1) * 8 + _iota(8, C3, 3, 2))  # column of each low half
+        s_ptrs = col_s_ptr + even.to(gl.int64) * stride_cs + (sblk + _iota(RB, C3, 3, 0)) * stride_csm
+        s_ok = (row0 + _iota(RB, C3, 3, 0) * NV_BLOCK < row_end) & (even < K)
+        gl.store(s_ptrs, s_lo.to(gl.uint8, bitcast=True), mask=s_ok)
+        gl.store(s_ptrs + stride_cs, s_hi.to(gl.uint8, bitcast=True), mask=s_ok)
+        e_lo = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(enc_lo, 1), 2), 3), 4)
+        e_hi = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(enc_hi, 1), 2), 3), 4)
+        y_lo = clamp_nan(lo * e_lo, -E2M1_MAX, E2M1_MAX)
+        y_hi = clamp_nan(hi * e_hi, -E2M1_MAX, E2M1_MAX)
+        _store_col_codes(col_ptr, e2m1_codes(y_lo, False, 0.0), row0, row_end, kt, K, M, 0)
+        _store_col_codes(col_ptr, e2m1_codes(y_hi, False, 0.0), row0, row_end, kt, K, M, 1)
 
     @gluon.jit
-    def _cast_tile_nvfp4(tile, row_ptr, row_s_ptr, col_ptr, col_s_ptr, amax, row0, row_end, sblk, kt, M, K,
-                         stride_rs, stride_rsk, stride_cs, stride_csm, BLOCK_2D: gl.constexpr, ROWWISE: gl.constexpr,
-                         COLWISE: gl.constexpr, ROW_VALUES: gl.constexpr, COL_VALUES: gl.constexpr,
-                         num_warps: gl.constexpr):
-        """NVFP4 of one bf16 tile whose group's tensor amax is `amax` (see the module docstring):
-        1 x 16 rows in the row layout, everything else in the column layout."""
-        s_enc = tensor_scale(amax)
-        if ROWWISE and not BLOCK_2D:
-            _rows_1x16(tile, row_ptr, row_s_ptr, s_enc, row0, row_end, kt, K, stride_rs, stride_rsk, ROW_VALUES,
-                       num_warps)
-        if COLWISE or BLOCK_2D:
-            _columns(tile, row_ptr, row_s_ptr, col_ptr, col_s_ptr, s_enc, row0, row_end, sblk, kt, M, K, stride_rs,
-                     stride_rsk, stride_cs, stride_csm, BLOCK_2D, ROWWISE, COLWISE, ROW_VALUES, COL_VALUES,
-                     num_warps)
+    def _cast_tile_nvfp4(tile, row_ptr, row_s_ptr, col_ptr, col_s_ptr, amax, col_amax, row0, row_end, sblk, kt, M,
+                         K, stride_rs, stride_rsk, stride_cs, stride_csm, ROWWISE: gl.constexpr, COLWISE: gl.constexpr,
+                         ROW_VALUES: gl.constexpr, RHT: gl.constexpr, num_warps: gl.constexpr):
+        """NVFP4 of one bf16 tile whose group's tensor amaxes are `amax` and, for the columnwise copy,
+        `col_amax` (see the module docstring)."""
+        if ROWWISE:
+            _rows_1x16(tile, row_ptr, row_s_ptr, tensor_scale(amax), row0, row_end, kt, K, stride_rs, stride_rsk,
+                       ROW_VALUES, num_warps)
+        if COLWISE:
+            _columns(tile, col_ptr, col_s_ptr, tensor_scale(col_amax), row0, row_end, sblk, kt, M, K, stride_cs,
+                     stride_csm, RHT, num_warps)

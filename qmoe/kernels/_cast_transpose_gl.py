@@ -91,13 +91,14 @@ if gluon is not None:
                               MX: gl.constexpr, EMAX: gl.constexpr, ROUND_UP: gl.constexpr,
                               STAGE_PHASE: gl.constexpr, TILE_GROUP: gl.constexpr, ACT: gl.constexpr,
                               GLU_BLOCK: gl.constexpr, ROW_VALUES: gl.constexpr, COL_VALUES: gl.constexpr,
-                              NV: gl.constexpr, num_warps: gl.constexpr):
+                              NV: gl.constexpr, RHT: gl.constexpr, num_warps: gl.constexpr):
         """One 128 x 128 tile (FP8 block: one 128-wide scale block each way; MX: 32-wide E8M0 blocks)
         per trip of a persistent loop (see the module docstring). With a GLU activation (ACT >= 0),
         x_desc is over h and each slot holds the tile's gate and linear halves; the activated tile
         goes to shared memory and is cast from there. ROW_VALUES / COL_VALUES (MX): that copy as exact
         bf16 values in x's layout, in place of its codes (`_cast_tile_mx`). NV: NVFP4 instead
-        (`_cast_tile_nvfp4`), with each group's tensor amax at amax_ptr."""
+        (`_cast_tile_nvfp4`), with each group's tensor amax at amax_ptr and, with the Hadamard
+        transform of the columnwise copy (RHT), that copy's G places on."""
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         GLU: gl.constexpr = ACT >= 0
@@ -160,9 +161,9 @@ if gluon is not None:
                     g = gl.sum((starts + sizes <= row0).to(gl.int32), 0)
                 else:
                     g = 0
-                _cast_tile_nvfp4(tile, row_ptr, row_s_ptr, col_ptr, col_s_ptr, gl.load(amax_ptr + g), row0, row_end,
-                                 sblk, kt, M, K, stride_rs, stride_rsk, stride_cs, stride_csm, BLOCK_2D, ROWWISE,
-                                 COLWISE, ROW_VALUES, COL_VALUES, num_warps)
+                _cast_tile_nvfp4(tile, row_ptr, row_s_ptr, col_ptr, col_s_ptr, gl.load(amax_ptr + g),
+                                 gl.load(amax_ptr + RHT * G + g), row0, row_end, sblk, kt, M, K, stride_rs, stride_rsk,
+                                 stride_cs, stride_csm, ROWWISE, COLWISE, ROW_VALUES, RHT, num_warps)
             elif MX:
                 _cast_tile_mx(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M, K,
                               stride_rs, stride_rsk, stride_cs, stride_csm, FMT_MAX, OUT_DTYPE, EMAX, ROUND_UP, ROWWISE,
@@ -275,35 +276,45 @@ def launch_dispatched_mx(x: torch.Tensor, splits, num_groups: int, block: int, a
     return sm90.launch_once(FAILED, key, "MXFP8 cast", go) is True
 
 
-def unsupported_nvfp4(x: torch.Tensor, block_2d: bool, rht: bool, stochastic: bool, col_values: bool,
+def unsupported_nvfp4(x: torch.Tensor, block_2d: bool, stochastic: bool, col_values: bool,
                       act: int = NO_ACTIVATION, glu_block: int = 0) -> str | None:
     """Why this kernel cannot NVFP4-quantize x (None: it can): as `unsupported` for a bf16 x, with
-    K a multiple of 16, and neither the Hadamard transform, nor stochastic rounding, nor a 1 x 16
-    columnwise copy as values (`_cast_nvfp4_gl` has none of them). QMOE_NVFP4_CAST=triton turns it off."""
+    K a multiple of 16, in 1 x 16 blocks, rounded to nearest, the columnwise copy as codes
+    (`_cast_nvfp4_gl` has nothing else). QMOE_NVFP4_CAST=triton turns it off."""
     why = sm90.gluon_unavailable(x.device, "QMOE_NVFP4_CAST")
     if why is not None:
         return why
-    if rht or stochastic:
-        return "the Hadamard transform or stochastic rounding"
-    if col_values and not block_2d:
-        return "a 1 x 16 columnwise copy as values"
+    if block_2d:
+        return "16 x 16 blocks"
+    if stochastic:
+        return "stochastic rounding"
+    if col_values:
+        return "a columnwise copy as values"
     if input_width(x, act) % NVFP4_VALUES:
         return f"{input_width(x, act)} columns (multiples of {NVFP4_VALUES} only)"
     return unsupported(x, MX_VALUES, act, glu_block, mx=True)  # a bf16 x, as MXFP8's
 
 
-def launch_dispatched_nv(x: torch.Tensor, splits, num_groups: int, block_2d: bool, act: int, glu_block: int, probs,
+# NVFP4's tiles are bound by instructions: two programs per SM, capped at 128 registers; with the
+# Hadamard transform, which would spill there, one (benchmarks/results/sweeps/nvfp4_gl_configs.json)
+DISPATCH_NVFP4 = dict(DISPATCH, per_sm=2, maxnreg=128)
+DISPATCH_NVFP4_RHT = DISPATCH
+
+
+def launch_dispatched_nv(x: torch.Tensor, splits, num_groups: int, rht: bool, act: int, glu_block: int, probs,
                          amax: torch.Tensor, rowwise: bool, columnwise: bool, row, row_s, col, col_s,
-                         values: tuple[bool, bool]) -> bool:
-    """launch_dispatched for nvfp4_op (round to nearest, no Hadamard transform): NVFP4 of a bf16 x
-    (or of act(x) * probs) with the groups' tensor amaxes `amax`, into nvfp4_op's outputs; False,
-    launching nothing, where the compile failed."""
+                         row_values: bool) -> bool:
+    """launch_dispatched for nvfp4_op (1 x 16 blocks, round to nearest): NVFP4 of a bf16 x (or of
+    act(x) * probs), the columnwise copy through the Hadamard transform with rht, with the
+    groups' tensor amaxes `amax` (see `launch`'s nv), into nvfp4_op's outputs; False, launching
+    nothing, where the compile failed."""
     def go():
-        launch(x, splits, num_groups, block_2d, None, 0.0, False, 0.0, rowwise, columnwise, row, row_s, col, col_s,
-               act=act, glu_block=glu_block, probs=probs, values=values, nv=amax, **DISPATCH)
+        launch(x, splits, num_groups, False, None, 0.0, False, 0.0, rowwise, columnwise, row, row_s, col, col_s,
+               act=act, glu_block=glu_block, probs=probs, values=(row_values, False), nv=amax, rht=rht,
+               **(DISPATCH_NVFP4_RHT if rht and columnwise else DISPATCH_NVFP4))
         return True
 
-    key = ("nv", splits is not None, block_2d, rowwise, columnwise, act, glu_block, values)
+    key = ("nv", splits is not None, rht, rowwise, columnwise, act, glu_block, row_values)
     return sm90.launch_once(FAILED, key, "NVFP4 cast", go) is True
 
 
@@ -320,7 +331,7 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
            programs: int | None = None, packed: bool = True, mx: tuple[int, bool] | None = None,
            stage_phase: int | None = None, tile_group: int = 1, act: int = NO_ACTIVATION, glu_block: int = 0,
            probs: torch.Tensor | None = None, values: tuple[bool, bool] = (False, False),
-           nv: torch.Tensor | None = None) -> None:
+           nv: torch.Tensor | None = None, rht: bool = False) -> None:
     """Fill fp8_block_op's outputs (allocated by it, same layouts) for an [M, K] x; out_code is
     the codes' Triton FP8 dtype; maxnreg caps registers (two programs per SM need <= 128 at 8 warps);
     packed=False reads bf16 as fp32 as the other dtypes are (same bits, for comparison). With
@@ -333,8 +344,9 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
     x is h [M, 2K] and the quantized input act(h) * probs, as fp8_block_op's.
     The scale outputs may have any strides (the dispatched path's are transposed). values (MX only):
     (rowwise, columnwise) copies as exact bf16 values into row / col, [M, K] bf16 each, no scales.
-    nv: NVFP4 of a bf16 x into nvfp4_op's outputs instead, with the groups' tensor amaxes nv [G]
-    fp32 (two_d: 16 x 16 blocks; values as nvfp4_op's, which `unsupported_nvfp4` allows)."""
+    nv: NVFP4 (1 x 16 blocks) of a bf16 x into nvfp4_op's outputs instead, with the groups' tensor
+    amaxes nv [G] fp32, or with rht (the columnwise copy through the Hadamard transform) [2G]: the
+    rows' then the transformed columns'; values[0]: the rowwise copy as exact values."""
     if any(values) and mx is None and nv is None:
         raise ValueError("exact values are written for MXFP8 and NVFP4 only")
     m, k = x.shape[0], input_width(x, act)
@@ -363,5 +375,5 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
         VEC=16 // x.element_size(), PACKED=words, MX=mx is not None,
         EMAX=mx[0] if mx else 0, ROUND_UP=bool(mx and mx[1]), STAGE_PHASE=stage_phase, TILE_GROUP=tile_group,
         ACT=act, GLU_BLOCK=glu_block, ROW_VALUES=bool(values[0]), COL_VALUES=bool(values[1]), NV=nv is not None,
-        num_warps=warps,
+        RHT=rht, num_warps=warps,
         **({"maxnreg": maxnreg} if maxnreg else {}))

@@ -266,16 +266,17 @@ def _nvfp4_kernel(
                          sb_t.to(tl.uint8, bitcast=True), mask=k_ok[:, None] & mb_ok[None, :])
 
 
-def _gluon_cast(x, splits, num_groups, block_2d, rht, stochastic, act, glu_block, probs, amax, rowwise, columnwise,
+def _gluon_cast(x, splits, num_groups, block_2d, rht, stochastic, act, glu_block, probs, amaxes, rowwise, columnwise,
                 row, row_s, col, col_s, values) -> bool:
-    """Whether the Gluon cast (`_cast_transpose_gl` with `_cast_nvfp4_gl`'s tiles, the same bits)
-    took this call, after the amax launch: where it applies (`unsupported_nvfp4`) and compiles."""
-    if is_forced(_nvfp4_kernel) or _block_cast_gl.unsupported_nvfp4(x, block_2d, rht, stochastic, values[1], act,
+    """Whether the Gluon cast (`_cast_transpose_gl` with `_cast_nvfp4_gl`'s tiles) took this call,
+    after the amax launch: where it applies (`unsupported_nvfp4`) and compiles. amaxes [2, G]:
+    the rows' and the transformed columns'."""
+    if is_forced(_nvfp4_kernel) or _block_cast_gl.unsupported_nvfp4(x, block_2d, stochastic, values[1], act,
                                                                     glu_block) is not None:
         return False
-    return _block_cast_gl.launch_dispatched_nv(x, splits, num_groups, block_2d, act, glu_block, probs, amax, rowwise,
-                                               columnwise, row, row_s.view(torch.uint8), col, col_s.view(torch.uint8),
-                                               values)
+    return _block_cast_gl.launch_dispatched_nv(x, splits, num_groups, rht, act, glu_block, probs,
+                                               amaxes.reshape(-1) if rht else amaxes[0], rowwise, columnwise, row,
+                                               row_s.view(torch.uint8), col, col_s.view(torch.uint8), values[0])
 
 
 @kernel_op("qmoe::quantize_nvfp4")
@@ -321,8 +322,9 @@ def nvfp4_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, b
                _SMALL, m * k, ACT=act, GLU_BLOCK=glu_block, RHT=rht_col, ZERO_ODD=grouped and cols_s,
                GROUPED=grouped,
                G_P2=group_pow2(num_groups), SIGN_MASK=RHT_SIGN_MASK)
-        if not _gluon_cast(x, splits, num_groups, block_2d, rht_col, seeds is not None, act, glu_block, probs, amax,
-                           rowwise, columnwise, row, row_s, col, col_s, (row_values, col_values)):
+        if not _gluon_cast(x, splits, num_groups, block_2d, rht_col, seeds is not None, act, glu_block, probs,
+                           bits.view(torch.float32), rowwise, columnwise, row, row_s, col, col_s,
+                           (row_values, col_values)):
             launch(_nvfp4_kernel, grid,
                    (x, p, amax, rht_amax if rht_col else amax, seeds if seeds is not None else x, row,
                     row_s.view(torch.uint8), col, col_s.view(torch.uint8), dummy, m, k, num_groups, x.stride(0), k // 2,

@@ -122,12 +122,12 @@ def test_mxfp8_cast_with_exact_values_compiles(compile_only, values, activation)
 
 
 @pytest.mark.parametrize("case", [
-    dict(), dict(block_2d=True), dict(values=(True, False)), dict(block_2d=True, values=(True, False)),
-    dict(grouped=True), dict(block_2d=True, grouped=True, values=(True, True)),
-    dict(activation="swiglu", grouped=True)],
-    ids=["1x16", "16x16", "1x16-row-values", "16x16-row-values", "1x16-grouped", "16x16-grouped-values", "swiglu"])
+    dict(), dict(row_values=True), dict(grouped=True), dict(rht=True), dict(rht=True, grouped=True, row_values=True),
+    dict(activation="swiglu", grouped=True, rht=True)],
+    ids=["codes", "row-values", "grouped", "rht", "rht-grouped-values", "swiglu-rht"])
 def test_nvfp4_cast_compiles(compile_only, case):
-    """NVFP4's tiles in the Gluon cast (`_cast_nvfp4_gl`): codes and exact values, grouped, fused GLU."""
+    """NVFP4's tiles in the Gluon cast (`_cast_nvfp4_gl`): codes and the rows' exact values, the
+    Hadamard transform, grouped, a fused GLU."""
     from benchmarks.kernel_sass import nvfp4_cast_launch
     from qmoe.kernels import _cast_transpose_gl as ct
 
