@@ -168,29 +168,6 @@ def cast_launch(dtype: torch.dtype = torch.bfloat16, mx: bool = False, activatio
                              col_s, programs=4, mx=(E4M3.emax, True) if mx else None, **config)
 
 
-def nvfp4_cast_launch(rht: bool = False, row_values: bool = False, grouped: bool = False,
-                      activation: str | None = None):
-    """A launch of the Gluon NVFP4 cast (1 x 16 blocks, both orientations) of a 256 x 384 bf16 tensor
-    on the CPU, with nvfp4_op's outputs: the columnwise copy through the Hadamard transform with
-    rht, the rows as exact values with row_values; grouped: in three groups; with a GLU
-    `activation`, of act(h) * probs for an h of 256 x 768."""
-    from qmoe.kernels import _cast_transpose_gl as ct
-    from qmoe.kernels.activation import activation_code
-
-    m, k = 256, 384
-    x = torch.randn(m, 2 * k if activation else k).to(torch.bfloat16)
-    config = dict(act=activation_code(activation), probs=torch.ones(m)) if activation else {}
-    splits = torch.tensor([160, 0, 96]) if grouped else None
-    groups = 3 if grouped else 1
-    row = torch.empty(m, k, dtype=torch.bfloat16) if row_values else torch.empty(m, k // 2, dtype=torch.uint8)
-    row_s = torch.empty(m, k // 16, dtype=torch.uint8)
-    col, col_s = torch.empty(k, m // 2, dtype=torch.uint8), torch.empty(k, m // 16 + groups, dtype=torch.uint8)
-    config = {**{key: v for key, v in ct.DISPATCH_NVFP4.items() if key != "per_sm"}, **config}
-    return lambda: ct.launch(x, splits, groups, False, None, 0.0, False, 0.0, True, True, row, row_s, col, col_s,
-                             programs=4, values=(row_values, False), nv=torch.ones(2 * groups if rht else groups),
-                             rht=rht, **config)
-
-
 def _cast_launch(config: dict):
     from qmoe.kernels import _cast_transpose_gl as ct
 

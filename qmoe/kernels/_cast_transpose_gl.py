@@ -49,12 +49,10 @@ from qmoe.kernels._layout import group_pow2
 
 from qmoe.kernels._gluon_sm90 import gluon
 
-from qmoe.kernels._cast_nvfp4_gl import NVFP4_VALUES
 from qmoe.kernels._cast_tiles_gl import MX_VALUES
 
 if gluon is not None:
     from qmoe.kernels._cast_columns_gl import _store_columns
-    from qmoe.kernels._cast_nvfp4_gl import NV_BLOCK, _cast_tile_nvfp4
     from qmoe.kernels._cast_tiles_gl import MX_BLOCK, _cast_tile, _cast_tile_bf16, _cast_tile_mx
     from qmoe.kernels._cast_walk_gl import _first_tile, _group_table, _issue, _locate, _tile_of
     from qmoe.kernels._gluon_sm90 import TensorDescriptor, gl, mbarrier
@@ -82,7 +80,7 @@ if gluon is not None:
     # M stays specialised: as the columnwise copy's row stride, its divisibility by 16 lets the
     # columnwise codes leave as 16-byte vectors
     @gluon.jit(do_not_specialize=["G"])
-    def fp8_block_cast_kernel(x_desc, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr, probs_ptr, amax_ptr,
+    def fp8_block_cast_kernel(x_desc, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr, probs_ptr,
                               M, K, G, eps, stride_rs, stride_rsk, stride_cs, stride_csm,
                               FMT_MAX: gl.constexpr, OUT_DTYPE: gl.constexpr, POW2: gl.constexpr,
                               BLOCK_2D: gl.constexpr, ROWWISE: gl.constexpr, COLWISE: gl.constexpr,
@@ -91,14 +89,12 @@ if gluon is not None:
                               MX: gl.constexpr, EMAX: gl.constexpr, ROUND_UP: gl.constexpr,
                               STAGE_PHASE: gl.constexpr, TILE_GROUP: gl.constexpr, ACT: gl.constexpr,
                               GLU_BLOCK: gl.constexpr, ROW_VALUES: gl.constexpr, COL_VALUES: gl.constexpr,
-                              NV: gl.constexpr, RHT: gl.constexpr, num_warps: gl.constexpr):
+                              num_warps: gl.constexpr):
         """One 128 x 128 tile (FP8 block: one 128-wide scale block each way; MX: 32-wide E8M0 blocks)
         per trip of a persistent loop (see the module docstring). With a GLU activation (ACT >= 0),
         x_desc is over h and each slot holds the tile's gate and linear halves; the activated tile
         goes to shared memory and is cast from there. ROW_VALUES / COL_VALUES (MX): that copy as exact
-        bf16 values in x's layout, in place of its codes (`_cast_tile_mx`). NV: NVFP4 instead
-        (`_cast_tile_nvfp4`), with each group's tensor amax at amax_ptr and, with the Hadamard
-        transform of the columnwise copy (RHT), that copy's G places on."""
+        bf16 values in x's layout, in place of its codes (`_cast_tile_mx`)."""
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         GLU: gl.constexpr = ACT >= 0
@@ -113,7 +109,7 @@ if gluon is not None:
         # (every second row from words, every fourth from fp32 reads) fall on distinct banks
         # (column strips: two, the tile's and the previous one's, whose last rows a line may still need)
         stage_l: gl.constexpr = gl.SwizzledSharedLayout(16, STAGE_PHASE, 8, order=[1, 0])
-        COL_CODES: gl.constexpr = COLWISE and not COL_VALUES and not NV  # NVFP4's leave from registers
+        COL_CODES: gl.constexpr = COLWISE and not COL_VALUES
         LINES: gl.constexpr = TILE_GROUP == 0 and COL_CODES
         NSTAGE: gl.constexpr = 2 if LINES else 1
         HALVES: gl.constexpr = PACKED or MX
@@ -123,7 +119,7 @@ if gluon is not None:
             col_stages = gl.allocate_shared_memory(gl.uint8, [NSTAGE, BK, BM], stage_l)
 
         nk = gl.cdiv(K, BK)
-        SB: gl.constexpr = NV_BLOCK if NV else MX_BLOCK if MX else BM  # rows per scale block along M
+        SB: gl.constexpr = MX_BLOCK if MX else BM  # rows per scale block along M
         gi, starts, sizes, tiles, tile_end, first_block = _group_table(splits_ptr, G, BM, SB, GP, GROUPED, num_warps)
         if GROUPED:
             nm = gl.sum(tiles, 0)
@@ -156,15 +152,7 @@ if gluon is not None:
                 tile = act_tile
             else:
                 tile = bufs.index(slot)
-            if NV:
-                if GROUPED:  # the tile's group: the groups that end at or before its first row precede it
-                    g = gl.sum((starts + sizes <= row0).to(gl.int32), 0)
-                else:
-                    g = 0
-                _cast_tile_nvfp4(tile, row_ptr, row_s_ptr, col_ptr, col_s_ptr, gl.load(amax_ptr + g),
-                                 gl.load(amax_ptr + RHT * G + g), row0, row_end, sblk, kt, M, K, stride_rs, stride_rsk,
-                                 stride_cs, stride_csm, ROWWISE, COLWISE, ROW_VALUES, RHT, num_warps)
-            elif MX:
+            if MX:
                 _cast_tile_mx(tile, col_stage, row_ptr, row_s_ptr, col_ptr, col_s_ptr, row0, row_end, sblk, kt, M, K,
                               stride_rs, stride_rsk, stride_cs, stride_csm, FMT_MAX, OUT_DTYPE, EMAX, ROUND_UP, ROWWISE,
                               COLWISE, ROW_VALUES, COL_VALUES, num_warps)
@@ -276,48 +264,6 @@ def launch_dispatched_mx(x: torch.Tensor, splits, num_groups: int, block: int, a
     return sm90.launch_once(FAILED, key, "MXFP8 cast", go) is True
 
 
-def unsupported_nvfp4(x: torch.Tensor, block_2d: bool, stochastic: bool, col_values: bool,
-                      act: int = NO_ACTIVATION, glu_block: int = 0) -> str | None:
-    """Why this kernel cannot NVFP4-quantize x (None: it can): as `unsupported` for a bf16 x, with
-    K a multiple of 16, in 1 x 16 blocks, rounded to nearest, the columnwise copy as codes
-    (`_cast_nvfp4_gl` has nothing else). QMOE_NVFP4_CAST=triton turns it off."""
-    why = sm90.gluon_unavailable(x.device, "QMOE_NVFP4_CAST")
-    if why is not None:
-        return why
-    if block_2d:
-        return "16 x 16 blocks"
-    if stochastic:
-        return "stochastic rounding"
-    if col_values:
-        return "a columnwise copy as values"
-    if input_width(x, act) % NVFP4_VALUES:
-        return f"{input_width(x, act)} columns (multiples of {NVFP4_VALUES} only)"
-    return unsupported(x, MX_VALUES, act, glu_block, mx=True)  # a bf16 x, as MXFP8's
-
-
-# NVFP4's tiles are bound by instructions: two programs per SM, capped at 128 registers; with the
-# Hadamard transform, which would spill there, one (benchmarks/results/sweeps/nvfp4_gl_configs.json)
-DISPATCH_NVFP4 = dict(DISPATCH, per_sm=2, maxnreg=128)
-DISPATCH_NVFP4_RHT = DISPATCH
-
-
-def launch_dispatched_nv(x: torch.Tensor, splits, num_groups: int, rht: bool, act: int, glu_block: int, probs,
-                         amax: torch.Tensor, rowwise: bool, columnwise: bool, row, row_s, col, col_s,
-                         row_values: bool) -> bool:
-    """launch_dispatched for nvfp4_op (1 x 16 blocks, round to nearest): NVFP4 of a bf16 x (or of
-    act(x) * probs), the columnwise copy through the Hadamard transform with rht, with the
-    groups' tensor amaxes `amax` (see `launch`'s nv), into nvfp4_op's outputs; False, launching
-    nothing, where the compile failed."""
-    def go():
-        launch(x, splits, num_groups, False, None, 0.0, False, 0.0, rowwise, columnwise, row, row_s, col, col_s,
-               act=act, glu_block=glu_block, probs=probs, values=(row_values, False), nv=amax, rht=rht,
-               **(DISPATCH_NVFP4_RHT if rht and columnwise else DISPATCH_NVFP4))
-        return True
-
-    key = ("nv", splits is not None, rht, rowwise, columnwise, act, glu_block, row_values)
-    return sm90.launch_once(FAILED, key, "NVFP4 cast", go) is True
-
-
 def writes_values(x: torch.Tensor, act: int = NO_ACTIVATION, glu_block: int = 0) -> bool:
     """Whether an MXFP8 cast of x (or of act(x) * probs) writes exact bf16 values in place of codes
     where asked (`launch_dispatched_mx`'s values): this kernel runs it. A fake-tensor pass answers
@@ -330,8 +276,7 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
            stages: int = 3, warps: int = 8, per_sm: int = 1, maxnreg: int | None = None,
            programs: int | None = None, packed: bool = True, mx: tuple[int, bool] | None = None,
            stage_phase: int | None = None, tile_group: int = 1, act: int = NO_ACTIVATION, glu_block: int = 0,
-           probs: torch.Tensor | None = None, values: tuple[bool, bool] = (False, False),
-           nv: torch.Tensor | None = None, rht: bool = False) -> None:
+           probs: torch.Tensor | None = None, values: tuple[bool, bool] = (False, False)) -> None:
     """Fill fp8_block_op's outputs (allocated by it, same layouts) for an [M, K] x; out_code is
     the codes' Triton FP8 dtype; maxnreg caps registers (two programs per SM need <= 128 at 8 warps);
     packed=False reads bf16 as fp32 as the other dtypes are (same bits, for comparison). With
@@ -343,12 +288,9 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
     multiple of 16 or shared memory lacks room). act (a GLU's code), glu_block, probs ([M] fp32):
     x is h [M, 2K] and the quantized input act(h) * probs, as fp8_block_op's.
     The scale outputs may have any strides (the dispatched path's are transposed). values (MX only):
-    (rowwise, columnwise) copies as exact bf16 values into row / col, [M, K] bf16 each, no scales.
-    nv: NVFP4 (1 x 16 blocks) of a bf16 x into nvfp4_op's outputs instead, with the groups' tensor
-    amaxes nv [G] fp32, or with rht (the columnwise copy through the Hadamard transform) [2G]: the
-    rows' then the transformed columns'; values[0]: the rowwise copy as exact values."""
-    if any(values) and mx is None and nv is None:
-        raise ValueError("exact values are written for MXFP8 and NVFP4 only")
+    (rowwise, columnwise) copies as exact bf16 values into row / col, [M, K] bf16 each, no scales."""
+    if any(values) and mx is None:
+        raise ValueError("exact values are written for MXFP8 only")
     m, k = x.shape[0], input_width(x, act)
     row_s, col_s = (s.view(torch.uint8) if s.dtype == torch.float8_e8m0fnu else s for s in (row_s, col_s))
     grouped = splits is not None
@@ -359,8 +301,7 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
     tile_bytes = _TILE * _TILE * x.element_size()
     glu = act != NO_ACTIVATION
     smem = stages * tile_bytes * (2 if glu else 1) + (tile_bytes if glu else 0) + 2 * _TILE * _TILE
-    if tile_group == 0 and (not columnwise or values[1] or m % 16 or smem > sm90.SMEM_BYTES - _SCRATCH
-                            or nv is not None):  # NVFP4's columnwise codes leave from registers
+    if tile_group == 0 and (not columnwise or values[1] or m % 16 or smem > sm90.SMEM_BYTES - _SCRATCH):
         tile_group = DISPATCH["tile_group"]  # nothing to carry (no columnwise copy, or rows off 16), or no room
     if stage_phase is None:  # a store instruction writes rows 2 apart (words of bf16), 4 apart (fp32 reads)
         stage_phase = 2 if words or mx is not None else 4
@@ -368,12 +309,11 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
     desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [_TILE, _TILE], layout)
     fp8_block_cast_kernel[(programs,)](
         desc, row.view(torch.uint8), row_s, col.view(torch.uint8), col_s, splits if grouped else row_s,
-        probs if probs is not None else row_s, nv if nv is not None else row_s, m, k, num_groups, amax_epsilon,
+        probs if probs is not None else row_s, m, k, num_groups, amax_epsilon,
         *(row_s.stride() if row_s.dim() == 2 else (0, 1)), *(col_s.stride() if col_s.dim() == 2 else (0, 1)),
         FMT_MAX=fmt_max, OUT_DTYPE=out_code, POW2=power_2_scale, BLOCK_2D=two_d, ROWWISE=rowwise,
         COLWISE=columnwise, GROUPED=grouped, GP=max(32, group_pow2(num_groups)), STAGES=stages, NUM_PROGRAMS=programs,
         VEC=16 // x.element_size(), PACKED=words, MX=mx is not None,
         EMAX=mx[0] if mx else 0, ROUND_UP=bool(mx and mx[1]), STAGE_PHASE=stage_phase, TILE_GROUP=tile_group,
-        ACT=act, GLU_BLOCK=glu_block, ROW_VALUES=bool(values[0]), COL_VALUES=bool(values[1]), NV=nv is not None,
-        RHT=rht, num_warps=warps,
+        ACT=act, GLU_BLOCK=glu_block, ROW_VALUES=bool(values[0]), COL_VALUES=bool(values[1]), num_warps=warps,
         **({"maxnreg": maxnreg} if maxnreg else {}))

@@ -1,7 +1,6 @@
-"""NVFP4's elementwise arithmetic, shared by its Triton cast (`qmoe/kernels/quantize_nvfp4.py`)
-and its Gluon cast (`qmoe/kernels/_cast_nvfp4_gl.py`), so both give the same bits: the tensor
+"""NVFP4's elementwise arithmetic (private helper of `qmoe/kernels/quantize_nvfp4.py`): the tensor
 scale from the amax, E4M3 block scales and their encode multipliers, and E2M1 codes or their grid
-values (NUMERICS.md).
+values (NUMERICS.md). Elementwise only, so a Gluon kernel can call it as well (`_arith`'s rule).
 """
 from __future__ import annotations
 

@@ -30,8 +30,6 @@ from qmoe.contracts.formats import NVFP4_BLOCK, RHT_SIZE, ceil_div
 from qmoe.kernels.activation import NO_ACTIVATION, input_width, load_rows
 from qmoe.kernels._arith import atomic_max_bits, clamp_nan, max_abs_bits, reciprocal, saturate, trans8
 from qmoe.kernels._e2m1 import E2M1_MAX, block_scale, e2m1_codes, e2m1_round, e2m1_value, tensor_scale
-from qmoe.kernels import _cast_transpose_gl as _block_cast_gl
-from qmoe.kernels._cast_variants import is_forced
 from qmoe.kernels._launch import kernel_op, launch, prune_oversized, tile_configs
 from qmoe.kernels._layout import as_rows, group_pow2
 from qmoe.kernels.quantize import ORIENTED_KEY, prune_blocks, scale_width, tile_grid
@@ -266,19 +264,6 @@ def _nvfp4_kernel(
                          sb_t.to(tl.uint8, bitcast=True), mask=k_ok[:, None] & mb_ok[None, :])
 
 
-def _gluon_cast(x, splits, num_groups, block_2d, rht, stochastic, act, glu_block, probs, amaxes, rowwise, columnwise,
-                row, row_s, col, col_s, values) -> bool:
-    """Whether the Gluon cast (`_cast_transpose_gl` with `_cast_nvfp4_gl`'s tiles) took this call,
-    after the amax launch: where it applies (`unsupported_nvfp4`) and compiles. amaxes [2, G]:
-    the rows' and the transformed columns'."""
-    if is_forced(_nvfp4_kernel) or _block_cast_gl.unsupported_nvfp4(x, block_2d, stochastic, values[1], act,
-                                                                    glu_block) is not None:
-        return False
-    return _block_cast_gl.launch_dispatched_nv(x, splits, num_groups, rht, act, glu_block, probs,
-                                               amaxes.reshape(-1) if rht else amaxes[0], rowwise, columnwise, row,
-                                               row_s.view(torch.uint8), col, col_s.view(torch.uint8), values[0])
-
-
 @kernel_op("qmoe::quantize_nvfp4")
 def nvfp4_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, block_2d: bool, rowwise: bool,
              columnwise: bool, rht: bool, seeds: Optional[torch.Tensor], probs: Optional[torch.Tensor] = None,
@@ -322,17 +307,14 @@ def nvfp4_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, b
                _SMALL, m * k, ACT=act, GLU_BLOCK=glu_block, RHT=rht_col, ZERO_ODD=grouped and cols_s,
                GROUPED=grouped,
                G_P2=group_pow2(num_groups), SIGN_MASK=RHT_SIGN_MASK)
-        if not _gluon_cast(x, splits, num_groups, block_2d, rht_col, seeds is not None, act, glu_block, probs,
-                           bits.view(torch.float32), rowwise, columnwise, row, row_s, col, col_s,
-                           (row_values, col_values)):
-            launch(_nvfp4_kernel, grid,
-                   (x, p, amax, rht_amax if rht_col else amax, seeds if seeds is not None else x, row,
-                    row_s.view(torch.uint8), col, col_s.view(torch.uint8), dummy, m, k, num_groups, x.stride(0), k // 2,
-                    m // 2, nkb, width),
-                   _SMALL, m * k, ACT=act, GLU_BLOCK=glu_block, B=b, BLOCK_2D=block_2d, RHT=rht_col,
-                   STOCHASTIC=seeds is not None,
-                   ROWWISE=rowwise, COLWISE=columnwise, GROUPED=grouped, G_P2=group_pow2(num_groups),
-                   SIGN_MASK=RHT_SIGN_MASK, ROW_VALUES=row_values, COL_VALUES=col_values)
+        launch(_nvfp4_kernel, grid,
+               (x, p, amax, rht_amax if rht_col else amax, seeds if seeds is not None else x, row,
+                row_s.view(torch.uint8), col, col_s.view(torch.uint8), dummy, m, k, num_groups, x.stride(0), k // 2,
+                m // 2, nkb, width),
+               _SMALL, m * k, ACT=act, GLU_BLOCK=glu_block, B=b, BLOCK_2D=block_2d, RHT=rht_col,
+               STOCHASTIC=seeds is not None,
+               ROWWISE=rowwise, COLWISE=columnwise, GROUPED=grouped, G_P2=group_pow2(num_groups),
+               SIGN_MASK=RHT_SIGN_MASK, ROW_VALUES=row_values, COL_VALUES=col_values)
     col_amax = rht_amax if rht and columnwise else amax
     return row, row_s, amax.clone(), col, col_s, col_amax.clone()
 

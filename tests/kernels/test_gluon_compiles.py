@@ -119,18 +119,3 @@ def test_mxfp8_cast_with_exact_values_compiles(compile_only, values, activation)
     kernels = compile_only(ct, "fp8_block_cast_kernel")
     cast_launch(torch.bfloat16, True, activation, values=values)()
     _fits(kernels)
-
-
-@pytest.mark.parametrize("case", [
-    dict(), dict(row_values=True), dict(grouped=True), dict(rht=True), dict(rht=True, grouped=True, row_values=True),
-    dict(activation="swiglu", grouped=True, rht=True)],
-    ids=["codes", "row-values", "grouped", "rht", "rht-grouped-values", "swiglu-rht"])
-def test_nvfp4_cast_compiles(compile_only, case):
-    """NVFP4's tiles in the Gluon cast (`_cast_nvfp4_gl`): codes and the rows' exact values, the
-    Hadamard transform, grouped, a fused GLU."""
-    from benchmarks.kernel_sass import nvfp4_cast_launch
-    from qmoe.kernels import _cast_transpose_gl as ct
-
-    kernels = compile_only(ct, "fp8_block_cast_kernel")
-    nvfp4_cast_launch(**case)()
-    _fits(kernels)
