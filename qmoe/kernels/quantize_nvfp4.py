@@ -43,7 +43,7 @@ _SMALL = triton.Config({"BM": 32, "BK": 64}, num_warps=4, num_stages=1)
 _KEY = ["M", "K", "G", "ACT"]  # as in kernels/quantize.py
 
 
-# ---------------------------------------------------------------- elementwise pieces
+# ---------------------------------------------------------------- exact values
 
 @triton.jit
 def store_values(ptr, grid, scales, r_idx, c_idx, r_ok, c_ok, stride, R: tl.constexpr, C: tl.constexpr,

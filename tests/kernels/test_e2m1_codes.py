@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from qmoe.contracts.formats import e2m1_decode
-from qmoe.kernels.quantize_nvfp4 import e2m1_codes, e2m1_round
+from qmoe.kernels._e2m1 import e2m1_codes, e2m1_round
 from qmoe.reference import quantize_nvfp4 as R4
 from tests.kernels.interpret import INTERPRETING, inside, launcher, assert_passed_under_interpreter
 
