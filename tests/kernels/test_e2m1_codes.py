@@ -1,4 +1,4 @@
-"""The NVFP4 cast's E2M1 rounding (qmoe.kernels.quantize_nvfp4.e2m1_codes) gives the reference's
+"""The NVFP4 cast's E2M1 rounding (qmoe.kernels._e2m1.e2m1_codes) gives the reference's
 codes (qmoe.reference.quantize_nvfp4.e2m1_codes) for every input: round to nearest even and
 stochastic rounding with the same uniforms, through Triton's interpreter on every bfloat16
 value, the grid points, the midpoints and their fp32 neighbours, and on the GPU for every fp32
