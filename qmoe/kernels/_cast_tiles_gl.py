@@ -38,17 +38,18 @@ if gluon is not None:
         """The two bf16 values packed in each int32 word, as fp32 (low half, high half)."""
         return (w << 16).to(gl.float32, bitcast=True), (w & -65536).to(gl.float32, bitcast=True)
 
+    @triton.constexpr_function
+    def _pairs(out_dtype):
+        """PTX's name for a pair of codes of the FP8 dtype `out_dtype` (e4m3x2 or e5m2x2)."""
+        return "e4m3x2" if out_dtype == gl.float8e4nv else "e5m2x2"
+
     @gluon.jit
     def _row_codes(w, s, OUT_DTYPE: gl.constexpr):
         """Codes of both bf16 values of each word times s, as one int16 (the low value's code in
         the low byte): the same multiply and saturating round-to-nearest-even as cast_codes."""
-        if OUT_DTYPE == gl.float8e4nv:
-            cvt: gl.constexpr = "cvt.rn.satfinite.e4m3x2.f32 $0, h, l;"
-        else:
-            cvt: gl.constexpr = "cvt.rn.satfinite.e5m2x2.f32 $0, h, l;"
         return gl.inline_asm_elementwise(
             "{ .reg .b32 l, h; shl.b32 l, $1, 16; and.b32 h, $1, 0xFFFF0000; "
-            "mul.rn.f32 l, l, $2; mul.rn.f32 h, h, $2; " + cvt + " }",
+            "mul.rn.f32 l, l, $2; mul.rn.f32 h, h, $2; cvt.rn.satfinite." + _pairs(OUT_DTYPE) + ".f32 $0, h, l; }",
             "=h,r,f", [w, s], dtype=gl.int16, is_pure=True, pack=1)
 
     @gluon.jit
@@ -199,10 +200,7 @@ if gluon is not None:
         code(x * s) * u, the code cast as cast_codes casts it and the product in fp32, then as the
         reference's `dequantize_mxfp8` to bf16 gives it: beyond bf16's range (the largest codes of
         a block near the top of it) clamped to its largest value, NaN kept, the rest exact."""
-        if OUT_DTYPE == gl.float8e4nv:
-            fmt: gl.constexpr = "e4m3x2"
-        else:
-            fmt: gl.constexpr = "e5m2x2"
+        fmt: gl.constexpr = _pairs(OUT_DTYPE)
         return gl.inline_asm_elementwise(
             "{ .reg .b32 l, h, f; .reg .b16 c, fl, fh; "
             "shl.b32 l, $1, 16; and.b32 h, $1, 0xFFFF0000; mul.rn.f32 l, l, $2; mul.rn.f32 h, h, $3; "

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from qmoe.contracts.formats import E2M1, E4M3, FLT_MAX, NVFP4_TENSOR_MAX
-from qmoe.kernels._arith import cast_satfinite, is_nan, reciprocal, splat_like
+from qmoe.kernels._arith import cast_satfinite, clamp_nan, is_nan, reciprocal, splat_like
 
 _FLT_MAX = tl.constexpr(FLT_MAX)
 _ONE_SIXTH = tl.constexpr(float(torch.tensor(1.0 / 6.0, dtype=torch.float32)))  # fp32(1/6), as the reference
@@ -84,6 +84,18 @@ def e2m1_round(y, STOCHASTIC: tl.constexpr, u):
     mag = tl.where(a < 1.0, small, big)
     keep = (mag > 0) & (mag <= 6.0)  # a NaN's bits round to inf or NaN: 0, as its code
     return tl.where(keep, tl.where(bits < 0, -mag, mag), 0.0)
+
+
+@triton.jit
+def e2m1_quantize(y, STOCHASTIC: tl.constexpr, u, VALUES: tl.constexpr):
+    """y (x times its block's encode multiplier) clamped to E2M1's range (NaN kept), then its codes,
+    or with VALUES their grid values (e2m1_round)."""
+    y = clamp_nan(y, -E2M1_MAX, E2M1_MAX)
+    if VALUES:
+        q = e2m1_round(y, STOCHASTIC, u)
+    else:
+        q = e2m1_codes(y, STOCHASTIC, u)
+    return q
 
 
 @triton.jit

@@ -37,8 +37,9 @@ from qmoe.kernels.quantize_nvfp4 import check_nvfp4_shape, draw_seeds, nvfp4_op
 
 
 def _prepare(x, split_sizes):
-    """(the tensor the kernels read, device splits, G, the fused activation's op arguments or ())."""
-    fused = ()
+    """(the tensor the kernels read, device splits, G, the fused activation's op arguments: probs,
+    act, glu_block, which every quantize op takes in that order; none fused: their defaults)."""
+    fused = (None, NO_ACTIVATION, 0)
     if isinstance(x, ActivatedRows):
         h = x.h if x.h.stride(1) == 1 else x.h.contiguous()
         probs = (x.probs.float().contiguous() if x.probs is not None
@@ -88,7 +89,6 @@ def grouped_quantize_mxfp8(x, split_sizes, fmt, scale_mode: ScaleMode = ScaleMod
     where the kernel cannot write them (`mxfp8_op`) they come as codes: a bf16 copy is values."""
     fp8_meta(fmt)
     x, splits, g, fused = _prepare(x, split_sizes)
-    fused = fused or (None, NO_ACTIVATION, 0)
     row, rs, col, cs = mxfp8_op(x, splits, g, fmt.dtype, fmt.max, fmt.emax,
                                 scale_mode is ScaleMode.ROUND_UP, 32, rowwise, columnwise, *fused,
                                 "rowwise" in values, "columnwise" in values)
@@ -109,7 +109,6 @@ def grouped_quantize_nvfp4(x, split_sizes, block_2d=False, rowwise=True, columnw
     m, k = x.shape
     x, splits, g, fused = _prepare(x, split_sizes)
     check_nvfp4_shape(m, k, rowwise, columnwise, rht, block_2d)
-    fused = fused or (None, NO_ACTIVATION, 0)
     row_values, col_values = rowwise and "rowwise" in values, columnwise and "columnwise" in values
     row, rs, amax, col, cs, camax = nvfp4_op(
         x, splits, g, block_2d, rowwise, columnwise, rht, draw_seeds(stochastic, generator, x.device), *fused,

@@ -29,7 +29,8 @@ import triton.language as tl
 from qmoe.contracts.formats import NVFP4_BLOCK, RHT_SIZE, ceil_div
 from qmoe.kernels.activation import NO_ACTIVATION, input_width, load_rows
 from qmoe.kernels._arith import atomic_max_bits, clamp_nan, max_abs_bits, reciprocal, saturate, trans8
-from qmoe.kernels._e2m1 import E2M1_MAX, block_scale, e2m1_codes, e2m1_round, e2m1_value, tensor_scale
+from qmoe.kernels._e2m1 import (E2M1_MAX, block_scale, e2m1_codes, e2m1_quantize, e2m1_round, e2m1_value,
+                                tensor_scale)
 from qmoe.kernels._launch import kernel_op, launch, prune_oversized, tile_configs
 from qmoe.kernels._layout import as_rows, group_pow2
 from qmoe.kernels.quantize import ORIENTED_KEY, prune_blocks, scale_width, tile_grid
@@ -71,12 +72,7 @@ def quantize_runs_last(x, s_enc, R: tl.constexpr, C: tl.constexpr, STOCHASTIC: t
     """1x16 NVFP4 of x [R, C] fp32 in runs along the last axis -> (codes [R, C], or with VALUES
     their grid values (e2m1_round), scales [R, C/16] e4m3)."""
     sb, enc = block_scale(block_amax_last(x, R, C, 16, False), s_enc, reciprocal(s_enc))
-    y = clamp_nan(scale_last(x, enc, R, C, 16), -E2M1_MAX, E2M1_MAX)
-    if VALUES:
-        q = e2m1_round(y, STOCHASTIC, u)
-    else:
-        q = e2m1_codes(y, STOCHASTIC, u)
-    return q, sb
+    return e2m1_quantize(scale_last(x, enc, R, C, 16), STOCHASTIC, u, VALUES), sb
 
 
 @triton.jit
@@ -84,12 +80,7 @@ def quantize_runs_first(x, s_enc, R: tl.constexpr, C: tl.constexpr, STOCHASTIC: 
                         VALUES: tl.constexpr = False):
     """1x16 NVFP4 in runs along the first axis -> (codes [R, C] or their grid values, scales [R/16, C] e4m3)."""
     sb, enc = block_scale(block_amax_first(x, R, C, 16, False), s_enc, reciprocal(s_enc))
-    y = clamp_nan(scale_first(x, enc, R, C, 16), -E2M1_MAX, E2M1_MAX)
-    if VALUES:
-        q = e2m1_round(y, STOCHASTIC, u)
-    else:
-        q = e2m1_codes(y, STOCHASTIC, u)
-    return q, sb
+    return e2m1_quantize(scale_first(x, enc, R, C, 16), STOCHASTIC, u, VALUES), sb
 
 
 @triton.jit
