@@ -30,8 +30,8 @@ each scale tensor, and `fp8_block_op` and `mxfp8_op` store their 1-D block scale
 (`_layout.steps_major`): a tile's scales are consecutive, and stay that way for the GEMMs.
 
 A fused GLU activation (FC2's input, act(h) * probs): each ring slot holds the tile's gate and
-linear halves of h, and the activated tile, rounded as the activation op rounds it, goes through
-shared memory to the same cast.
+linear halves of h, and the activated tile, rounded as the activation op rounds it, replaces the
+gate half in shared memory and goes to the same cast from there.
 
 Grouped inputs: row tiles start afresh at every group (as `tiles.tile_rows` lays them out); a
 tile's TMA box may run into the next group's rows, which the columnwise amax masks out and no
@@ -62,7 +62,9 @@ if gluon is not None:
         """act <- act(gate, linear) * probs[row] for a tile of GLU halves in shared memory, in fp32 as
         `_forward_kernel` computes it (kernels.activation._activation) and rounded to act's dtype:
         the quantized result is bit for bit that of quantizing the activation op's output. Columns
-        at or past K are zero (with GLU_BLOCK 0 the gate tile runs on into the linear half there)."""
+        at or past K are zero (with GLU_BLOCK 0 the gate tile runs on into the linear half there).
+        act may be gate itself: loads and stores share one layout, so a thread overwrites only the
+        values it has read."""
         BM: gl.constexpr = act.shape[0]
         BK: gl.constexpr = act.shape[1]
         RB: gl.constexpr = 32  # rows per pass: 16 values of each operand per thread
@@ -99,8 +101,6 @@ if gluon is not None:
         BK: gl.constexpr = x_desc.block_type.shape[1]
         GLU: gl.constexpr = ACT >= 0
         bufs = gl.allocate_shared_memory(x_desc.dtype, [2 * STAGES if GLU else STAGES, BM, BK], x_desc.layout)
-        if GLU:
-            act_tile = gl.allocate_shared_memory(x_desc.dtype, [BM, BK], x_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
@@ -145,11 +145,10 @@ if gluon is not None:
                                               starts, sizes, tiles, tile_end, first_block, BM, SB, GROUPED,
                                               TILE_GROUP)
             col_stage = col_stages.index(i % NSTAGE)
-            if GLU:
-                _activate_tile(bufs.index(2 * slot), bufs.index(2 * slot + 1), act_tile, probs_ptr, row0, kt * BK,
-                               M, K, ACT, num_warps)
+            if GLU:  # the activated tile replaces its gate half in the slot
+                tile = bufs.index(2 * slot)
+                _activate_tile(tile, bufs.index(2 * slot + 1), tile, probs_ptr, row0, kt * BK, M, K, ACT, num_warps)
                 sm90.thread_barrier()  # the activated tile is whole before any warp reads it
-                tile = act_tile
             else:
                 tile = bufs.index(slot)
             if MX:
@@ -187,8 +186,27 @@ _TILE = 128
 # write it in whole lines (benchmarks/results/sweeps/block_cast_lines.json).
 DISPATCH = dict(stages=2, warps=8, per_sm=1, tile_group=8)
 DISPATCH_COLUMNWISE = dict(DISPATCH, stages=3)
+# The casts whose own arithmetic holds one program per SM below the copy bandwidth take two, at
+# 128 registers each: a fused GLU (one ring stage each: its slots hold both halves of h), and
+# MXFP8 columnwise copies written as values. MXFP8 rowwise values alone take a third stage
+# (benchmarks/results/sweeps/cast_layer_configs.json).
+DISPATCH_GLU = dict(DISPATCH, stages=1, per_sm=2, maxnreg=128)
+DISPATCH_COL_VALUES = dict(DISPATCH, per_sm=2, maxnreg=128)
+DISPATCH_ROW_VALUES = dict(DISPATCH, stages=3)
 GROUPED_TILE_GROUP = 0
 _SCRATCH = 8192  # shared memory the kernel takes besides its buffers (barriers, reductions' scratch)
+
+
+def dispatch_config(mx: bool, rowwise: bool, columnwise: bool, act: int = NO_ACTIVATION,
+                    values: tuple[bool, bool] = (False, False)) -> dict:
+    """The launch keywords (before `_dispatched`) of a cast of these copies."""
+    if act != NO_ACTIVATION:
+        return DISPATCH_GLU
+    if columnwise and values[1]:
+        return DISPATCH_COL_VALUES
+    if not columnwise and values[0]:
+        return DISPATCH_ROW_VALUES
+    return DISPATCH if rowwise or mx else DISPATCH_COLUMNWISE
 
 
 def _dispatched(config: dict, splits) -> dict:
@@ -239,7 +257,7 @@ def launch_dispatched(x: torch.Tensor, splits, num_groups: int, two_d: bool, blo
     def go():
         launch(x, splits, num_groups, two_d, out_code, fmt_max, power_2_scale, amax_epsilon, rowwise, True,
                row, row_s, col, col_s, act=act, glu_block=glu_block, probs=probs,
-               **_dispatched(DISPATCH if rowwise else DISPATCH_COLUMNWISE, splits))
+               **_dispatched(dispatch_config(False, rowwise, True, act), splits))
         return True
 
     key = (x.dtype, splits is not None, two_d, rowwise, act, glu_block)
@@ -257,7 +275,7 @@ def launch_dispatched_mx(x: torch.Tensor, splits, num_groups: int, block: int, a
     def go():
         launch(x, splits, num_groups, False, out_code, fmt_max, False, 0.0, rowwise, columnwise, row, row_s, col,
                col_s, mx=(emax, round_up), act=act, glu_block=glu_block, probs=probs, values=values,
-               **_dispatched(DISPATCH, splits))
+               **_dispatched(dispatch_config(True, rowwise, columnwise, act, values), splits))
         return True
 
     key = ("mx", splits is not None, rowwise, columnwise, act, glu_block, values)
@@ -300,7 +318,7 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
     words = packed and x.dtype == torch.bfloat16
     tile_bytes = _TILE * _TILE * x.element_size()
     glu = act != NO_ACTIVATION
-    smem = stages * tile_bytes * (2 if glu else 1) + (tile_bytes if glu else 0) + 2 * _TILE * _TILE
+    smem = stages * tile_bytes * (2 if glu else 1) + 2 * _TILE * _TILE
     if tile_group == 0 and (not columnwise or values[1] or m % 16 or smem > sm90.SMEM_BYTES - _SCRATCH):
         tile_group = DISPATCH["tile_group"]  # nothing to carry (no columnwise copy, or rows off 16), or no room
     if stage_phase is None:  # a store instruction writes rows 2 apart (words of bf16), 4 apart (fp32 reads)

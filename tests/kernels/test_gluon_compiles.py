@@ -119,3 +119,23 @@ def test_mxfp8_cast_with_exact_values_compiles(compile_only, values, activation)
     kernels = compile_only(ct, "fp8_block_cast_kernel")
     cast_launch(torch.bfloat16, True, activation, values=values)()
     _fits(kernels)
+
+
+@pytest.mark.parametrize("mx,activation,values", [
+    (False, None, (False, False)), (False, "swiglu", (False, False)), (True, "swiglu", (True, False)),
+    (True, None, (True, False)), (True, None, (True, True)), (True, None, (False, False))],
+    ids=["1x128", "1x128-swiglu", "mxfp8-swiglu-row-values", "mxfp8-row-values", "mxfp8-values", "mxfp8"])
+def test_dispatched_cast_programs_fit_an_sm(compile_only, mx, activation, values):
+    """The cast's dispatched configuration for these copies (`dispatch_config`) holds its programs
+    per SM together: their shared memory fits one SM, and at its register cap nothing spills."""
+    from benchmarks.kernel_sass import cast_launch, ptxas_spills
+    from qmoe.kernels import _cast_transpose_gl as ct
+    from qmoe.kernels.activation import NO_ACTIVATION, activation_code
+
+    config = ct.dispatch_config(mx, True, True, activation_code(activation) if activation else NO_ACTIVATION, values)
+    kernels = compile_only(ct, "fp8_block_cast_kernel")
+    cast_launch(torch.bfloat16, mx, activation, values=values, **config)()
+    _fits(kernels)
+    assert kernels[-1].metadata.shared * config["per_sm"] <= gluon_sm90.SMEM_BYTES, config
+    spills = ptxas_spills(kernels[-1].asm["ptx"])
+    assert spills.get("spill_store_bytes", 0) == 0 and spills.get("spill_load_bytes", 0) == 0, (config, spills)
