@@ -188,11 +188,9 @@ DISPATCH = dict(stages=2, warps=8, per_sm=1, tile_group=8)
 DISPATCH_COLUMNWISE = dict(DISPATCH, stages=3)
 # The casts whose own arithmetic holds one program per SM below the copy bandwidth take two, at
 # 128 registers each: a fused GLU (one ring stage each: its slots hold both halves of h), and
-# MXFP8 columnwise copies written as values. MXFP8 rowwise values alone take a third stage
-# (benchmarks/results/sweeps/cast_layer_configs.json).
+# MXFP8 columnwise copies written as values (benchmarks/results/sweeps/cast_layer_configs.json).
 DISPATCH_GLU = dict(DISPATCH, stages=1, per_sm=2, maxnreg=128)
 DISPATCH_COL_VALUES = dict(DISPATCH, per_sm=2, maxnreg=128)
-DISPATCH_ROW_VALUES = dict(DISPATCH, stages=3)
 GROUPED_TILE_GROUP = 0
 _SCRATCH = 8192  # shared memory the kernel takes besides its buffers (barriers, reductions' scratch)
 
@@ -204,8 +202,6 @@ def dispatch_config(mx: bool, rowwise: bool, columnwise: bool, act: int = NO_ACT
         return DISPATCH_GLU
     if columnwise and values[1]:
         return DISPATCH_COL_VALUES
-    if not columnwise and values[0]:
-        return DISPATCH_ROW_VALUES
     return DISPATCH if rowwise or mx else DISPATCH_COLUMNWISE
 
 
