@@ -29,6 +29,7 @@ _NVFP4 = tl.constexpr(4)
 # under it the E2M1 decode takes the arithmetic path and bf16 tiles go to tl.dot as fp32 (the
 # same values). Compiled kernels never see these branches.
 _INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+_BF16_MAX = tl.constexpr(3.3895313892515355e38)  # torch.finfo(torch.bfloat16).max, exact in fp32
 
 # Four packed bytes ($4) -> bf16 values of their low nibbles ($0, $1) and high nibbles ($2, $3),
 # two per register, element i of the pack from byte i. `prmt` looks up 8-entry byte tables
@@ -116,6 +117,15 @@ def _scale_tile(s_ptr, srows, row_ok, kk, k_len, s_stride_r, s_stride_k,
 
 
 @triton.jit
+def _bf16_saturated(x):
+    """fp32 x rounded to bf16, beyond bf16's range its largest finite value (NUMERICS.md: dequantize
+    of finite codes is finite), NaN kept."""
+    x = tl.minimum(tl.maximum(x, -_BF16_MAX, propagate_nan=tl.PropagateNan.ALL), _BF16_MAX,
+                   propagate_nan=tl.PropagateNan.ALL)
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
 def _times_blocks(x, s, R: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr):
     """x [R, BK] times s [R, BK // BC], each scale over BC consecutive values."""
     y = tl.reshape(x, (R, BK // BC, BC)) * s[:, :, None]
@@ -132,7 +142,8 @@ def _tile(ptr, s_ptr, rows, srows, row_ok, kk, k_len, elem0, stride_r, stride_k,
     NVFP4 data is bytes: PAIRED reads code pairs (ptr at an even element); otherwise element
     elem0 + kk + j is read from byte (elem0 + kk + j) // 2 (a group starting mid-byte).
     Returns fp8 codes (TENSOR, BLOCK), exact bf16 values (MX, NVFP4; NVFP4 without its tensor
-    factor) or the plain values (NONE). Masked elements are zero.
+    factor; MX saturated at bf16's range, `_bf16_saturated`) or the plain values (NONE). Masked
+    elements are zero.
     """
     r64 = rows.to(tl.int64)
     ks = kk + tl.arange(0, BK)
@@ -161,7 +172,7 @@ def _tile(ptr, s_ptr, rows, srows, row_ok, kk, k_len, elem0, stride_r, stride_k,
     elif SCALING == _MX:
         x = tl.load(ptr + r64[:, None] * stride_r + ks[None, :] * stride_k, mask=m, other=0.0)
         e = _scale_tile(s_ptr, srows, row_ok, kk, k_len, s_stride_r, s_stride_k, BC, BK, MASK_K, 127)
-        x = _times_blocks(x.to(tl.float32), _e8m0_to_float(e.to(tl.int32)), R, BK, BC).to(tl.bfloat16)
+        x = _bf16_saturated(_times_blocks(x.to(tl.float32), _e8m0_to_float(e.to(tl.int32)), R, BK, BC))
     else:
         x = tl.load(ptr + r64[:, None] * stride_r + ks[None, :] * stride_k, mask=m, other=0.0)
     return x
@@ -403,7 +414,8 @@ def dequantize_kernel(
         # meta
         SCALING: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, GATHER: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """out = codes * block scale in bf16, exactly (MX: q * 2^k; NVFP4: q * s_b, no tensor factor).
+    """out = codes * block scale in bf16, exactly (MX: q * 2^k, saturated at bf16's range; NVFP4:
+    q * s_b, no tensor factor).
 
     Scale row of data row r: (r // GR) * GSR + (r % GR) // BR. Columns: with GATHER, element c's
     scale column is cidx[c] (column groups whose width is not a multiple of BLOCK_C); otherwise
@@ -431,7 +443,7 @@ def dequantize_kernel(
         else:
             s = tl.load(sp, mask=m, other=127)
             x = tl.load(x_ptr + r64 + cols[None, :] * stride_xc, mask=m, other=0.0).to(tl.float32)
-            x = x * _e8m0_to_float(s.to(tl.int32))
+            x = _bf16_saturated(x * _e8m0_to_float(s.to(tl.int32)))
     else:
         col_ok = cols < C
         m = row_ok[:, None]

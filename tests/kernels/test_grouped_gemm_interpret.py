@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from qmoe.recipes import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling,
                           NVFP4BlockScaling)
 from tests.kernels.interpret import inside, launcher, assert_passed_under_interpreter
-from tests.ops.test_grouped_gemm import (JAGGED_CASES, _data, _quantize, _rel, check_token_grouped_dequantize,
-                                        draw_jagged_case)
+from tests.ops.test_grouped_gemm import (JAGGED_CASES, _data, _quantize, _rel, check_mxfp8_dequantize_saturates,
+                                        check_token_grouped_dequantize, draw_jagged_case)
 
 SPLITS = [0, 19, 1, 40, 0, 8]  # empty experts, a one-token expert, odd group starts (even total: NVFP4 columnwise)
 SPLITS_16 = [0, 32, 16, 48, 0, 16]  # NVFP4 with RHT: runs of 16 tokens
@@ -119,6 +119,11 @@ def test_k_grouped_kernel_matches_reference_and_zeros_empty_experts(recipe):
 def test_token_grouped_dequantize_is_exact(recipe):
     _, (a, _) = _case(recipe, "wgrad")
     check_token_grouped_dequantize(a)
+
+
+@inside
+def test_mxfp8_dequantize_saturates():
+    check_mxfp8_dequantize_saturates("cpu")
 
 
 @inside

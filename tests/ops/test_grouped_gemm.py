@@ -334,6 +334,55 @@ def check_token_grouped_dequantize(a):
         assert torch.equal(out[:, :want.shape[1]], want), (tile, token_major)
 
 
+def check_mxfp8_dequantize_saturates(device):
+    """MXFP8 codes whose value lies past bf16's range (an inf in x becomes its block's largest
+    code) dequantize to bf16's largest finite value in the emulated GEMMs' passes, as
+    GroupedTensor.dequantize does (NUMERICS.md: finite in, finite out), NaN kept: the rows' pass,
+    wgrad's token-grouped pass, and a GEMM from codes by either route, which then equals the GEMM
+    from the exact values."""
+    from qmoe.contracts.enums import Scaling
+    from qmoe.kernels import grouped_gemm as kernels
+
+    splits, k, big = [32, 0, 64], 128, torch.finfo(torch.bfloat16).max
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(sum(splits), k, generator=g)
+    x[3, 5], x[40, 33], x[70, 100], x[71, 100] = float("inf"), -float("inf"), big, -big
+    x[90, 64] = float("nan")
+    x = x.to(torch.bfloat16).to(device)
+    w = (torch.randn(len(splits), 48, k, generator=g) / k).to(device)
+    recipe = MXFP8BlockScaling()
+    a = GroupedTensor.quantize(x, splits, recipe.quantizer("input"), rowwise=True, columnwise=True)
+    want = a.dequantize(torch.bfloat16).float()
+    assert (want.abs() == big).sum() >= 2 and want.isnan().any(), "the case reaches past bf16's range"
+
+    def same(got, want):
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got[~got.isnan()], want[~want.isnan()])
+
+    rows = sum(splits)
+    same(kernels._dequantized(kernels.activation_operand(a, Scaling.MX), Scaling.MX, rows, k, rows, k, (rows, k),
+                              (k, 1)).float(), want)
+    tokens = kernels._dequantized_tokens(a, kernels.tokens_operand(a, Scaling.MX), Scaling.MX, token_major=True)
+    same(tokens.float().t()[:rows], a.dequantize(torch.bfloat16, columnwise=True).float().t())
+
+    finite = ~x.float().isnan().any(1)  # the NaN's block is NaN: its row is too
+    wq = quantize_weights(w, recipe.quantizer("weight"), rowwise=True, columnwise=False)
+    held = GroupedTensor.quantize(x, splits, recipe.quantizer("input"), rowwise=True, values=("rowwise",))
+    from_values = kernels.m_grouped_gemm_with(held, wq, out_dtype=torch.float32, route="dequant")
+    for route in ("dequant", "fused"):
+        out = kernels.m_grouped_gemm_with(a, wq, out_dtype=torch.float32, route=route)
+        assert torch.isfinite(out[finite]).all(), route
+        if route == "dequant":
+            assert torch.equal(out[finite], from_values[finite])
+        else:  # the fused kernel sums in its own order
+            assert _rel(out[finite], from_values[finite]) <= 1e-5
+
+
+@pytest.mark.gpu
+def test_mxfp8_dequantize_saturates():
+    check_mxfp8_dequantize_saturates("cuda")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", [r for r in GPU_RECIPES if r.id in ("mxfp8", "nvfp4", "nvfp4-odd-groups")])
 def test_token_grouped_dequantize_is_exact(recipe):
