@@ -32,7 +32,7 @@ def _splits(recipe):
     return [32, 0, 48, 16] if isinstance(recipe, NVFP4BlockScaling) else [37, 0, 129, 1]
 
 
-def _operands(recipe, seed=0):
+def _operands(recipe, seed=0, values=()):
     gen = torch.Generator().manual_seed(seed)
     splits = _splits(recipe)
     x = torch.randn(sum(splits), K, generator=gen) * 3
@@ -40,9 +40,9 @@ def _operands(recipe, seed=0):
     w = torch.randn(len(splits), N, K, generator=gen) / K ** 0.5
     q = {role: recipe.quantizer(role) for role in ("input", "weight", "grad_output")}
     splits = torch.tensor(splits)
-    xq = GroupedTensor.quantize(x, splits, q["input"], rowwise=True, columnwise=True)
-    dyq = GroupedTensor.quantize(dy, splits, q["grad_output"], rowwise=True, columnwise=True)
-    wq = quantize_weights(w, q["weight"], rowwise=True, columnwise=True)
+    xq = GroupedTensor.quantize(x, splits, q["input"], rowwise=True, columnwise=True, values=values)
+    dyq = GroupedTensor.quantize(dy, splits, q["grad_output"], rowwise=True, columnwise=True, values=values)
+    wq = quantize_weights(w, q["weight"], rowwise=True, columnwise=True, values=values)
     return xq, dyq, wq
 
 
@@ -58,6 +58,25 @@ def test_device_side_dequantize_matches_per_group(recipe):
         _assert_bits(compiled.dequantize_grouped(gt), gt.dequantize(torch.float32), f"{name} rowwise")
         _assert_bits(compiled.dequantize_grouped(gt, columnwise=True), gt.dequantize(torch.float32, columnwise=True),
                      f"{name} columnwise")
+
+
+@pytest.mark.parametrize("recipe", [r for r in RECIPES if r.id in ("mxfp8-floor", "nvfp4", "nvfp4-1d")])
+def test_twins_read_copies_held_as_values(recipe):
+    """Copies held as exact values (GroupedTensor.quantize's values) dequantize, and multiply, to
+    the bits of the same copies held as codes."""
+    codes, held = _operands(recipe), _operands(recipe, values=("rowwise", "columnwise"))
+    for name, c, h in zip(("x", "dy", "w"), codes, held):
+        assert h.values and h.rowwise_data is None, f"{name}: no copy held as values"
+        for columnwise in (False, True):
+            _assert_bits(compiled.dequantize_grouped(h, columnwise), compiled.dequantize_grouped(c, columnwise),
+                         f"{name} columnwise={columnwise}")
+    (xc, dyc, wc), (xh, dyh, wh) = codes, held
+    for b_columnwise, ac, ah in ((False, xc, xh), (True, dyc, dyh)):
+        _assert_bits(compiled.m_grouped_gemm(ah, wh, b_columnwise=b_columnwise, out_dtype=torch.float32),
+                     compiled.m_grouped_gemm(ac, wc, b_columnwise=b_columnwise, out_dtype=torch.float32),
+                     f"m_grouped b_columnwise={b_columnwise}")
+    _assert_bits(compiled.k_grouped_gemm(dyh, xh, out_dtype=torch.float32),
+                 compiled.k_grouped_gemm(dyc, xc, out_dtype=torch.float32), "k_grouped")
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
