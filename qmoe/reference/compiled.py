@@ -25,7 +25,6 @@ from torch.library import custom_op
 from qmoe.contracts.carriers import row_groups
 from qmoe.contracts.enums import Scaling, is_grouped, scaling_of
 from qmoe.contracts.formats import ScaleMode, e2m1_decode, e8m0_to_float, fp8_format, nvfp4_tensor_scale, unpack_e2m1
-from qmoe.contracts.scales import tensor_factor
 from qmoe.reference import grouped_gemm as _gemm
 from qmoe.reference import grouped_quantize as _gq
 from qmoe.reference.grouped_quantize import scale_capacity
@@ -223,16 +222,11 @@ def dequantize_grouped(gt, columnwise: bool = False) -> torch.Tensor:
     rowwise: [M, K]; columnwise: the [K, M] copies. Each element is computed as
     `GroupedTensor.split()[g].dequantize(...)` computes it (codes x block scale x group factor,
     in that order), with every token's scales gathered through its group's offsets. A copy held
-    as exact values (`GroupedTensor.exact_values`: codes x block scale already) takes only its
-    group factor.
+    as exact values is GroupedTensor.dequantize's to read: it takes their group factors on the
+    device as well.
     """
-    held = gt.exact_values(columnwise)
-    if held is not None:
-        values = held.float()
-        factor = tensor_factor(gt, columnwise)
-        if factor is not None:
-            values = values * factor[row_groups(gt.offsets, values.shape[0]).clamp(max=gt.num_groups - 1)][:, None]
-        return values.t().contiguous() if columnwise else values
+    if gt.exact_values(columnwise) is not None:
+        return gt.dequantize(torch.float32, columnwise=columnwise)
     scaling = scaling_of(gt)
     data, scale = (gt.columnwise_data, gt.columnwise_scale_inv) if columnwise else \
         (gt.rowwise_data, gt.rowwise_scale_inv)
