@@ -20,6 +20,8 @@ import os
 import triton
 import triton.language as tl
 
+from qmoe.kernels._arith import cast_satfinite
+
 _NONE = tl.constexpr(0)
 _TENSOR = tl.constexpr(1)
 _BLOCK = tl.constexpr(2)
@@ -117,15 +119,6 @@ def _scale_tile(s_ptr, srows, row_ok, kk, k_len, s_stride_r, s_stride_k,
 
 
 @triton.jit
-def _bf16_saturated(x):
-    """fp32 x rounded to bf16, beyond bf16's range its largest finite value (NUMERICS.md: dequantize
-    of finite codes is finite), NaN kept."""
-    x = tl.minimum(tl.maximum(x, -_BF16_MAX, propagate_nan=tl.PropagateNan.ALL), _BF16_MAX,
-                   propagate_nan=tl.PropagateNan.ALL)
-    return x.to(tl.bfloat16)
-
-
-@triton.jit
 def _times_blocks(x, s, R: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr):
     """x [R, BK] times s [R, BK // BC], each scale over BC consecutive values."""
     y = tl.reshape(x, (R, BK // BC, BC)) * s[:, :, None]
@@ -142,7 +135,7 @@ def _tile(ptr, s_ptr, rows, srows, row_ok, kk, k_len, elem0, stride_r, stride_k,
     NVFP4 data is bytes: PAIRED reads code pairs (ptr at an even element); otherwise element
     elem0 + kk + j is read from byte (elem0 + kk + j) // 2 (a group starting mid-byte).
     Returns fp8 codes (TENSOR, BLOCK), exact bf16 values (MX, NVFP4; NVFP4 without its tensor
-    factor; MX saturated at bf16's range, `_bf16_saturated`) or the plain values (NONE). Masked
+    factor; MX saturated at bf16's range: finite codes give finite values) or the plain values (NONE). Masked
     elements are zero.
     """
     r64 = rows.to(tl.int64)
@@ -172,7 +165,8 @@ def _tile(ptr, s_ptr, rows, srows, row_ok, kk, k_len, elem0, stride_r, stride_k,
     elif SCALING == _MX:
         x = tl.load(ptr + r64[:, None] * stride_r + ks[None, :] * stride_k, mask=m, other=0.0)
         e = _scale_tile(s_ptr, srows, row_ok, kk, k_len, s_stride_r, s_stride_k, BC, BK, MASK_K, 127)
-        x = _bf16_saturated(_times_blocks(x.to(tl.float32), _e8m0_to_float(e.to(tl.int32)), R, BK, BC))
+        x = cast_satfinite(_times_blocks(x.to(tl.float32), _e8m0_to_float(e.to(tl.int32)), R, BK, BC), _BF16_MAX,
+                           tl.bfloat16)
     else:
         x = tl.load(ptr + r64[:, None] * stride_r + ks[None, :] * stride_k, mask=m, other=0.0)
     return x
@@ -443,7 +437,7 @@ def dequantize_kernel(
         else:
             s = tl.load(sp, mask=m, other=127)
             x = tl.load(x_ptr + r64 + cols[None, :] * stride_xc, mask=m, other=0.0).to(tl.float32)
-            x = _bf16_saturated(x * _e8m0_to_float(s.to(tl.int32)))
+            x = cast_satfinite(x * _e8m0_to_float(s.to(tl.int32)), _BF16_MAX, tl.bfloat16)
     else:
         col_ok = cols < C
         m = row_ok[:, None]
