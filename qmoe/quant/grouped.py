@@ -237,12 +237,19 @@ class GroupedTensor:
                 group = row_groups(self.offsets, held.shape[0]).clamp(max=self.num_groups - 1)
                 held = held * factor.to(held.device)[group][:, None]
             return saturate_to(held.t() if columnwise else held, dtype).contiguous()
-        codes = self
-        if self.values:  # the other copy is held as values: split the codes alone
-            codes = copy.copy(self)
-            codes.values = None
-        parts = [t.dequantize(dtype, columnwise=columnwise) for t in codes.split()]
+        parts = [t.dequantize(dtype, columnwise=columnwise) for t in self._codes_of(columnwise).split()]
         return torch.cat(parts, 1 if columnwise else 0)
+
+    def _codes_of(self, columnwise: bool) -> "GroupedTensor":
+        """A shallow copy holding this copy's codes alone: split() repacks every copy it holds, and
+        the other one may be values, or an NVFP4 columnwise copy whose odd groups cannot stand alone."""
+        one = copy.copy(self)
+        one.values = None
+        if columnwise:
+            one.rowwise_data = one.rowwise_scale_inv = None
+        else:
+            one.columnwise_data = one.columnwise_scale_inv = None
+        return one
 
     def __repr__(self) -> str:
         return (f"GroupedTensor(num_groups={self.num_groups}, shape={tuple(self.shape)}, "

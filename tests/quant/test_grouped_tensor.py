@@ -151,6 +151,20 @@ def test_nvfp4_stochastic_grouped_shapes_and_reproducibility():
     assert a.dequantize().shape == x.shape
 
 
+def test_nvfp4_rowwise_dequantize_beside_a_columnwise_copy_of_odd_groups():
+    """Odd groups' NVFP4 columnwise copy cannot stand alone (two rows a byte); the rowwise copy
+    beside it still dequantizes, to the values of the rows quantized without it. The columnwise
+    copy says why it cannot."""
+    splits = [0, 19, 1, 40, 0, 8]
+    x = torch.randn(sum(splits), 64, generator=torch.Generator().manual_seed(3))
+    q = RECIPES["nvfp4"].quantizer("input")
+    both = GroupedTensor.quantize(x, splits, q, rowwise=True, columnwise=True)
+    rows = GroupedTensor.quantize(x, splits, q, rowwise=True, columnwise=False)
+    assert torch.equal(both.dequantize(), rows.dequantize())
+    with pytest.raises(ValueError, match="group 1 has 19 rows"):
+        both.dequantize(columnwise=True)
+
+
 BAD_SPLITS = [
     pytest.param([4, -1, 5], ValueError, id="negative"),
     pytest.param([4, 3], ValueError, id="wrong-sum"),
