@@ -26,8 +26,6 @@ This loops over groups on the host (it reads split sizes); it is the spec, not t
 """
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from qmoe.contracts.enums import Scaling, is_grouped, scaling_of
@@ -53,31 +51,11 @@ def reads_values(scaling, rows: int, groups: int) -> bool:
 
 # ---------------------------------------------------------------- per-group fp32 operands
 
-def _held_parts(gt, columnwise: bool) -> list[torch.Tensor] | None:
-    """Per-group fp32 values of a copy held as exact values (GroupedTensor.values), else None."""
-    held = gt.exact_values(columnwise)
-    if held is None:
-        return None
-    factor = tensor_factor(gt, columnwise)  # NVFP4's values are q * s_b: times S_dec, as its codes
-    parts = []
-    for g, (s, e) in enumerate(host_bounds(gt.offsets)):
-        part = held[s:e].float() if factor is None else held[s:e].float() * factor[g]
-        parts.append(part.t() if columnwise else part)
-    return parts
-
-
 def _copy_parts(gt, columnwise: bool) -> list[torch.Tensor]:
-    """Per-group fp32 values of gt's rowwise copies [M_g, K] or columnwise ones [K, M_g]."""
-    held = _held_parts(gt, columnwise)
-    if held is not None:
-        return held
-    one_copy = copy.copy(gt)  # split() would also repack the other copy, which is not needed
-    one_copy.values = None
-    if columnwise:
-        one_copy.rowwise_data = one_copy.rowwise_scale_inv = None
-    else:
-        one_copy.columnwise_data = one_copy.columnwise_scale_inv = None
-    return [qt.dequantize(torch.float32, columnwise=columnwise) for qt in one_copy.split()]
+    """Per-group fp32 values of gt's rowwise copies [M_g, K] or columnwise ones [K, M_g], held as
+    codes or as exact values: GroupedTensor.dequantize reads either, per group."""
+    whole = gt.dequantize(torch.float32, columnwise=columnwise)
+    return [whole[:, s:e] if columnwise else whole[s:e] for s, e in host_bounds(gt.offsets)]
 
 
 def _m_operands(a, b, split_sizes, b_columnwise):
