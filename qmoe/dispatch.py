@@ -134,7 +134,6 @@ GROUPED_QUANTIZE = Dispatch("grouped_quantize", {
                             r_grouped_quantize.grouped_tensor_amax),
     "grouped_quantize_fp8_tensorwise": (k_grouped_quantize and k_grouped_quantize.grouped_quantize_fp8_tensorwise,
                                         r_grouped_quantize.grouped_quantize_fp8_tensorwise),
-    "grouped_quantize_fp8_current": (k_grouped_quantize and k_grouped_quantize.grouped_quantize_fp8_current, None),
     "grouped_quantize_fp8_block": (_where_supported(
         k_grouped_quantize and k_grouped_quantize.grouped_quantize_fp8_block,
         r_grouped_quantize.grouped_quantize_fp8_block,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from qmoe.kernels._arith import abs_bits, atomic_max_bits, bits_to_float, cast_codes, fp8_scale_from_amax, max_abs_bits
+from qmoe.kernels._arith import abs_bits, atomic_max_bits, cast_codes, max_abs_bits
 from qmoe.kernels._cast_variants import (ORIENTED_KEY, TENSORWISE_CONFIGS, load_quads, prune_variants,
                                          store_quads)
 from qmoe.kernels._tiles import quad_abs_bits, store8, tile_pids
@@ -32,29 +32,25 @@ def _groups_of_rows(ends_ptr, G, first, last, G_P2: tl.constexpr):
 
 
 @triton.jit
-def _tensorwise_tile(x_ptr, probs_ptr, row_ptr, col_ptr, scale, row0, col0, row_end, M, K, stride_xm,
-                     ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, FMT_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                     ROWWISE: tl.constexpr, COLWISE: tl.constexpr, QUAD: tl.constexpr, BM: tl.constexpr,
-                     BK: tl.constexpr):
-    """Cast the [BM, BK] tile at (row0, col0), rows before row_end, with one scale; its max|x| bits
-    (M: the rows of x, the columnwise copy's row length)."""
+def _tensorwise_tile(x_ptr, probs_ptr, row_ptr, col_ptr, scale, row0, col0, M, K, stride_xm, ACT: tl.constexpr,
+                     GLU_BLOCK: tl.constexpr, FMT_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr, ROWWISE: tl.constexpr,
+                     COLWISE: tl.constexpr, QUAD: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """Cast the [BM, BK] tile at (row0, col0), rows before M, with one scale; its max|x| bits."""
     cols = col0 + tl.arange(0, BK)
     if QUAD:
-        x0, x1, x2, x3 = load_quads(x_ptr, probs_ptr, row0, row_end, cols, cols < K, stride_xm, K, ACT, GLU_BLOCK,
-                                    BM // 4)
+        x0, x1, x2, x3 = load_quads(x_ptr, probs_ptr, row0, M, cols, cols < K, stride_xm, K, ACT, GLU_BLOCK, BM // 4)
         amax = tl.max(tl.max(quad_abs_bits(x0, x1, x2, x3), 1), 0)  # before the stores: x dies with them
-        store_quads(row_ptr, col_ptr, x0 * scale, x1 * scale, x2 * scale, x3 * scale, row0, col0, M, K, row_end,
+        store_quads(row_ptr, col_ptr, x0 * scale, x1 * scale, x2 * scale, x3 * scale, row0, col0, M, K, M,
                     FMT_MAX, OUT_DTYPE, ROWWISE, COLWISE, BM // 4, BK)
     else:
         rows = row0 + tl.arange(0, BM)
-        x = load_rows(x_ptr, probs_ptr, rows, cols, rows < row_end, cols < K, stride_xm, K, ACT,
-                      GLU_BLOCK).to(tl.float32)
+        x = load_rows(x_ptr, probs_ptr, rows, cols, rows < M, cols < K, stride_xm, K, ACT, GLU_BLOCK).to(tl.float32)
         amax = max_abs_bits(x, False)
         q = cast_codes(x * scale, FMT_MAX, OUT_DTYPE)
         if ROWWISE:
-            store8(row_ptr, q, row0, col0, K, row_end, K, BM, BK)
+            store8(row_ptr, q, row0, col0, K, M, K, BM, BK)
         if COLWISE:  # the quantized transpose [K, M]
-            store8(col_ptr, tl.trans(q), col0, row0, M, K, row_end, BK, BM)
+            store8(col_ptr, tl.trans(q), col0, row0, M, K, M, BK, BM)
     return amax
 
 
@@ -123,81 +119,10 @@ def _fp8_tensorwise_kernel(
     if g == g_last:
         scale = tl.load(scale_ptr + g)
         seen = tl.load(amax_ptr + g)
-        amax = _tensorwise_tile(x_ptr, probs_ptr, row_ptr, col_ptr, scale, row0, pid_k * BK, M, M, K, stride_xm,
-                                ACT, GLU_BLOCK, FMT_MAX, OUT_DTYPE, ROWWISE, COLWISE, QUAD, BM, BK)
+        amax = _tensorwise_tile(x_ptr, probs_ptr, row_ptr, col_ptr, scale, row0, pid_k * BK, M, K, stride_xm, ACT,
+                                GLU_BLOCK, FMT_MAX, OUT_DTYPE, ROWWISE, COLWISE, QUAD, BM, BK)
         if amax > seen:  # see atomic_max_bits; a stale `seen` only costs an atomic
             tl.atomic_max(amax_ptr + g, amax)
     else:
         _tensorwise_mixed(x_ptr, probs_ptr, scale_ptr, row_ptr, col_ptr, amax_ptr, ends_ptr, row0, pid_k * BK, g,
                           g_last, M, K, G, stride_xm, ACT, GLU_BLOCK, FMT_MAX, OUT_DTYPE, ROWWISE, COLWISE, BM, BK)
-
-
-# ---------------------------------------------------------------- current scaling in one read
-
-@triton.jit
-def _group_amax_bits(x_ptr, probs_ptr, start, end, first, step, K, stride_xm, ACT: tl.constexpr,
-                     GLU_BLOCK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    """max|x| over finite values of tiles first, first + step, ... of the group's rows [start, end)
-    (tile t: row tile t // cdiv(K, BK), column tile t % cdiv(K, BK)), as int32 bits."""
-    nk = tl.cdiv(K, BK)
-    bits = 0
-    for t in range(first, tl.cdiv(end - start, BM) * nk, step):
-        rows = start + (t // nk) * BM + tl.arange(0, BM)
-        cols = (t % nk) * BK + tl.arange(0, BK)
-        x = load_rows(x_ptr, probs_ptr, rows, cols, rows < end, cols < K, stride_xm, K, ACT, GLU_BLOCK)
-        bits = tl.maximum(bits, max_abs_bits(x.to(tl.float32), True))
-    return bits
-
-
-@triton.jit(do_not_specialize=["team", "patience"])
-def _fp8_current_kernel(
-        # pointers
-        x_ptr, probs_ptr, scale_ptr, row_ptr, col_ptr, amax_ptr, done_ptr, ends_ptr,
-        # sizes
-        M, K, G,
-        # scale and team
-        eps, team, patience,
-        # strides
-        stride_xm,
-        # meta
-        ACT: tl.constexpr, GLU_BLOCK: tl.constexpr, FMT_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr,
-        POW2: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr, QUAD: tl.constexpr, BM: tl.constexpr,
-        BK: tl.constexpr):
-    """Current scaling per group in one read of x from memory: each team of `team` programs takes a
-    group, takes its amax over the tiles (each member its share), waits for the whole team's
-    (`done_ptr` counts the members that have added theirs), computes the scale as
-    `fp8_scale_from_amax` and casts the same tiles again, in reverse, while they are still in L2:
-    the launcher sizes the teams so that the groups in flight fit there. A member that waits
-    `patience` polls in vain (its team not all resident: other work holds the SMs) takes the
-    whole group's amax alone, the same maximum, so no program waits for one that cannot run.
-
-    The scale is the one `compute_fp8_scale` gives for the group's amax, so codes and scales are
-    those of the amax pass and the cast pass, bit for bit; amax_ptr gets the finite amax bits.
-    """
-    pid = tl.program_id(0)
-    member = pid % team
-    nk = tl.cdiv(K, BK)
-    for g in range(pid // team, G, tl.num_programs(0) // team):
-        start = tl.load(ends_ptr + g - 1, mask=g > 0, other=0)
-        end = tl.minimum(tl.load(ends_ptr + g), M)
-        bits = _group_amax_bits(x_ptr, probs_ptr, start, end, member, team, K, stride_xm, ACT, GLU_BLOCK, BM, BK)
-        if team > 1:
-            tl.atomic_max(amax_ptr + g, bits)
-            tl.atomic_add(done_ptr + g, 1)  # acq_rel: the maximum above is visible to whoever sees the count
-            polls = 0
-            while (tl.atomic_add(done_ptr + g, 0) < team) & (polls < patience):
-                polls += 1
-            if polls < patience:
-                bits = tl.atomic_max(amax_ptr + g, 0)
-            else:
-                bits = _group_amax_bits(x_ptr, probs_ptr, start, end, 0, 1, K, stride_xm, ACT, GLU_BLOCK, BM, BK)
-        else:
-            tl.store(amax_ptr + g, bits)
-        scale = fp8_scale_from_amax(bits_to_float(bits), FMT_MAX, POW2, eps)
-        if member == 0:
-            tl.store(scale_ptr + g, scale)
-        mine = tl.cdiv(tl.maximum(tl.cdiv(end - start, BM) * nk - member, 0), team)  # last read, first cast
-        for i in range(0, mine):
-            t = member + (mine - 1 - i) * team
-            _tensorwise_tile(x_ptr, probs_ptr, row_ptr, col_ptr, scale, start + (t // nk) * BM, (t % nk) * BK, end,
-                             M, K, stride_xm, ACT, GLU_BLOCK, FMT_MAX, OUT_DTYPE, ROWWISE, COLWISE, QUAD, BM, BK)

@@ -25,19 +25,14 @@ torch.Size([256, 6])
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from qmoe.contracts.carriers import ActivatedRows, glu_block
 from qmoe.contracts.errors import UnsupportedError
 from qmoe.contracts.formats import ElementFormat, ScaleMode
-from qmoe.kernels.activation import NO_ACTIVATION, activation_code, input_width
-from qmoe.kernels._cast_tensorwise import _fp8_current_kernel
-from qmoe.kernels._launch import kernel_op, num_sms, wrapped
+from qmoe.kernels.activation import NO_ACTIVATION, activation_code
 from qmoe.kernels._layout import as_rows, device_splits
-from qmoe.kernels.quantize import (TL_FP8, amax_op, fp8_block_op, fp8_block_supported, fp8_meta, fp8_scale_op,
-                                   fp8_tensorwise_op, mxfp8_op)
+from qmoe.kernels.quantize import amax_op, fp8_block_op, fp8_block_supported, fp8_meta, fp8_tensorwise_op, mxfp8_op
 from qmoe.kernels.quantize_nvfp4 import check_nvfp4_shape, draw_seeds, nvfp4_op
 
 
@@ -70,79 +65,6 @@ def grouped_quantize_fp8_tensorwise(x, split_sizes, scales, fmt: ElementFormat, 
     row, col, amax = fp8_tensorwise_op(x, scales.float().reshape(-1), splits, g, fmt.dtype,
                                        fmt.max, rowwise, columnwise, *fused)
     return row if rowwise else None, col if columnwise else None, amax
-
-
-# Current scaling in one read (`_fp8_current_kernel`): the input bytes of the groups in flight at
-# once stay within this share of the L2 cache (whose other part takes the codes written meanwhile),
-# and groups larger than it on average take the amax launch and the cast launch instead.
-CURRENT_L2_BYTES = 24 << 20
-CURRENT_PROGRAMS_PER_SM = 4
-CURRENT_PATIENCE = 4096  # polls before a member takes its group's amax alone
-_CURRENT_TILE = dict(BM=32, BK=128, num_warps=4)
-# registers per thread that let CURRENT_PROGRAMS_PER_SM programs share an SM's 64K, so that a team is
-# resident at once (without spills at this tile: ptxas -v on sm_90a)
-_CURRENT_REGS = 65536 // (32 * _CURRENT_TILE["num_warps"] * CURRENT_PROGRAMS_PER_SM)
-
-
-def current_teams(m: int, width: int, groups: int, elem_bytes: int, device: torch.device,
-                  l2_bytes: int | None = None, per_sm: int = CURRENT_PROGRAMS_PER_SM) -> tuple[int, int] | None:
-    """(teams, programs per team) of the one-read cast for `groups` groups of m rows in all, each
-    row `width` values read from memory (an activation's input is twice its output); None where
-    an average group alone would not fit `l2_bytes` (default CURRENT_L2_BYTES; then two launches
-    read x twice anyway)."""
-    l2_bytes = CURRENT_L2_BYTES if l2_bytes is None else l2_bytes
-    if groups == 0 or m == 0:
-        return None
-    group_bytes = max(1, m * width * elem_bytes // groups)
-    if group_bytes > l2_bytes:
-        return None
-    teams = max(1, min(groups, l2_bytes // group_bytes))
-    programs = num_sms(device) * (per_sm if device.type == "cuda" else 1)
-    return teams, max(1, programs // teams)
-
-
-@kernel_op("qmoe::quantize_fp8_current")
-def fp8_current_op(x: torch.Tensor, splits: torch.Tensor, num_groups: int, out_dtype: torch.dtype, fmt_max: float,
-                   power_2_scale: bool, amax_epsilon: float, rowwise: bool, columnwise: bool, teams: int, team: int,
-                   patience: int, probs: Optional[torch.Tensor] = None, act: int = NO_ACTIVATION,
-                   glu_block: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(row [M, K] | empty, col [K, M] | empty, scales [G], amax [G]) of current scaling per group,
-    from one launch of `teams` x `team` programs (`_fp8_current_kernel`)."""
-    m, k = x.shape[0], input_width(x, act)
-    row = torch.empty((m, k) if rowwise else (0,), dtype=out_dtype, device=x.device)
-    col = torch.empty((k, m) if columnwise else (0,), dtype=out_dtype, device=x.device)
-    scales = torch.ones(num_groups, dtype=torch.float32, device=x.device)
-    state = torch.zeros((2, num_groups), dtype=torch.int32, device=x.device)  # amax bits, members done
-    if m * k and num_groups:
-        wrapped(_fp8_current_kernel)[(teams * team,)](
-            x, probs if probs is not None else x, scales, row.view(torch.uint8), col.view(torch.uint8), state[0],
-            state[1], torch.cumsum(splits, 0, dtype=torch.int32), m, k, num_groups, amax_epsilon, team, patience,
-            x.stride(0), ACT=act, GLU_BLOCK=glu_block, FMT_MAX=fmt_max, OUT_DTYPE=TL_FP8[out_dtype],
-            POW2=power_2_scale, ROWWISE=rowwise, COLWISE=columnwise, QUAD=columnwise, **_CURRENT_TILE,
-            maxnreg=_CURRENT_REGS)
-    return row, col, scales, state[0].view(torch.float32)
-
-
-def grouped_quantize_fp8_current(x, split_sizes, fmt: ElementFormat, power_2_scale=False, amax_epsilon=0.0,
-                                 rowwise=True, columnwise=False, teams: tuple[int, int] | None = None,
-                                 patience: int = CURRENT_PATIENCE):
-    """Current scaling per group -> (row [sum M, K], col [K, sum M], scales [G], amax [G]): the
-    scales `compute_fp8_scale` gives for the groups' finite amaxes and the codes of the cast with
-    them, bit for bit, from one read of x where its groups fit in L2 (`current_teams`; teams:
-    (teams, programs per team) chosen by the caller; patience: `_fp8_current_kernel`'s), else
-    from the amax launch and the cast launch."""
-    fp8_meta(fmt)
-    x, splits, g, fused = _prepare(x, split_sizes)
-    layout = teams or current_teams(x.shape[0], x.shape[1], g, x.element_size(), x.device)
-    if layout is None:
-        amax = amax_op(x, splits, g, *fused)
-        scales = fp8_scale_op(amax, fmt.max, power_2_scale, float(amax_epsilon))
-        row, col, _ = fp8_tensorwise_op(x, scales, splits, g, fmt.dtype, fmt.max, rowwise, columnwise, *fused)
-    else:
-        row, col, scales, amax = fp8_current_op(x, splits, g, fmt.dtype, fmt.max, power_2_scale,
-                                                float(amax_epsilon), rowwise, columnwise, *layout, patience,
-                                                *fused)
-    return row if rowwise else None, col if columnwise else None, scales, amax
 
 
 def grouped_quantize_fp8_block(x, split_sizes, block_rows, block_cols, fmt, power_2_scale=True,

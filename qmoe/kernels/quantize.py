@@ -43,14 +43,14 @@ from qmoe.kernels._layout import as_rows, group_pow2, steps_major
 from qmoe.kernels._tiles import (block_amax_2d, block_amax_first, block_amax_last, scale_2d, scale_last,
                                 store8, tile_pids, tile_rows, tile_span)
 
-TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}  # Triton's FP8 dtypes
+_TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 
 
 def fp8_meta(fmt: ElementFormat):
     """Triton's dtype for an FP8 format (ValueError for any other format)."""
-    if fmt.dtype not in TL_FP8:
+    if fmt.dtype not in _TL_FP8:
         raise ValueError(f"{fmt} is not an FP8 format (E4M3 or E5M2)")
-    return TL_FP8[fmt.dtype]
+    return _TL_FP8[fmt.dtype]
 
 
 _TILE_CONFIGS = tile_configs(((32, 64, 4), (32, 128, 4), (64, 128, 8), (128, 128, 8)))
@@ -181,7 +181,7 @@ def fp8_tensorwise_op(x: torch.Tensor, scale: torch.Tensor, splits: Optional[tor
         launch_cast(_fp8_tensorwise_kernel, tile_grid(m, k, num_groups, False),
                     (x, probs if probs is not None else x, scale.reshape(-1), row.view(torch.uint8),
                      col.view(torch.uint8), bits, ends, m, k, num_groups, x.stride(0)),
-                    _SMALL_CAST, m * k, ACT=act, GLU_BLOCK=glu_block, FMT_MAX=fmt_max, OUT_DTYPE=TL_FP8[out_dtype],
+                    _SMALL_CAST, m * k, ACT=act, GLU_BLOCK=glu_block, FMT_MAX=fmt_max, OUT_DTYPE=_TL_FP8[out_dtype],
                     ROWWISE=rowwise, COLWISE=columnwise, GROUPED=grouped, G_P2=group_pow2(num_groups))
     return row, col, bits.view(torch.float32)
 
@@ -307,7 +307,7 @@ def fp8_block_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: in
         col_s = steps_major(k, width, f32, dev, zeros) if columnwise else torch.empty((0,), dtype=f32, device=dev)
     gluon_cast = m * k and columnwise and not is_forced(_fp8_block_kernel)
     if gluon_cast and _block_cast_gl.launch_dispatched(x, splits, num_groups, two_d, b, act, glu_block, probs,
-                                                       TL_FP8[out_dtype], fmt_max, power_2_scale, amax_epsilon,
+                                                       _TL_FP8[out_dtype], fmt_max, power_2_scale, amax_epsilon,
                                                        rowwise, row, row_s, col, col_s):
         return row, row_s, col, col_s
     if m * k:
@@ -317,7 +317,7 @@ def fp8_block_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: in
                     (x, probs if probs is not None else x, row.view(torch.uint8), row_s, col.view(torch.uint8), col_s,
                      splits if grouped else x, m, k, num_groups, amax_epsilon,
                      x.stride(0), *_strides(row_s), *_strides(col_s)),
-                    small, m * k, ACT=act, GLU_BLOCK=glu_block, FMT_MAX=fmt_max, OUT_DTYPE=TL_FP8[out_dtype],
+                    small, m * k, ACT=act, GLU_BLOCK=glu_block, FMT_MAX=fmt_max, OUT_DTYPE=_TL_FP8[out_dtype],
                     POW2=power_2_scale, B=b,
                     BLOCK_2D=two_d, ROWWISE=rowwise, COLWISE=columnwise, GROUPED=grouped, G_P2=group_pow2(num_groups))
     return row, row_s, col, col_s
@@ -429,7 +429,7 @@ def mxfp8_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, o
     row, row_s, col, col_s = outputs(values)
     gluon_cast = m * k and (columnwise or values[0]) and not is_forced(_mxfp8_kernel)
     if gluon_cast and _block_cast_gl.launch_dispatched_mx(x, splits, num_groups, block, act, glu_block, probs,
-                                                          TL_FP8[out_dtype], fmt_max, emax, round_up, rowwise,
+                                                          _TL_FP8[out_dtype], fmt_max, emax, round_up, rowwise,
                                                           columnwise, row, row_s, col, col_s, values):
         return row, row_s.view(torch.float8_e8m0fnu), col, col_s.view(torch.float8_e8m0fnu)
     if any(values):  # the Gluon kernel did not compile: codes, from the Triton kernel
@@ -439,7 +439,7 @@ def mxfp8_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, o
                     (x, probs if probs is not None else x, row.view(torch.uint8), row_s, col.view(torch.uint8), col_s,
                      splits if grouped else x, m, k, num_groups, x.stride(0), *_strides(row_s), *_strides(col_s)),
                     _SMALL_CAST, m * k, ACT=act, GLU_BLOCK=glu_block, FMT_MAX=fmt_max, EMAX=emax, ROUND_UP=round_up,
-                    OUT_DTYPE=TL_FP8[out_dtype], B=block, ROWWISE=rowwise, COLWISE=columnwise, GROUPED=grouped,
+                    OUT_DTYPE=_TL_FP8[out_dtype], B=block, ROWWISE=rowwise, COLWISE=columnwise, GROUPED=grouped,
                     G_P2=group_pow2(num_groups))
     return row, row_s.view(torch.float8_e8m0fnu), col, col_s.view(torch.float8_e8m0fnu)
 

@@ -11,7 +11,6 @@ import math
 
 import torch
 
-from qmoe.backend import use_kernels
 from qmoe.contracts.carriers import ActivatedRows, RowsWithAmax
 from qmoe.contracts.errors import refuse_compile
 from qmoe.contracts.scales import gemm_scale
@@ -208,23 +207,13 @@ class Float8CurrentQuantizer(Quantizer):
             amax = self._impl(GROUPED_QUANTIZE, "grouped_tensor_amax", x)(x, splits)
         return self.compute_scale(self._shared_amax(amax))
 
-    def _one_read(self, x) -> bool:
-        """Whether the grouped cast takes x's amax itself (`grouped_quantize_fp8_current`): on the
-        kernels' path, where no all-reduce must come between the amax and the scale."""
-        rows = x.h if isinstance(x, ActivatedRows) else x
-        return use_kernels(rows) and not (self.role == "weight" and self.amax_reduction_group is not None)
-
     def _quantize_grouped(self, x, splits, rowwise, columnwise, values=()):
         amax = None
         if isinstance(x, RowsWithAmax):  # GroupedTensor.quantize checked it (takes_amax)
             x, amax = x.rows, x.amax
-        if amax is None and self._one_read(x):
-            row, col, scales, amax = self._impl(GROUPED_QUANTIZE, "grouped_quantize_fp8_current", x)(
-                x, splits, self.fmt, self.power_2_scale, self.amax_epsilon, rowwise, columnwise)
-        else:
-            scales = self._grouped_scales(x, splits, amax)
-            row, col, amax = self._impl(GROUPED_QUANTIZE, "grouped_quantize_fp8_tensorwise", x)(
-                x, splits, scales, self.fmt, rowwise, columnwise)
+        scales = self._grouped_scales(x, splits, amax)
+        row, col, amax = self._impl(GROUPED_QUANTIZE, "grouped_quantize_fp8_tensorwise", x)(
+            x, splits, scales, self.fmt, rowwise, columnwise)
         self._recorded(amax)
         inv = 1.0 / scales
         return dict(rowwise_data=row, rowwise_scale_inv=inv if rowwise else None,
@@ -264,9 +253,6 @@ class Float8DelayedQuantizer(Float8CurrentQuantizer):
         self._refuse_compile()
         self.state.ensure(x.device, None)
         return self.state.scale_in_force()  # kept with its data
-
-    def _one_read(self, x) -> bool:
-        return False  # the scale in force is the slot's, not this call's amax
 
     def _grouped_scales(self, x, splits, amax=None):
         self._refuse_compile()
