@@ -38,7 +38,7 @@ import sys
 
 import torch
 
-from benchmarks.harness import error_line, run_header, write_results
+from benchmarks.harness import error_line, run_header, warmup_stream, write_results
 
 # (tokens, experts, top_k, hidden, ffn)
 SHAPES = {
@@ -85,19 +85,6 @@ def _step_fn(module, x, dy, recipe):
     return step
 
 
-_WARMUP_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _warmup_stream() -> torch.cuda.Stream:
-    """The side stream every capture's warm-up runs on, one per device for the whole run: cuBLAS
-    keeps a workspace for each stream it has run on, so a new stream per capture would leave 64 MiB
-    more allocated for every row after it, and later rows' peaks would count it."""
-    index = torch.cuda.current_device()
-    if index not in _WARMUP_STREAMS:
-        _WARMUP_STREAMS[index] = torch.cuda.Stream()
-    return _WARMUP_STREAMS[index]
-
-
 def _graphed_ms(step, warmup: int, iters: int, micro_batches: int = 1, region=contextlib.nullcontext):
     """Capture the whole step (forward + backward) in one CUDA graph and time its replay.
 
@@ -118,7 +105,7 @@ def _graphed_ms(step, warmup: int, iters: int, micro_batches: int = 1, region=co
             inner.append(e)
             raise
     try:
-        side = _warmup_stream()
+        side = warmup_stream()
         side.wait_stream(torch.cuda.current_stream())
         graphs = []
         with region():  # one region: no scale update between the captures either

@@ -68,6 +68,20 @@ def median_ms(fn, warmup: int = 10, rep: int = 50) -> float:
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+_WARMUP_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def warmup_stream() -> torch.cuda.Stream:
+    """The side stream every capture's warm-up runs on, one per device for the whole process: cuBLAS
+    keeps a 64 MiB workspace for each stream it has run on, so a new stream per capture would leave
+    that much more allocated for every measurement after it, and later peaks would count it
+    (benchmarks/results/sweeps/moe_peak_order.json)."""
+    index = torch.cuda.current_device()
+    if index not in _WARMUP_STREAMS:
+        _WARMUP_STREAMS[index] = torch.cuda.Stream()
+    return _WARMUP_STREAMS[index]
+
+
 def capture_graph(fn) -> tuple[torch.cuda.CUDAGraph | None, str | None]:
     """(`fn` captured in a CUDA graph after a warm-up, None) or (None, why it cannot be captured).
 
@@ -76,7 +90,7 @@ def capture_graph(fn) -> tuple[torch.cuda.CUDAGraph | None, str | None]:
     `fn`, and with it the tensors `fn` closes over that the replay reads (freed, their memory
     would be reused under the graph).
     """
-    side = torch.cuda.Stream()
+    side = warmup_stream()
     side.wait_stream(torch.cuda.current_stream())
     try:
         with torch.cuda.stream(side):
