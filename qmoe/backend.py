@@ -14,6 +14,8 @@ import os
 
 import torch
 
+from qmoe.contracts.validate import cuda_index
+
 
 def backend_override() -> str | None:
     v = os.environ.get("QMOE_BACKEND", "").strip().lower()
@@ -43,5 +45,5 @@ def use_kernels(*tensors: torch.Tensor) -> bool:
     devices = {t.device for t in tensors if isinstance(t, torch.Tensor)}
     if not devices or any(d.type != "cuda" for d in devices):
         return False
-    return all(_device_has_kernels(d.index if d.index is not None else torch.cuda.current_device())
+    return all(_device_has_kernels(cuda_index(d))
                for d in devices)

@@ -103,6 +103,12 @@ def check_device(device, name: str = "device") -> torch.device | None:
     return dev
 
 
+def cuda_index(device: torch.device) -> int:
+    """The index of the CUDA device `device` names: an index-less "cuda" (as torch.Generator and
+    tensors made on "cuda" may report it) is the current device."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def check_process_group(name: str, group) -> None:
     """None or a torch.distributed process group."""
     if group is None:

@@ -8,6 +8,8 @@ reduction the last program runs.
 from __future__ import annotations
 
 import torch
+
+from qmoe.contracts.validate import cuda_index
 import triton
 import triton.language as tl
 
@@ -34,7 +36,7 @@ def tickets(n: int, device: torch.device) -> torch.Tensor:
         # Triton's interpreter runs one launch at a time; a traced graph gets fresh counters
         # (what it does with a module-level buffer the kernel mutates is not ours to decide)
         return torch.zeros(n, dtype=torch.int32, device=device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = cuda_index(device)
     if torch.cuda.is_current_stream_capturing():
         pool = _CAPTURE_TICKETS.get(index)
         if pool is None or pool[1] + n > pool[0].numel():

@@ -27,6 +27,8 @@ import warnings
 
 import torch
 
+from qmoe.contracts.validate import cuda_index
+
 from qmoe.kernels._launch import faking
 from qmoe.kernels._layout import gemm_steps_major
 from qmoe.kernels._transpose import transpose_into
@@ -155,7 +157,7 @@ def gluon_unavailable(device: torch.device, switch: str | None = None, shapes_on
         return GLUON_ERROR
     if device.type != "cuda":
         return f"{device} is not a CUDA device"
-    if not is_sm90(device.index if device.index is not None else torch.cuda.current_device()):
+    if not is_sm90(cuda_index(device)):
         return "the kernel is written for sm90 (TMA, warpgroup MMA)"
     return None
 

@@ -17,6 +17,7 @@ past its length load as zeros, so padding rows produce zero rows and empty group
 """
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -31,7 +32,7 @@ _NVFP4 = tl.constexpr(4)
 # under it the E2M1 decode takes the arithmetic path and bf16 tiles go to tl.dot as fp32 (the
 # same values). Compiled kernels never see these branches.
 _INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
-_BF16_MAX = tl.constexpr(3.3895313892515355e38)  # torch.finfo(torch.bfloat16).max, exact in fp32
+_BF16_MAX = tl.constexpr(torch.finfo(torch.bfloat16).max)  # exact in fp32
 
 # Four packed bytes ($4) -> bf16 values of their low nibbles ($0, $1) and high nibbles ($2, $3),
 # two per register, element i of the pack from byte i. `prmt` looks up 8-entry byte tables

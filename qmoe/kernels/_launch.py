@@ -16,6 +16,8 @@ import functools
 import threading
 
 import torch
+
+from qmoe.contracts.validate import cuda_index
 import triton
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
@@ -155,7 +157,7 @@ def _capability(index: int) -> tuple[int, int]:
 
 def capability(device: torch.device) -> tuple[int, int]:
     """A CUDA device's compute capability (cached: launchers ask it on every call)."""
-    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+    return _capability(cuda_index(device))
 
 
 def num_sms(device: torch.device) -> int:
@@ -163,4 +165,4 @@ def num_sms(device: torch.device) -> int:
     Triton's interpreter still runs several programs through the multi-program paths."""
     if device.type != "cuda":
         return 4
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _sm_count(cuda_index(device))

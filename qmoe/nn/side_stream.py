@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from qmoe.contracts.validate import cuda_index
+
 # One side stream per device index, made on first use and kept (a stream per call would defeat the
 # allocator's per-stream caching, and a module holding one could neither be copied nor pickled).
 _STREAMS: dict[int, torch.cuda.Stream] = {}
@@ -33,7 +35,7 @@ class SideStream:
     """
 
     def __init__(self, device: torch.device):
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        index = cuda_index(device)
         stream = _STREAMS.get(index)
         if stream is None:
             stream = _STREAMS[index] = torch.cuda.Stream(device=index)

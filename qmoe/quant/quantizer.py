@@ -14,7 +14,7 @@ import torch
 from qmoe.contracts.carriers import ActivatedRows, RowsWithAmax
 from qmoe.contracts.errors import refuse_compile
 from qmoe.contracts.scales import gemm_scale
-from qmoe.contracts.validate import check_flag
+from qmoe.contracts.validate import check_flag, cuda_index
 from qmoe.contracts.formats import (E2M1, FP8_BLOCK, MXFP8_BLOCK, NVFP4_BLOCK, RHT_SIZE, ElementFormat, ScaleMode,
                                    ceil_div)
 from qmoe.dispatch import GROUPED_QUANTIZE, QUANTIZE, QUANTIZE_NVFP4, Dispatch
@@ -477,8 +477,5 @@ def _held_as_values(row, rs, col, cs) -> dict:
 
 
 def _device_key(device: torch.device) -> tuple:
-    """(type, index) of a device, a CUDA device without an index ("cuda", as
-    torch.Generator(device="cuda") reports it) being the current one."""
-    if device.type == "cuda" and device.index is None:
-        return device.type, torch.cuda.current_device()
-    return device.type, device.index
+    """(type, index) of a device, an index-less CUDA device being the current one (`cuda_index`)."""
+    return device.type, cuda_index(device) if device.type == "cuda" else device.index
