@@ -139,12 +139,13 @@ def _gemm_launch(config: dict):
 
 
 def cast_launch(dtype: torch.dtype = torch.bfloat16, mx: bool = False, activation: str | None = None,
-                canonical_scales: bool = False, **config):
+                canonical_scales: bool = False, gather: bool = False, **config):
     """A launch of the Gluon block cast (both orientations, FP8 E4M3) of a 256 x 384 tensor of
     `dtype` on the CPU: 1x128 blocks, or MXFP8's 1x32 with `mx`; with a GLU `activation`, of
     act(h) * probs for an h of 256 x 768; its scales steps-major (tile order) as fp8_block_op stores
     them, or in their canonical layout; config: the launcher's keywords (default: its dispatched
-    ones; `values` = (rowwise, columnwise) with mx: those copies as exact bf16 values)."""
+    ones; `values` = (rowwise, columnwise) with mx: those copies as exact bf16 values); with
+    `gather`, of rows gathered from a 100-row source by an index (a `GatheredRows`)."""
     from qmoe.contracts.formats import E4M3
     from qmoe.kernels import _cast_transpose_gl as ct
     from qmoe.kernels import quantize as K
@@ -155,6 +156,10 @@ def cast_launch(dtype: torch.dtype = torch.bfloat16, mx: bool = False, activatio
     x = torch.randn(m, 2 * k if activation else k).to(dtype)
     if activation:
         config = dict(config, act=activation_code(activation), probs=torch.ones(m))
+    if gather:
+        from qmoe.kernels.activation import GATHER
+        x = torch.randn(100, k).to(dtype)
+        config = dict(config, act=GATHER, probs=torch.randint(-1, 100, (m,), dtype=torch.int32))
     row_values, col_values = config.get("values", (False, False))
     row = torch.empty(m, k, dtype=torch.bfloat16 if row_values else torch.float8_e4m3fn)
     col = torch.empty(m, k, dtype=torch.bfloat16) if col_values else torch.empty(k, m, dtype=torch.float8_e4m3fn)

@@ -182,6 +182,7 @@ AUX_LOSS = Dispatch("aux_loss", {
 PERMUTE = Dispatch("permute", {
     "permute_index": (k_permute and k_permute.permute_index, r_permute.permute_index),
     "permute_rows": (k_permute and k_permute.permute_rows, r_permute.permute_rows),
+    "row_amax": (k_permute and k_permute.row_amax, r_permute.row_amax),
     "permute_rows_backward": (k_permute and k_permute.permute_rows_backward, r_permute.permute_rows_backward),
     "permute_probs": (k_permute and k_permute.permute_probs, r_permute.permute_probs),
     "permute_probs_backward": (k_permute and k_permute.permute_probs_backward, r_permute.permute_probs_backward),

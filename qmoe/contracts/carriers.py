@@ -131,6 +131,46 @@ class RowsWithAmax(NamedTuple):
         return self.rows.dim()
 
 
+class GatheredRows(NamedTuple):
+    """The rows source[index[r]] (a zero row where index[r] < 0), not copied yet: a quantizer that
+    takes them reads each row from `source` as it loads, so the permuted [R, K] copy of FC1's
+    input never goes to memory (the permute fused into the quantization). The result is that of
+    quantizing `materialize()` bit for bit: the rows are copies, nothing is computed on them.
+
+    source: [T, K] bf16 / fp16 / fp32 (the tokens). index: [R] int32 on source's device, the
+    source row of each row (`qmoe.ops.moe_permute(..., gather=True)` makes it). row_id_map: the
+    `RowIdMap` of that permute, or None: a grouped linear needs it to send the rows' gradient back
+    to the tokens in the permute backward's own order (the same bits as unfused).
+    """
+
+    source: torch.Tensor
+    index: torch.Tensor
+    row_id_map: "RowIdMap | None" = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.index.shape[0], self.source.shape[1]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.source.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.source.device
+
+    def dim(self) -> int:
+        return 2
+
+    def materialize(self) -> torch.Tensor:
+        """The rows themselves, [R, K] (device ops, no host sync)."""
+        valid = self.index >= 0
+        if self.source.shape[0] == 0:
+            return self.source.new_zeros(self.shape)
+        rows = self.source.index_select(0, self.index.clamp(min=0).long())
+        return torch.where(valid[:, None], rows, rows.new_zeros(()))
+
+
 class AmaxSlot:
     """A gradient's per-group amax, handed from the backward that computes the gradient to the
     backward that quantizes it: autograd passes tensors only, so the two ends share this slot.
@@ -194,3 +234,28 @@ def row_groups(offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
     """
     rows = torch.arange(num_rows, device=offsets.device, dtype=offsets.dtype)
     return torch.searchsorted(offsets[1:].contiguous(), rows, right=True)
+
+
+def permuted_sources(row_id_map: RowIdMap) -> torch.Tensor:
+    """The source token of every permuted row, [R] int32, -1 for padding rows (device ops, no host
+    sync): the index of the `GatheredRows` that stand for `moe_permute`'s output."""
+    rows = row_id_map.rows
+    t, k = rows.shape
+    r = row_id_map.num_rows
+    dest = rows.long().flatten()
+    dest = torch.where((dest >= 0) & (dest < r), dest, r)  # unused copies go to a dump slot R
+    tokens = torch.arange(t, dtype=torch.int32, device=rows.device).repeat_interleave(k)
+    out = torch.full((r + 1,), -1, dtype=torch.int32, device=rows.device)
+    return out.scatter(0, dest, tokens)[:r]
+
+
+def routed_max(per_token: torch.Tensor, row_id_map: RowIdMap) -> torch.Tensor:
+    """[E] fp32: for each expert the max of `per_token` [T] fp32 (non-negative) over the tokens
+    routed to it, 0 for an expert with none (device ops): a per-expert amax of permuted rows from
+    their tokens' own amaxes, the padding rows being zero."""
+    e = row_id_map.counts.shape[0]
+    experts = row_id_map.experts.long()
+    slot = torch.where(experts >= 0, experts, e).flatten()  # unused copies go to a dump slot E
+    values = per_token[:, None].expand(experts.shape).flatten()
+    out = torch.zeros(e + 1, dtype=torch.float32, device=per_token.device)
+    return out.scatter_reduce(0, slot, values, "amax")[:e]

@@ -426,6 +426,18 @@ def check_amax_rows(name: str, t) -> None:
                          f"{getattr(t, 'dtype', type(t).__name__)} of shape {tuple(getattr(t, 'shape', ()))}")
 
 
+def check_gather_index(index, source) -> None:
+    """A `GatheredRows` index: int32 / int64 [R] on the source's device (values are trusted: reading
+    them would sync with the host; `moe_permute(..., gather=True)` makes them in range)."""
+    if not isinstance(index, torch.Tensor) or index.dtype not in (torch.int32, torch.int64) or index.dim() != 1:
+        raise ValueError(f"a GatheredRows index must be an int32 or int64 tensor [R], got "
+                         f"{getattr(index, 'dtype', type(index).__name__)} {tuple(getattr(index, 'shape', ()))}")
+    if index.device != source.device:
+        raise ValueError(f"the GatheredRows index is on {index.device} but its source rows are on {source.device}")
+    if source.dim() != 2:
+        raise ValueError(f"GatheredRows' source must be 2-D [T, K], got shape {tuple(source.shape)}")
+
+
 def check_group_amax(name: str, amax, num_groups: int, device) -> None:
     """A producer's per-group amax (`RowsWithAmax.amax`): fp32 [num_groups] on `device`."""
     if not isinstance(amax, torch.Tensor) or amax.dtype != torch.float32 or tuple(amax.shape) != (num_groups,):

@@ -44,7 +44,7 @@ import torch
 from qmoe.kernels import _gluon_sm90 as sm90
 from qmoe.contracts.carriers import ACTIVATIONS, GLU_ACTIVATIONS
 from qmoe.kernels._launch import faking, num_sms
-from qmoe.kernels.activation import NO_ACTIVATION, _activation, input_width
+from qmoe.kernels.activation import GATHER, NO_ACTIVATION, _activation, input_rows, input_width
 from qmoe.kernels._layout import group_pow2
 
 from qmoe.kernels._gluon_sm90 import gluon
@@ -54,8 +54,8 @@ from qmoe.kernels._cast_tiles_gl import MX_VALUES
 if gluon is not None:
     from qmoe.kernels._cast_columns_gl import _store_columns
     from qmoe.kernels._cast_tiles_gl import MX_BLOCK, _cast_tile, _cast_tile_bf16, _cast_tile_mx
-    from qmoe.kernels._cast_walk_gl import _first_tile, _group_table, _issue, _locate, _tile_of
-    from qmoe.kernels._gluon_sm90 import TensorDescriptor, gl, mbarrier
+    from qmoe.kernels._cast_walk_gl import _first_tile, _group_table, _issue, _issue_gathered, _locate, _tile_of
+    from qmoe.kernels._gluon_sm90 import TensorDescriptor, async_copy, gl, mbarrier
 
     @gluon.jit
     def _activate_tile(gate, linear, act, probs_ptr, row0, col0, M, K, ACT: gl.constexpr, num_warps: gl.constexpr):
@@ -82,8 +82,8 @@ if gluon is not None:
     # M stays specialised: as the columnwise copy's row stride, its divisibility by 16 lets the
     # columnwise codes leave as 16-byte vectors
     @gluon.jit(do_not_specialize=["G"])
-    def fp8_block_cast_kernel(x_desc, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr, probs_ptr,
-                              M, K, G, eps, stride_rs, stride_rsk, stride_cs, stride_csm,
+    def fp8_block_cast_kernel(x_desc, x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, splits_ptr, probs_ptr,
+                              M, K, G, eps, stride_x, stride_rs, stride_rsk, stride_cs, stride_csm,
                               FMT_MAX: gl.constexpr, OUT_DTYPE: gl.constexpr, POW2: gl.constexpr,
                               BLOCK_2D: gl.constexpr, ROWWISE: gl.constexpr, COLWISE: gl.constexpr,
                               GROUPED: gl.constexpr, GP: gl.constexpr, STAGES: gl.constexpr,
@@ -96,10 +96,14 @@ if gluon is not None:
         per trip of a persistent loop (see the module docstring). With a GLU activation (ACT >= 0),
         x_desc is over h and each slot holds the tile's gate and linear halves; the activated tile
         goes to shared memory and is cast from there. ROW_VALUES / COL_VALUES (MX): that copy as exact
-        bf16 values in x's layout, in place of its codes (`_cast_tile_mx`)."""
+        bf16 values in x's layout, in place of its codes (`_cast_tile_mx`). ACT = GATHER: row r is
+        x_ptr's row probs_ptr[r] (int32, none where negative), copied into the ring by cp.async
+        (`_issue_gathered`), one commit group per tile, empty past the program's last (x_desc
+        then only types the ring)."""
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         GLU: gl.constexpr = ACT >= 0
+        GATHERED: gl.constexpr = ACT == -2
         bufs = gl.allocate_shared_memory(x_desc.dtype, [2 * STAGES if GLU else STAGES, BM, BK], x_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -128,8 +132,15 @@ if gluon is not None:
         first_tile, mine = _first_tile(gl.program_id(0), nm * nk, NUM_PROGRAMS, TILE_GROUP)
         for j in gl.static_range(STAGES - 1):
             if j < mine:
-                _issue(x_desc, bufs, ready, _tile_of(first_tile, j, NUM_PROGRAMS, TILE_GROUP), j, nk, nm, M, K, gi,
-                       starts, sizes, tiles, tile_end, BM, BK, GROUPED, TILE_GROUP, GLU, GLU_BLOCK)
+                if GATHERED:
+                    _issue_gathered(x_ptr, probs_ptr, stride_x, bufs, _tile_of(first_tile, j, NUM_PROGRAMS, TILE_GROUP),
+                                    j, nk, nm, M, K, gi, starts, sizes, tiles, tile_end, BM, BK, GROUPED, TILE_GROUP,
+                                    VEC, num_warps)
+                else:
+                    _issue(x_desc, bufs, ready, _tile_of(first_tile, j, NUM_PROGRAMS, TILE_GROUP), j, nk, nm, M, K,
+                           gi, starts, sizes, tiles, tile_end, BM, BK, GROUPED, TILE_GROUP, GLU, GLU_BLOCK)
+            if GATHERED:
+                async_copy.commit_group()
 
         prev_row0 = -1  # the last tile's first row and column tile (column strips: the carried lines)
         prev_kt = -1
@@ -137,10 +148,21 @@ if gluon is not None:
             sm90.thread_barrier()  # every warp is done with the slot the next load overwrites
             nxt = i + STAGES - 1
             if nxt < mine:
-                _issue(x_desc, bufs, ready, _tile_of(first_tile, nxt, NUM_PROGRAMS, TILE_GROUP), nxt % STAGES, nk,
-                       nm, M, K, gi, starts, sizes, tiles, tile_end, BM, BK, GROUPED, TILE_GROUP, GLU, GLU_BLOCK)
+                if GATHERED:
+                    _issue_gathered(x_ptr, probs_ptr, stride_x, bufs,
+                                    _tile_of(first_tile, nxt, NUM_PROGRAMS, TILE_GROUP), nxt % STAGES, nk, nm, M, K,
+                                    gi, starts, sizes, tiles, tile_end, BM, BK, GROUPED, TILE_GROUP, VEC, num_warps)
+                else:
+                    _issue(x_desc, bufs, ready, _tile_of(first_tile, nxt, NUM_PROGRAMS, TILE_GROUP), nxt % STAGES,
+                           nk, nm, M, K, gi, starts, sizes, tiles, tile_end, BM, BK, GROUPED, TILE_GROUP, GLU,
+                           GLU_BLOCK)
             slot = i % STAGES
-            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+            if GATHERED:  # tile i's group is complete in every thread, and so in shared memory
+                async_copy.commit_group()
+                async_copy.wait_group(STAGES - 1)
+                sm90.thread_barrier()
+            else:
+                mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             row0, row_end, sblk, kt = _locate(_tile_of(first_tile, i, NUM_PROGRAMS, TILE_GROUP), nk, nm, M, gi,
                                               starts, sizes, tiles, tile_end, first_block, BM, SB, GROUPED,
                                               TILE_GROUP)
@@ -198,7 +220,7 @@ _SCRATCH = 8192  # shared memory the kernel takes besides its buffers (barriers,
 def dispatch_config(mx: bool, rowwise: bool, columnwise: bool, act: int = NO_ACTIVATION,
                     values: tuple[bool, bool] = (False, False)) -> dict:
     """The launch keywords (before `_dispatched`) of a cast of these copies."""
-    if act != NO_ACTIVATION:
+    if act >= 0:
         return DISPATCH_GLU
     if columnwise and values[1]:
         return DISPATCH_COL_VALUES
@@ -222,7 +244,7 @@ def unsupported(x: torch.Tensor, block_cols: int, act: int = NO_ACTIVATION, glu_
         return why
     if block_cols != (MX_VALUES if mx else _TILE):
         return f"{block_cols}-wide blocks ({MX_VALUES if mx else _TILE} only)"
-    if act != NO_ACTIVATION:
+    if act not in (NO_ACTIVATION, GATHER):
         if not 0 <= act < len(GLU_ACTIVATIONS):
             return f"a fused {ACTIVATIONS[act]} (a pointwise activation: the Triton kernel applies it as it loads)"
         if x.dtype != torch.bfloat16:
@@ -300,12 +322,13 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
     tile_group: row tiles per band of the tile order (`_cast_walk_gl._tile_order`; 0: column strips,
     whose columnwise lines leave whole, with a second stage for them: bands where M is not a
     multiple of 16 or shared memory lacks room). act (a GLU's code), glu_block, probs ([M] fp32):
-    x is h [M, 2K] and the quantized input act(h) * probs, as fp8_block_op's.
+    x is h [M, 2K] and the quantized input act(h) * probs, as fp8_block_op's; act = GATHER: probs
+    is an int32 index [M] of x's rows (a `GatheredRows`), read into the ring by cp.async.
     The scale outputs may have any strides (the dispatched path's are transposed). values (MX only):
     (rowwise, columnwise) copies as exact bf16 values into row / col, [M, K] bf16 each, no scales."""
     if any(values) and mx is None:
         raise ValueError("exact values are written for MXFP8 only")
-    m, k = x.shape[0], input_width(x, act)
+    m, k = input_rows(x, probs, act), input_width(x, act)
     row_s, col_s = (s.view(torch.uint8) if s.dtype == torch.float8_e8m0fnu else s for s in (row_s, col_s))
     grouped = splits is not None
     upper = -(-m // _TILE) + (num_groups if grouped else 0)
@@ -313,7 +336,7 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
         programs = min(upper * -(-k // _TILE), num_sms(x.device) * per_sm)
     words = packed and x.dtype == torch.bfloat16
     tile_bytes = _TILE * _TILE * x.element_size()
-    glu = act != NO_ACTIVATION
+    glu = act >= 0
     smem = stages * tile_bytes * (2 if glu else 1) + 2 * _TILE * _TILE
     if tile_group == 0 and (not columnwise or values[1] or m % 16 or smem > sm90.SMEM_BYTES - _SCRATCH):
         tile_group = DISPATCH["tile_group"]  # nothing to carry (no columnwise copy, or rows off 16), or no room
@@ -322,8 +345,8 @@ def launch(x: torch.Tensor, splits, num_groups: int, two_d: bool, out_code, fmt_
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=torch.finfo(x.dtype).bits, rank=2)
     desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [_TILE, _TILE], layout)
     fp8_block_cast_kernel[(programs,)](
-        desc, row.view(torch.uint8), row_s, col.view(torch.uint8), col_s, splits if grouped else row_s,
-        probs if probs is not None else row_s, m, k, num_groups, amax_epsilon,
+        desc, x, row.view(torch.uint8), row_s, col.view(torch.uint8), col_s, splits if grouped else row_s,
+        probs if probs is not None else row_s, m, k, num_groups, amax_epsilon, x.stride(0),
         *(row_s.stride() if row_s.dim() == 2 else (0, 1)), *(col_s.stride() if col_s.dim() == 2 else (0, 1)),
         FMT_MAX=fmt_max, OUT_DTYPE=out_code, POW2=power_2_scale, BLOCK_2D=two_d, ROWWISE=rowwise,
         COLWISE=columnwise, GROUPED=grouped, GP=max(32, group_pow2(num_groups)), STAGES=stages, NUM_PROGRAMS=programs,

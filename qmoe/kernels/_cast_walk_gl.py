@@ -3,6 +3,10 @@ which 128 x 128 tile a persistent program takes next, where its rows lie when th
 grouped, and the TMA load that puts it (or, for a fused GLU, its gate and linear halves) into a
 slot of the program's ring.
 
+A gathered input (a `GatheredRows`: each row read from its source row by an index) cannot come by
+TMA, which loads boxes: each thread copies its 16-byte pieces of the tile's rows into the slot
+(`cp.async`, zeros where a row has no source), one commit group per tile (`_issue_gathered`).
+
 Order: bands of row tiles (`_tile_order`), so the tiles in flight at once share DRAM pages of the
 columnwise copy as well as of the input; or column strips, a contiguous run of tiles per program,
 so that one program casts a group's row tiles one after the other. Groups: row tiles and scale
@@ -115,3 +119,19 @@ if gluon is not None:
         else:
             mbarrier.expect(ready.index(slot), desc.block_type.nbytes)
             sm90.tma_load(desc, [row0, kt * BK], ready.index(slot), bufs.index(slot))
+
+    @gluon.jit
+    def _issue_gathered(x_ptr, index_ptr, stride_x, bufs, t, slot, nk, nm, M, K, gi, starts, sizes, tiles, tile_end,
+                        BM: gl.constexpr, BK: gl.constexpr, GROUPED: gl.constexpr, TILE_GROUP: gl.constexpr,
+                        VEC: gl.constexpr, num_warps: gl.constexpr):
+        """Copy tile t's rows, row r being x's row index_ptr[r] (none where negative: zeros), into
+        ring slot `slot` by cp.async (the caller commits the group and waits for it)."""
+        TK: gl.constexpr = BK // VEC if BK // VEC < 32 else 32
+        layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // TK, TK], [num_warps, 1], [1, 0])
+        row0, _, _, kt = _locate(t, nk, nm, M, gi, starts, sizes, tiles, tile_end, tiles, BM, BM, GROUPED, TILE_GROUP)
+        rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+        cols = kt * BK + gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
+        src = gl.load(index_ptr + rows, mask=rows < M, other=-1)
+        ptrs = x_ptr + gl.expand_dims(src.to(gl.int64) * stride_x, 1) + gl.expand_dims(cols, 0)
+        mask = gl.expand_dims(src >= 0, 1) & gl.expand_dims(cols < K, 0)
+        sm90.cp_async(bufs.index(slot), ptrs, mask=mask)

@@ -17,6 +17,7 @@ try:  # Gluon ships with triton >= 3.5; qmoe never needs it (the Triton kernels 
     from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: F401
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
 except (ImportError, AttributeError):  # pragma: no cover - older triton
     gluon = None
 
@@ -44,6 +45,7 @@ if gluon is not None:  # names that moved between triton 3.6 (the GPU image's) a
     tma_load = getattr(tma, "async_load", tma.async_copy_global_to_shared)
     tma_store = getattr(tma, "async_store", tma.async_copy_shared_to_global)
     thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # 3.9: gl.barrier
+    cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared  # 3.9: async_load
 
     if hasattr(gl.shared_memory_descriptor, "reinterpret"):
         @gluon.jit

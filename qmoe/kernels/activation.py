@@ -145,11 +145,18 @@ def _glu_columns(cols, F, GLU_BLOCK: tl.constexpr):
 # ---------------------------------------------------------------- the activation as a quantizer's prologue
 
 NO_ACTIVATION = -1  # load_rows' ACT for a plain input
+GATHER = -2  # load_rows' ACT for rows gathered from a source by an index (a `GatheredRows`)
+_GATHER = tl.constexpr(GATHER)
 
 
 def activation_code(activation: str | None) -> int:
     """The kernels' constant for an activation name (None: NO_ACTIVATION)."""
     return NO_ACTIVATION if activation is None else _ACT_CODES[activation]
+
+
+def input_rows(x: torch.Tensor, probs: torch.Tensor | None, act: int) -> int:
+    """Rows load_rows gives: x's own, or with GATHER the index's (probs holds it)."""
+    return probs.shape[0] if act == GATHER else x.shape[0]
 
 
 def input_width(x: torch.Tensor, act: int) -> int:
@@ -177,11 +184,16 @@ def load_rows(x_ptr, probs_ptr, rows, cols, row_ok, col_ok, stride_x, K, ACT: tl
               GLU_BLOCK: tl.constexpr):
     """A [rows, cols] tile of a quantizer's input, in x's dtype, zeros where masked.
 
-    ACT = NO_ACTIVATION: x itself. Otherwise x_ptr holds h and the input is
-    act(h) * probs[row] for output columns `cols` of width K, computed in fp32 exactly as
-    `_forward_kernel` does and rounded to h's dtype: the quantized result is bit for bit that of
-    quantizing the unfused activation output, which never goes to memory.
+    ACT = NO_ACTIVATION: x itself. ACT = GATHER: row r is x's row probs_ptr[r] (int32; a zero
+    row where negative), the permute of FC1's input fused into its quantization. Otherwise x_ptr
+    holds h and the input is act(h) * probs[row] for output columns `cols` of width K, computed in
+    fp32 exactly as `_forward_kernel` does and rounded to h's dtype: the quantized result is bit
+    for bit that of quantizing the unfused activation output, which never goes to memory.
     """
+    if ACT == _GATHER:
+        src = tl.load(probs_ptr + rows, mask=row_ok, other=-1)
+        row_ok = src >= 0
+        rows = src
     mask = row_ok[:, None] & col_ok[None, :]
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_x
     if ACT < 0:

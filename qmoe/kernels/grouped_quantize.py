@@ -10,7 +10,8 @@ zero-size groups allowed, and no block crosses a group boundary.
 
 x may be an `ActivatedRows` (act(h) * probs): the kernels then read h and apply the expert
 activation as they load (kernels.activation.load_rows), so the activation output is never
-written; the result equals quantizing that output bit for bit.
+written; the result equals quantizing that output bit for bit. x may be a `GatheredRows`: the
+kernels read each row from its source row (the permute of FC1's input fused into its cast).
 
 Per-tensor formats need the group amax before the cast: `grouped_tensor_amax` (one launch,
 atomic max of |x| bits per group) feeds the quantizer's scale, then one cast launch. NVFP4
@@ -27,10 +28,10 @@ from __future__ import annotations
 
 import torch
 
-from qmoe.contracts.carriers import ActivatedRows, glu_block
+from qmoe.contracts.carriers import ActivatedRows, GatheredRows, glu_block
 from qmoe.contracts.errors import UnsupportedError
 from qmoe.contracts.formats import ElementFormat, ScaleMode
-from qmoe.kernels.activation import NO_ACTIVATION, activation_code
+from qmoe.kernels.activation import GATHER, NO_ACTIVATION, activation_code
 from qmoe.kernels._layout import as_rows, device_splits
 from qmoe.kernels.quantize import amax_op, fp8_block_op, fp8_block_supported, fp8_meta, fp8_tensorwise_op, mxfp8_op
 from qmoe.kernels.quantize_nvfp4 import check_nvfp4_shape, draw_seeds, nvfp4_op
@@ -40,6 +41,12 @@ def _prepare(x, split_sizes):
     """(the tensor the kernels read, device splits, G, the fused activation's op arguments: probs,
     act, glu_block, which every quantize op takes in that order; none fused: their defaults)."""
     fused = (None, NO_ACTIVATION, 0)
+    if isinstance(x, GatheredRows):  # the rows are read from the source as the kernels load them
+        if x.source.shape[0] == 0:  # no source rows: every row is zero
+            x = x.materialize()
+        else:
+            index = x.index.to(torch.int32).contiguous()
+            return as_rows(x.source), device_splits(split_sizes, x.source), split_sizes.numel(), (index, GATHER, 0)
     if isinstance(x, ActivatedRows):
         h = x.h if x.h.stride(1) == 1 else x.h.contiguous()
         probs = (x.probs.float().contiguous() if x.probs is not None

@@ -439,6 +439,33 @@ def _permute_rows_op(x: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor,
     return out if x.dim() == 2 else out.squeeze(1), bits.view(torch.float32)
 
 
+@triton.jit
+def _row_amax_kernel(x_ptr, out_ptr, T, N, stride_x, BT: tl.constexpr, BN: tl.constexpr):
+    """out[t] = max|x[t]| over finite values, as int32 bits of a non-negative float."""
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    acc = tl.zeros([BT], dtype=tl.int32)
+    for c in range(0, N, BN):
+        cols = c + tl.arange(0, BN)
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :],
+                    mask=(rows < T)[:, None] & (cols < N)[None, :], other=0.0)
+        acc = tl.maximum(acc, tl.max(finite_abs_bits(x.to(tl.float32)), 1))
+    tl.store(out_ptr + rows, acc, mask=rows < T)
+
+
+@kernel_op("qmoe::permute_row_amax")
+def _row_amax_op(x: torch.Tensor) -> torch.Tensor:
+    t, n = x.shape
+    bits = torch.zeros(t, dtype=torch.int32, device=x.device)
+    if t and n:
+        wrapped(_row_amax_kernel)[(triton.cdiv(t, 4),)](x, bits, t, n, x.stride(0), BT=4, BN=512, num_warps=4)
+    return bits.view(torch.float32)
+
+
+def row_amax(x):
+    """Triton twin of `qmoe.reference.permute.row_amax`: [T, N] float -> [T] fp32."""
+    return _row_amax_op(rows_contiguous(x))
+
+
 def permute_probs(probs, row_id_map):
     """Triton twin of `qmoe.reference.permute.permute_probs`: [T, E] -> [R] (probs dtype)."""
     check_merging_probs(probs, row_id_map)

@@ -31,7 +31,7 @@ import triton.language as tl
 from qmoe.contracts.errors import UnsupportedError
 from qmoe.contracts.formats import ElementFormat, ScaleMode, ceil_div
 from qmoe.kernels import _cast_transpose_gl as _block_cast_gl
-from qmoe.kernels.activation import NO_ACTIVATION, input_width, load_rows
+from qmoe.kernels.activation import NO_ACTIVATION, input_rows, input_width, load_rows
 from qmoe.kernels._arith import (atomic_max_bits, cast_codes, exp2_int, fp8_scale_from_amax, max_abs_bits,
                                 reciprocal, saturate)
 from qmoe.kernels._cast_variants import prune_blocks  # noqa: F401 (the NVFP4 kernels prune with it too)
@@ -105,7 +105,7 @@ def amax_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, pr
     probs, act, glu_block (here and in every quantize op): x is h and the input is
     act(h) * probs (kernels.activation.load_rows); probs [R] contiguous fp32 when act is set.
     """
-    m, k = x.shape[0], input_width(x, act)
+    m, k = input_rows(x, probs, act), input_width(x, act)
     bits = torch.zeros(num_groups, dtype=torch.int32, device=x.device)
     if m * k:
         grouped = splits is not None
@@ -168,7 +168,7 @@ def fp8_tensorwise_op(x: torch.Tensor, scale: torch.Tensor, splits: Optional[tor
                       probs: Optional[torch.Tensor] = None, act: int = NO_ACTIVATION,
                       glu_block: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(row [M, K] | empty, col [K, M] | empty, amax [G] fp32); rows past the splits' sum stay unwritten."""
-    m, k = x.shape[0], input_width(x, act)
+    m, k = input_rows(x, probs, act), input_width(x, act)
     if num_groups >= MAX_TENSORWISE_GROUPS:
         raise UnsupportedError("the grouped FP8 per-tensor cast", why=f"{num_groups} groups",
                                fix=f"split the tensor into calls of fewer than {MAX_TENSORWISE_GROUPS} groups")
@@ -291,7 +291,7 @@ def fp8_block_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: in
     (same bits; rowwise codes alone stay with the Triton kernel, which runs them near the copy
     bandwidth: quantize.json).
     """
-    m, k = x.shape[0], input_width(x, act)
+    m, k = input_rows(x, probs, act), input_width(x, act)
     b, two_d, grouped = block_cols, block_rows > 1, splits is not None
     nkb, width = ceil_div(k, b), scale_width(m, b, num_groups, grouped)
     dev, f32 = x.device, torch.float32
@@ -409,7 +409,7 @@ def mxfp8_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, o
 
     Calls with a columnwise copy of bf16, or values, run the Gluon kernel of `_cast_transpose_gl`
     where it applies (same bits; rowwise codes alone stay with the Triton kernel)."""
-    m, k = x.shape[0], input_width(x, act)
+    m, k = input_rows(x, probs, act), input_width(x, act)
     grouped = splits is not None
     asked = (row_values and rowwise) or (col_values and columnwise)
     values = ((row_values and rowwise, col_values and columnwise)

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from qmoe.contracts.formats import NVFP4_BLOCK, RHT_SIZE, ceil_div
-from qmoe.kernels.activation import NO_ACTIVATION, input_width, load_rows
+from qmoe.kernels.activation import NO_ACTIVATION, input_rows, input_width, load_rows
 from qmoe.kernels._arith import atomic_max_bits, clamp_nan, max_abs_bits, reciprocal, saturate, trans8
 from qmoe.kernels._e2m1 import (E2M1_MAX, block_scale, e2m1_codes, e2m1_quantize, e2m1_round, e2m1_value,
                                 tensor_scale)
@@ -269,7 +269,7 @@ def nvfp4_op(x: torch.Tensor, splits: Optional[torch.Tensor], num_groups: int, b
     Rows [M, K]; 1 x 16 columns [K, M], tokens contiguous as wgrad reads them (in the Hadamard
     domain with rht); 16 x 16 columns [M, K], the rows' values (the two copies share every scale).
     """
-    m, k = x.shape[0], input_width(x, act)
+    m, k = input_rows(x, probs, act), input_width(x, act)
     b, grouped, dev = NVFP4_BLOCK, splits is not None, x.device
     nkb, width = ceil_div(k, b), scale_width(m, b, num_groups, grouped)
     alloc = torch.zeros if grouped else torch.empty  # grouped scale entries no group uses are zero

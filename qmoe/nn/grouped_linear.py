@@ -13,8 +13,9 @@ from qmoe.ops.amp import cast_for_autocast, torch_autocast_off
 from qmoe.contracts.enums import GroupedPath
 from qmoe.ops.grouped_gemm import select_grouped_path
 from qmoe.ops.grouped_linear import grouped_linear
+from qmoe.ops.permute import gathered_rows
 from qmoe.quant.weight_cache import WeightCache
-from qmoe.contracts.carriers import is_glu
+from qmoe.contracts.carriers import GatheredRows, is_glu
 from qmoe.contracts.validate import (PARAMS_DTYPES, check_activation, check_device, check_flag, check_layer_input,
                                      check_params_dtype, check_size, check_split_sizes)
 
@@ -227,8 +228,14 @@ class GroupedLinear(nn.Module):
 
         input_amax ([E] fp32), grad_output_amax and grad_input_amax (`AmaxSlot`s): amaxes the
         kernels producing x and dy reduce, and this layer's backward reduces for dx, so the
-        current-scaling quantizers only cast (`qmoe.ops.grouped_linear`; ask `takes_amax`)."""
+        current-scaling quantizers only cast (`qmoe.ops.grouped_linear`; ask `takes_amax`).
+
+        x may be the `GatheredRows` of `qmoe.ops.moe_permute(..., gather=True)` (the permuted rows,
+        read from the tokens by the input's quantize kernels; `qmoe.ops.grouped_linear`)."""
         self._check_inputs(x, split_sizes, scales, input_activation)
+        gather = None
+        if isinstance(x, GatheredRows):
+            gather, x = x, x.source
         refuse_foreign_recompute("qmoe.nn.GroupedLinear")
         state = autocast_state()
         recipe = state.active_recipe
@@ -244,6 +251,10 @@ class GroupedLinear(nn.Module):
         if cast is not x:  # values the producer's amax was not taken on
             input_amax = None
         x = cast
+        if gather is not None:  # the same rows of the (cast) tokens
+            x = gather._replace(source=x)
+            if x.dtype == torch.float64:
+                x = gathered_rows(x)
         bias = self.stacked_bias()
         amaxes = dict(input_amax=input_amax, grad_output_amax=grad_output_amax, grad_input_amax=grad_input_amax)
         keep = dict(recompute_weight_columnwise=self.recompute_weight_columnwise,
@@ -264,6 +275,11 @@ class GroupedLinear(nn.Module):
                                   path, sink, quantized_input, input_activation, recompute_activation, **amaxes, **keep)
 
     def _check_inputs(self, x, split_sizes, scales, input_activation=None):
+        rows = x.shape[0] if isinstance(x, GatheredRows) else None
+        if rows is not None:
+            if input_activation is not None:
+                raise ValueError("a GatheredRows input is FC1's (permuted tokens); input_activation is FC2's")
+            x = x.source
         width = self.in_features
         if input_activation is not None:
             if not isinstance(input_activation, tuple) or len(input_activation) != 3:
@@ -275,13 +291,14 @@ class GroupedLinear(nn.Module):
         if x.dim() != 2 or x.shape[1] != width:
             what = f" (the {input_activation[0]} activation's input)" if input_activation is not None else ""
             raise ValueError(f"GroupedLinear expects x [R, {width}]{what}, got {tuple(x.shape)}")
+        rows = x.shape[0] if rows is None else rows
         # values are checked by the op where they can be read without a host sync
         check_split_sizes(split_sizes, device=x.device, num_groups=self.num_groups, read="never", on_device=True)
         if self.scale_bias:
             if scales is None:
                 raise ValueError("scale_bias=True needs scales [R]")
-            if scales.shape != (x.shape[0],) or not scales.is_floating_point():
-                raise ValueError(f"scales must be a float tensor [R] = [{x.shape[0]}], got "
+            if scales.shape != (rows,) or not scales.is_floating_point():
+                raise ValueError(f"scales must be a float tensor [R] = [{rows}], got "
                                  f"{tuple(scales.shape)} {scales.dtype}")
         elif scales is not None:
             raise ValueError("scales are only used with scale_bias=True")

@@ -7,6 +7,8 @@ on the grouped path and can be captured in one CUDA graph.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -26,6 +28,9 @@ from qmoe.quant.replay import active_log
 # dispatcher here when imported (`import qmoe` imports it), so MoELayer(ep_group=...) can build
 # one without importing upward.
 _expert_parallel_dispatcher = None
+# "0" turns off the permute fused into FC1's input quantization (`moe_permute(..., gather=True)`):
+# the permuted rows are then written and read back, with the same results
+GATHER_SWITCH = "QMOE_PERMUTE_GATHER"
 
 
 def register_expert_parallel_dispatcher(factory) -> None:
@@ -179,8 +184,12 @@ class MoELayer(nn.Module):
         # experts' input and output gradient, so those quantizers only cast
         with_amax = self.experts.takes_amax("input", tokens)
         grad_slot = AmaxSlot() if self.experts.takes_amax("grad_output", tokens) else None
+        # under a recipe FC1's quantize kernels read the permuted rows straight from the tokens
+        gather = (recipe is not None and tokens.dtype in (torch.bfloat16, torch.float16, torch.float32)
+                  and os.environ.get(GATHER_SWITCH, "") != "0")
         permuted, row_probs, row_id_map, split_sizes = ops.moe_permute(
-            tokens, routing_map, probs, align_size=align, top_k=self.top_k, num_rows=rows, with_amax=with_amax)
+            tokens, routing_map, probs, align_size=align, top_k=self.top_k, num_rows=rows, with_amax=with_amax,
+            gather=gather)
         permuted, input_amax = permuted if with_amax else (permuted, None)
         y = self.experts(permuted, split_sizes.to(torch.int64), row_probs, input_amax=input_amax,
                          grad_output_amax=grad_slot)

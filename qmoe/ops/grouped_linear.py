@@ -33,13 +33,14 @@ from dataclasses import dataclass
 
 import torch
 
-from qmoe.contracts.carriers import ActivatedRows, AmaxSlot, RowsWithAmax
+from qmoe.contracts.carriers import ActivatedRows, AmaxSlot, GatheredRows, RowsWithAmax
 from qmoe.contracts.enums import Activation, GroupedPath, Scaling, parse_activation, parse_grouped_path
 from qmoe.contracts.validate import check_flag, check_group_amax, check_scaled_activation_args, check_split_sizes
-from qmoe.dispatch import BIAS, GROUPED_GEMM
+from qmoe.dispatch import BIAS, GROUPED_GEMM, PERMUTE
 from qmoe.ops.activation import activation_backward, activation_forward, expert_activation
 from qmoe.ops.amp import autocast_off
 from qmoe.ops.grouped_linear_paths import PATHS, Groups, LinearPath, drop_rowwise
+from qmoe.ops.permute import gathered_rows
 from qmoe.quant import QuantizedTensor
 from qmoe.quant.quantizer import MXFP8Quantizer, NVFP4Quantizer
 from qmoe.quant.replay import ForwardLog, active_log, using_log
@@ -91,6 +92,8 @@ class GroupedLinearPlan:
     recipe), or None: quantized every call.
     recompute_weight_columnwise: keep the weight itself for dgrad (free: it is the parameter)
     instead of its quantized columnwise copy, which the backward makes again (`rebuild_weight`).
+    gather: the `GatheredRows` (index and row_id_map; its source is the Function's x) that the
+    input stands for, or None: quantized as gathered, its gradient sent back to the tokens.
     """
 
     path: LinearPath
@@ -106,6 +109,11 @@ class GroupedLinearPlan:
     weight_cache: BoundWeightCache | None = None
     recompute_weight_columnwise: bool = False
     grad_enabled: bool = True  # torch.is_grad_enabled() at the call: the backward's copies are made only then
+    gather: GatheredRows | None = None  # its source dropped: the Function's x, which autograd holds
+
+    def rows_of(self, x: torch.Tensor):
+        """The input the Function's x stands for: x, or the rows gathered from it."""
+        return x if self.gather is None else self.gather._replace(source=x)
 
     @property
     def fuses_activation(self) -> bool:
@@ -322,16 +330,18 @@ class GroupedLinearFunction(torch.autograd.Function):
         grad = ctx.needs_input_grad if plan.grad_enabled else (False,) * 7
         needs = _Needs(x=grad[1], weight=grad[3], bias=grad[4], scales=grad[5], probs=grad[6])
         ctx.plan, ctx.needs = plan, needs
-        groups = plan.path.groups(split_sizes, x)
+        rows = plan.rows_of(x)  # with a gather, x is the tokens and the input their permuted rows
+        groups = plan.path.groups(split_sizes, rows)
         keep_input = needs.weight and not plan.recompute_activation
         ctx.input_log = log = plan.replay_log() if needs.weight and plan.recompute_activation else None
         with using_log(log) if log is not None else contextlib.nullcontext():
-            x_op = plan.quantize_input(x, probs, groups, wgrad=keep_input)
-        rebuild_w = needs.dgrad and (plan.recompute_weight_columnwise or plan.weight_values_later(x.shape[0], weight))
+            x_op = plan.quantize_input(rows, probs, groups, wgrad=keep_input)
+        rebuild_w = needs.dgrad and (plan.recompute_weight_columnwise
+                                     or plan.weight_values_later(rows.shape[0], weight))
         ctx.rebuild_w = rebuild_w
         ctx.weight_log = log = plan.replay_log() if rebuild_w else None
         with using_log(log) if log is not None else contextlib.nullcontext():
-            w_op = plan.quantize_weight(weight, x.dtype, dgrad=needs.dgrad and not rebuild_w, rows=x.shape[0])
+            w_op = plan.quantize_weight(weight, x.dtype, dgrad=needs.dgrad and not rebuild_w, rows=rows.shape[0])
         y = plan.fprop(x_op, w_op, groups, out_dtype=x.dtype)
         if bias is not None:
             y = BIAS.pick("grouped_bias_forward", y)(y, bias, groups.offsets, scales)
@@ -341,7 +351,7 @@ class GroupedLinearFunction(torch.autograd.Function):
                w_operand=drop_rowwise(w_op, shared=plan.kept_weights) if needs.dgrad and not rebuild_w else None,
                weight=weight if rebuild_w else None,
                bias=bias, scales=scales, h=x if activated else None, probs=probs,
-               x_shape=torch.Size((x.shape[0], weight.shape[2])) if activated else x.shape,
+               x_shape=torch.Size((x.shape[0], weight.shape[2])) if activated else rows.shape,
                x_dtype=x.dtype, w_dtype=weight.dtype).stash(ctx)
         return y
 
@@ -396,6 +406,8 @@ class GroupedLinearFunction(torch.autograd.Function):
             if slot is not None:  # dh and its per-group amax, for the grad_output quantizer of h's layer
                 slot.put(*dx)
                 dx = dx.rows
+        if plan.gather is not None and dx is not None:  # the permute's backward: each token's rows summed
+            dx = PERMUTE.pick("permute_rows_backward", dx)(dx, plan.gather.row_id_map)
         return None, dx if needs.x else None, None, dw, dbias, dscales, dprobs
 
 
@@ -408,6 +420,11 @@ def grouped_linear(x: torch.Tensor, split_sizes: torch.Tensor, weight: torch.Ten
                    grad_input_amax: AmaxSlot | None = None, weight_cache: BoundWeightCache | None = None,
                    recompute_weight_columnwise: bool = False) -> torch.Tensor:
     """y [R, N] = grouped x [R, K] @ weight[g]^T (+ bias[g] (* scales[row])).
+
+    x may be the `GatheredRows` of `moe_permute(..., gather=True)`: under quantizers on the grouped
+    path (without quantized_input or input_activation) the input's quantize kernels read each row
+    from its token, and x's gradient goes to the tokens through the permute's backward; elsewhere
+    the rows are copied first (`gathered_rows`). The same results and gradients bit for bit.
 
     split_sizes: [E] int on x's device; rows past their sum join the last group (absorb_tail).
     weight: [E, N, K]; bias: [E, N] or None; scales: [R] per-row bias scale or None.
@@ -455,9 +472,20 @@ def grouped_linear(x: torch.Tensor, split_sizes: torch.Tensor, weight: torch.Ten
         raise ValueError(f"path must be 'grouped' or 'split' (resolve 'auto' with select_grouped_path), "
                          f"got {path.value!r}")
     strategy = PATHS[path]
+    gather = None
+    if isinstance(x, GatheredRows):
+        if x.row_id_map is None:
+            raise TypeError("a GatheredRows input needs its row_id_map (moe_permute(..., gather=True) gives it): "
+                            "its gradient goes back to the tokens through the permute's backward")
+        if quantizers is not None and strategy.kind is GroupedPath.GROUPED and quantized_input is None \
+                and input_activation is None:  # the quantize kernels gather as they load
+            gather, x = x._replace(source=None), x.source
+        else:  # the rows themselves: nothing here reads them as gathered
+            x = gathered_rows(x)
+    rows = x if gather is None else gather._replace(source=x)
     # the split path reads the sizes anyway; device sizes on the grouped path stay unread (no host
     # sync) and are trusted
-    check_split_sizes(split_sizes, device=x.device, num_rows=x.shape[0],
+    check_split_sizes(split_sizes, device=x.device, num_rows=rows.shape[0],
                       read="always" if path is GroupedPath.SPLIT else "host", max_rows=True)
     _check_amax_args(x, split_sizes, input_amax, grad_output_amax, grad_input_amax, input_activation)
     if quantized_input is not None:
@@ -482,7 +510,7 @@ def grouped_linear(x: torch.Tensor, split_sizes: torch.Tensor, weight: torch.Ten
                              input_amax=input_amax, grad_output_amax=grad_output_amax,
                              grad_input_amax=grad_input_amax if activation is not None else None,
                              weight_cache=weight_cache, recompute_weight_columnwise=recompute_weight_columnwise,
-                             grad_enabled=torch.is_grad_enabled())
+                             grad_enabled=torch.is_grad_enabled(), gather=gather)
     if scales is not None and scales is probs:  # FC2's bias scaled by the probs it activates with
         scales = scales.view_as(scales)  # torch.compile refuses one tensor as two Function inputs
     return GroupedLinearFunction.apply(plan, x, split_sizes, weight, bias, scales, probs)

@@ -15,12 +15,13 @@ import torch
 from qmoe.backend import use_kernels
 from qmoe.ops.amp import autocast_off
 from qmoe.reference import permute as reference
-from qmoe.contracts.carriers import AmaxSlot, RowIdMap, RowsWithAmax
+from qmoe.contracts.carriers import (AmaxSlot, GatheredRows, RowIdMap, RowsWithAmax, permuted_sources,
+                                     routed_max)
 from qmoe.contracts.validate import (check_amax_rows, check_flag, check_merging_probs, check_permute_index_args,
                                      check_routing_top_k, check_rows)
 from qmoe.dispatch import PERMUTE
 
-__all__ = ["moe_permute", "moe_unpermute", "RowIdMap"]
+__all__ = ["moe_permute", "moe_unpermute", "gathered_rows", "RowIdMap"]
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -103,7 +104,7 @@ def _check_permute_args(x, routing_map, probs, align_size, top_k, row_scales):
 
 
 def moe_permute(x, routing_map, probs=None, align_size=1, *, top_k=None, row_scales=None, num_rows=None,
-                with_amax=False):
+                with_amax=False, gather=False):
     """Group token copies by expert, each group padded with zero rows to `align_size`.
 
     Args:
@@ -125,6 +126,12 @@ def moe_permute(x, routing_map, probs=None, align_size=1, *, top_k=None, row_sca
             fp32 each expert group's max|row| over finite values, reduced while the rows are
             copied: hand it to the experts' current-scaling quantizer (`GroupedLinear(...,
             input_amax=amax)`), which then only casts.
+        gather: x bf16 / fp16 / fp32: no row is copied; `out` comes as a `GatheredRows(x, index,
+            row_id_map)` standing for the permuted rows, which the experts' quantize kernels read
+            straight from x (`qmoe.ops.grouped_linear` under a recipe on the grouped path; elsewhere
+            they are copied first, `gathered_rows`). The same results and gradients bit for bit,
+            without writing and reading the [R, H] copy. With with_amax the amax comes from x's
+            rows (`RowsWithAmax(GatheredRows, amax)`).
 
     Returns:
         out: [R, H] x's dtype, R = T * K + E * (align_size - 1): rows grouped by expert in
@@ -146,8 +153,14 @@ def moe_permute(x, routing_map, probs=None, align_size=1, *, top_k=None, row_sca
     """
     _check_permute_args(x, routing_map, probs, align_size, top_k, row_scales)
     check_flag("with_amax", with_amax, "moe_permute")
-    if with_amax:
+    check_flag("gather", gather, "moe_permute")
+    if with_amax or gather:
         check_amax_rows("x", x)
+    if gather:
+        if row_scales is not None:
+            raise ValueError("gather=True copies no rows, so it permutes no row_scales: quantized rows are "
+                             "permuted with gather=False")
+        return _gathered(x, routing_map, probs, align_size, top_k, num_rows, with_amax)
     if not use_kernels(x, routing_map, probs, row_scales):
         return reference.moe_permute(x, routing_map, probs, align_size, top_k=top_k,
                                      row_scales=row_scales, num_rows=num_rows, with_amax=with_amax)
@@ -164,6 +177,37 @@ def moe_permute(x, routing_map, probs=None, align_size=1, *, top_k=None, row_sca
     if row_scales is None:
         return out, out_probs, row_id_map, split_sizes
     return out, out_probs, row_id_map, split_sizes, PERMUTE.kernel("permute_rows")(row_scales, row_id_map)
+
+
+def _gathered(x, routing_map, probs, align_size, top_k, num_rows, with_amax):
+    """moe_permute(..., gather=True): the map and the probs as usual, the rows left where they are."""
+    kernels = use_kernels(x, routing_map, probs)
+    if top_k is None:  # host read, documented in moe_permute
+        top_k = max(int(routing_map.sum(dim=1).max()), 1) if routing_map.numel() else 1
+    row_id_map, split_sizes = PERMUTE.pick("permute_index", routing_map)(routing_map, top_k, align_size)
+    row_id_map = reference.with_num_rows(row_id_map, num_rows)
+    out = GatheredRows(x, permuted_sources(row_id_map), row_id_map)
+    if with_amax:  # each expert's rows are copies of its tokens' rows: the max of their amaxes
+        with torch.no_grad():
+            out = RowsWithAmax(out, routed_max(PERMUTE.pick("row_amax", x)(x.detach()), row_id_map))
+    if probs is None:
+        out_probs = None
+    elif kernels:
+        out_probs = _PermuteProbs.apply(probs, row_id_map)
+    else:
+        out_probs = reference.permute_probs(probs, row_id_map)
+    return out, out_probs, row_id_map, split_sizes
+
+
+def gathered_rows(rows: GatheredRows) -> torch.Tensor:
+    """The [R, H] rows a `GatheredRows` from `moe_permute(..., gather=True)` stands for, copied now,
+    differentiable: what moe_permute(gather=False) returns."""
+    if not isinstance(rows, GatheredRows) or rows.row_id_map is None:
+        raise TypeError("gathered_rows takes the GatheredRows of moe_permute(..., gather=True)")
+    x, row_id_map = rows.source, rows.row_id_map
+    if use_kernels(x, row_id_map.rows):
+        return _PermuteRows.apply(x, row_id_map, False)
+    return reference.permute_rows(x, row_id_map)
 
 
 def moe_unpermute(y, row_id_map, merging_probs=None, restore_shape=None, *, grad_amax=None):

@@ -11,10 +11,11 @@ import copy
 import torch
 
 from qmoe.backend import use_kernels
-from qmoe.contracts.carriers import ActivatedRows, RowsWithAmax, row_groups
+from qmoe.contracts.carriers import ActivatedRows, GatheredRows, RowsWithAmax, row_groups
 from qmoe.contracts.formats import pack_e2m1, unpack_e2m1
 from qmoe.contracts.scales import ScaleSlot, gemm_scale, tensor_factor
-from qmoe.contracts.validate import check_dequantize_dtype, check_flag, check_group_amax, check_split_sizes
+from qmoe.contracts.validate import (check_dequantize_dtype, check_flag, check_gather_index, check_group_amax,
+                                     check_split_sizes)
 from qmoe.dispatch import ACTIVATION
 from qmoe.quant.quantizer import NVFP4Quantizer, Quantizer, check_float_input
 from qmoe.quant.tensor import QuantizedTensor
@@ -102,6 +103,11 @@ class GroupedTensor:
         wrote them): a quantizer that `takes_amax` uses that amax instead of measuring it, so the
         rows are read once; the result is the same as quantizing the rows alone.
 
+        x (or a RowsWithAmax's rows) may be a `GatheredRows` (source rows picked by an index, the
+        permute of FC1's input): the kernels read each row from the source as they load, so the
+        permuted copy is never written; copied first where the kernels do not run. The same result
+        as quantizing `x.materialize()`.
+
         split_sizes: [G] int tensor (on x's device, or the host) or a list of ints; zeros allowed.
         validate=False skips the sign/sum check, which reads device splits on the host; pass it
         only for splits that are valid by construction (e.g. from `qmoe.ops.moe_permute`).
@@ -118,7 +124,13 @@ class GroupedTensor:
         amax = None
         if isinstance(x, RowsWithAmax):
             x, amax = x.rows, x.amax
-        check_float_input(x.h if isinstance(x, ActivatedRows) else x, "GroupedTensor.quantize")
+        if isinstance(x, GatheredRows):
+            check_float_input(x.source, "GroupedTensor.quantize")
+            check_gather_index(x.index, x.source)
+            if not use_kernels(x.source):  # the gather lives in the kernels: copy the rows first
+                x = x.materialize()
+        check_float_input(x.source if isinstance(x, GatheredRows) else x.h if isinstance(x, ActivatedRows) else x,
+                          "GroupedTensor.quantize")
         if not isinstance(quantizer, Quantizer):
             raise TypeError(f"quantizer must be a qmoe Quantizer (recipe.quantizer(role)), got {quantizer!r}")
         if x.dim() != 2:

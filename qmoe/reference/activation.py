@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from qmoe.contracts.carriers import (ACTIVATIONS, GELU_BETA, GELU_KAPPA, QGEGLU_ALPHA, QGEGLU_LIMIT, ActivatedRows,
-                                     RowsWithAmax, glu_block, is_glu)
+                                     GatheredRows, RowsWithAmax, glu_block, is_glu)
 from qmoe.contracts.validate import check_activation, check_amax_rows, check_scaled_activation_args
 from qmoe.reference.quantize import group_amax
 
@@ -173,5 +173,8 @@ def _pointwise_backward(activation, x, dact):
 # ---------------------------------------------------------------- an activation fused into its consumer
 
 def rows_of(x) -> torch.Tensor:
-    """x itself, or the values act(h) * probs[:, None] of an `ActivatedRows` (computed here)."""
+    """x itself, the values act(h) * probs[:, None] of an `ActivatedRows` (computed here), or the
+    rows of a `GatheredRows` (copied here)."""
+    if isinstance(x, GatheredRows):
+        return x.materialize()
     return scaled_activation_forward(*x) if isinstance(x, ActivatedRows) else x

@@ -84,6 +84,13 @@ def permute_rows(x, row_id_map, with_amax=False):
     return out if data is x else out.view(x.dtype)
 
 
+def row_amax(x):
+    """max|x[t]| over each row's finite values, [T] fp32 (0 for a row with none)."""
+    a = x.abs().float()
+    a = torch.where(torch.isfinite(a), a, torch.zeros_like(a))
+    return a.amax(dim=1) if x.shape[1] else a.new_zeros(x.shape[0])
+
+
 def permute_probs(probs, row_id_map):
     """Each permuted row's routing probability: probs [T, E] -> [R] (probs dtype), padding 0."""
     experts = row_id_map.experts.long().clamp(min=0)

@@ -109,6 +109,23 @@ def test_block_cast_compiles(compile_only, dtype, mx, activation, canonical):
     _fits(kernels)
 
 
+@pytest.mark.parametrize("dtype,mx,values", [(torch.bfloat16, False, (False, False)), (torch.float32, False, (False, False)),
+                                             (torch.bfloat16, True, (False, False)), (torch.bfloat16, True, (True, False))],
+                         ids=["1x128", "1x128-fp32", "mxfp8", "mxfp8-row-values"])
+def test_gathered_cast_compiles(compile_only, dtype, mx, values):
+    """The cast of gathered rows (a `GatheredRows`: cp.async into the ring) in its dispatched
+    configuration, whose programs still fit an SM."""
+    from benchmarks.kernel_sass import cast_launch
+    from qmoe.kernels import _cast_transpose_gl as ct
+    from qmoe.kernels.activation import GATHER
+
+    config = ct.dispatch_config(mx, True, True, GATHER, values)
+    kernels = compile_only(ct, "fp8_block_cast_kernel")
+    cast_launch(dtype, mx, None, gather=True, values=values, **config)()
+    _fits(kernels)
+    assert kernels[-1].metadata.shared * config["per_sm"] <= gluon_sm90.SMEM_BYTES, config
+
+
 @pytest.mark.parametrize("values", [(True, False), (False, True), (True, True)], ids=["rows", "columns", "both"])
 @pytest.mark.parametrize("activation", [None, "swiglu"])
 def test_mxfp8_cast_with_exact_values_compiles(compile_only, values, activation):

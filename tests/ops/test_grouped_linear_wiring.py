@@ -23,7 +23,7 @@ from qmoe.ops.grouped_linear_paths import Groups
 from qmoe.quant import GroupedTensor
 from qmoe.recipes import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling,
                           NVFP4BlockScaling)
-from qmoe.contracts.carriers import RowsWithAmax
+from qmoe.contracts.carriers import GatheredRows, RowsWithAmax
 from qmoe.contracts.scales import gemm_scale
 from qmoe.ops.activation import activation_forward
 from qmoe.reference.grouped_quantize import grouped_tensor_amax
@@ -90,11 +90,15 @@ def _bounds(split_sizes) -> list[tuple[int, int]]:
 def _values(x, split_sizes):
     """The values a quantize step received: a tensor, act(h) * probs (a fused activation: what the
     activation op computes on the same backend, which the fused quantizers match bit for bit; the
-    kernel's activation and torch's differ in the last ulps), or the rows of a RowsWithAmax, whose
-    amax (reduced by the rows' producer) must be the groups' own."""
+    kernel's activation and torch's differ in the last ulps), the rows a GatheredRows stands for
+    (the permute fused into FC1's cast), or the rows of a RowsWithAmax, whose amax (reduced by the
+    rows' producer) must be the groups' own."""
     if isinstance(x, RowsWithAmax):
-        assert_bit_identical(x.amax, grouped_tensor_amax(x.rows, split_sizes), "the producer's amax")
-        return x.rows
+        rows = _values(x.rows, split_sizes)
+        assert_bit_identical(x.amax, grouped_tensor_amax(rows, split_sizes), "the producer's amax")
+        return rows
+    if isinstance(x, GatheredRows):  # the permuted rows, read from the tokens by the kernels
+        return x.materialize()
     return x if isinstance(x, torch.Tensor) else activation_forward(*x)
 
 
