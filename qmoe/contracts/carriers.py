@@ -255,7 +255,8 @@ def routed_max(per_token: torch.Tensor, row_id_map: RowIdMap) -> torch.Tensor:
     their tokens' own amaxes, the padding rows being zero."""
     e = row_id_map.counts.shape[0]
     experts = row_id_map.experts.long()
-    slot = torch.where(experts >= 0, experts, e).flatten()  # unused copies go to a dump slot E
-    values = per_token[:, None].expand(experts.shape).flatten()
-    out = torch.zeros(e + 1, dtype=torch.float32, device=per_token.device)
-    return out.scatter_reduce(0, slot, values, "amax")[:e]
+    slot = torch.where(experts >= 0, experts, e)  # unused copies go to a dump column E
+    # a [T, E + 1] table (each token's experts differ: no two writes race) reduced down its columns,
+    # rather than a scatter-max into E slots, whose atomics all contend for a few addresses
+    table = per_token.new_zeros(per_token.shape[0], e + 1).scatter(1, slot, per_token[:, None].expand(slot.shape))
+    return table.amax(0)[:e] if per_token.shape[0] else per_token.new_zeros(e)

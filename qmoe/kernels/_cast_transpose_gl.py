@@ -54,7 +54,8 @@ from qmoe.kernels._cast_tiles_gl import MX_VALUES
 if gluon is not None:
     from qmoe.kernels._cast_columns_gl import _store_columns
     from qmoe.kernels._cast_tiles_gl import MX_BLOCK, _cast_tile, _cast_tile_bf16, _cast_tile_mx
-    from qmoe.kernels._cast_walk_gl import _first_tile, _group_table, _issue, _issue_gathered, _locate, _tile_of
+    from qmoe.kernels._cast_walk_gl import (_first_tile, _gathered_sources, _group_table, _issue, _issue_gathered,
+                                            _locate, _tile_of)
     from qmoe.kernels._gluon_sm90 import TensorDescriptor, async_copy, gl, mbarrier
 
     @gluon.jit
@@ -131,31 +132,39 @@ if gluon is not None:
             nm = gl.cdiv(M, BM)
         first_tile, mine = _first_tile(gl.program_id(0), nm * nk, NUM_PROGRAMS, TILE_GROUP)
         for j in gl.static_range(STAGES - 1):
-            if j < mine:
-                if GATHERED:
-                    _issue_gathered(x_ptr, probs_ptr, stride_x, bufs, _tile_of(first_tile, j, NUM_PROGRAMS, TILE_GROUP),
-                                    j, nk, nm, M, K, gi, starts, sizes, tiles, tile_end, BM, BK, GROUPED, TILE_GROUP,
-                                    VEC, num_warps)
-                else:
-                    _issue(x_desc, bufs, ready, _tile_of(first_tile, j, NUM_PROGRAMS, TILE_GROUP), j, nk, nm, M, K,
-                           gi, starts, sizes, tiles, tile_end, BM, BK, GROUPED, TILE_GROUP, GLU, GLU_BLOCK)
             if GATHERED:
+                t_j = _tile_of(first_tile, j, NUM_PROGRAMS, TILE_GROUP)
+                src = _gathered_sources(probs_ptr, t_j, j < mine, nk, nm, M, gi, starts, sizes, tiles, tile_end, BM,
+                                        BK, GROUPED, TILE_GROUP, VEC, num_warps)
+                if j < mine:
+                    _issue_gathered(x_ptr, src, stride_x, bufs, t_j, j, nk, nm, M, K, gi, starts, sizes, tiles,
+                                    tile_end, BM, BK, GROUPED, TILE_GROUP, VEC, num_warps)
                 async_copy.commit_group()
+            elif j < mine:
+                _issue(x_desc, bufs, ready, _tile_of(first_tile, j, NUM_PROGRAMS, TILE_GROUP), j, nk, nm, M, K,
+                       gi, starts, sizes, tiles, tile_end, BM, BK, GROUPED, TILE_GROUP, GLU, GLU_BLOCK)
+        if GATHERED:  # the sources of the next tile to copy, a trip ahead
+            src = _gathered_sources(probs_ptr, _tile_of(first_tile, STAGES - 1, NUM_PROGRAMS, TILE_GROUP),
+                                    STAGES - 1 < mine, nk, nm, M, gi, starts, sizes, tiles, tile_end, BM, BK, GROUPED,
+                                    TILE_GROUP, VEC, num_warps)
 
         prev_row0 = -1  # the last tile's first row and column tile (column strips: the carried lines)
         prev_kt = -1
         for i in range(mine):
             sm90.thread_barrier()  # every warp is done with the slot the next load overwrites
             nxt = i + STAGES - 1
-            if nxt < mine:
-                if GATHERED:
-                    _issue_gathered(x_ptr, probs_ptr, stride_x, bufs,
-                                    _tile_of(first_tile, nxt, NUM_PROGRAMS, TILE_GROUP), nxt % STAGES, nk, nm, M, K,
-                                    gi, starts, sizes, tiles, tile_end, BM, BK, GROUPED, TILE_GROUP, VEC, num_warps)
-                else:
-                    _issue(x_desc, bufs, ready, _tile_of(first_tile, nxt, NUM_PROGRAMS, TILE_GROUP), nxt % STAGES,
-                           nk, nm, M, K, gi, starts, sizes, tiles, tile_end, BM, BK, GROUPED, TILE_GROUP, GLU,
-                           GLU_BLOCK)
+            if GATHERED:
+                if nxt < mine:
+                    _issue_gathered(x_ptr, src, stride_x, bufs, _tile_of(first_tile, nxt, NUM_PROGRAMS, TILE_GROUP),
+                                    nxt % STAGES, nk, nm, M, K, gi, starts, sizes, tiles, tile_end, BM, BK, GROUPED,
+                                    TILE_GROUP, VEC, num_warps)
+                src = _gathered_sources(probs_ptr, _tile_of(first_tile, nxt + 1, NUM_PROGRAMS, TILE_GROUP),
+                                        nxt + 1 < mine, nk, nm, M, gi, starts, sizes, tiles, tile_end, BM, BK, GROUPED,
+                                        TILE_GROUP, VEC, num_warps)
+            elif nxt < mine:
+                _issue(x_desc, bufs, ready, _tile_of(first_tile, nxt, NUM_PROGRAMS, TILE_GROUP), nxt % STAGES,
+                       nk, nm, M, K, gi, starts, sizes, tiles, tile_end, BM, BK, GROUPED, TILE_GROUP, GLU,
+                       GLU_BLOCK)
             slot = i % STAGES
             if GATHERED:  # tile i's group is complete in every thread, and so in shared memory
                 async_copy.commit_group()
