@@ -109,8 +109,11 @@ def test_block_cast_compiles(compile_only, dtype, mx, activation, canonical):
     _fits(kernels)
 
 
-@pytest.mark.parametrize("dtype,mx,values", [(torch.bfloat16, False, (False, False)), (torch.float32, False, (False, False)),
-                                             (torch.bfloat16, True, (False, False)), (torch.bfloat16, True, (True, False))],
+NO_VALUES = (False, False)
+
+
+@pytest.mark.parametrize("dtype,mx,values", [(torch.bfloat16, False, NO_VALUES), (torch.float32, False, NO_VALUES),
+                                             (torch.bfloat16, True, NO_VALUES), (torch.bfloat16, True, (True, False))],
                          ids=["1x128", "1x128-fp32", "mxfp8", "mxfp8-row-values"])
 def test_gathered_cast_compiles(compile_only, dtype, mx, values):
     """The cast of gathered rows (a `GatheredRows`: cp.async into the ring) in its dispatched
