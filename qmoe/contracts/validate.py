@@ -418,11 +418,12 @@ def check_merging_probs(merging_probs, row_id_map) -> None:
 _AMAX_ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def check_amax_rows(name: str, t) -> None:
-    """Rows whose producer also reduces their amax (`RowsWithAmax`): a 2-D bf16 / fp16 / fp32 tensor,
-    the dtypes a quantizer reads (its amax is taken on those values, exactly)."""
+def check_amax_rows(name: str, t, option: str = "with_amax") -> None:
+    """Rows whose producer also reduces their amax (`RowsWithAmax`), or that a quantizer reads as
+    they are gathered (`option` "gather"): a 2-D bf16 / fp16 / fp32 tensor, the dtypes a quantizer
+    reads (its amax is taken on those values, exactly)."""
     if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype not in _AMAX_ROW_DTYPES:
-        raise ValueError(f"with_amax needs {name} as a 2-D float32, bfloat16 or float16 tensor, got "
+        raise ValueError(f"{option} needs {name} as a 2-D float32, bfloat16 or float16 tensor, got "
                          f"{getattr(t, 'dtype', type(t).__name__)} of shape {tuple(getattr(t, 'shape', ()))}")
 
 

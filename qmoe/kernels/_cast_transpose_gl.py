@@ -44,7 +44,7 @@ import torch
 from qmoe.kernels import _gluon_sm90 as sm90
 from qmoe.contracts.carriers import ACTIVATIONS, GLU_ACTIVATIONS
 from qmoe.kernels._launch import faking, num_sms
-from qmoe.kernels.activation import GATHER, NO_ACTIVATION, _activation, input_rows, input_width
+from qmoe.kernels.activation import GATHER, _GATHER, NO_ACTIVATION, _activation, input_rows, input_width
 from qmoe.kernels._layout import group_pow2
 
 from qmoe.kernels._gluon_sm90 import gluon
@@ -104,7 +104,7 @@ if gluon is not None:
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         GLU: gl.constexpr = ACT >= 0
-        GATHERED: gl.constexpr = ACT == -2
+        GATHERED: gl.constexpr = ACT == _GATHER
         bufs = gl.allocate_shared_memory(x_desc.dtype, [2 * STAGES if GLU else STAGES, BM, BK], x_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):

@@ -155,7 +155,7 @@ def moe_permute(x, routing_map, probs=None, align_size=1, *, top_k=None, row_sca
     check_flag("with_amax", with_amax, "moe_permute")
     check_flag("gather", gather, "moe_permute")
     if with_amax or gather:
-        check_amax_rows("x", x)
+        check_amax_rows("x", x, "with_amax" if with_amax else "gather")
     if gather:
         if row_scales is not None:
             raise ValueError("gather=True copies no rows, so it permutes no row_scales: quantized rows are "
