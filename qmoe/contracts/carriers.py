@@ -164,11 +164,18 @@ class GatheredRows(NamedTuple):
 
     def materialize(self) -> torch.Tensor:
         """The rows themselves, [R, K] (device ops, no host sync)."""
-        valid = self.index >= 0
         if self.source.shape[0] == 0:
             return self.source.new_zeros(self.shape)
         rows = self.source.index_select(0, self.index.clamp(min=0).long())
-        return torch.where(valid[:, None], rows, rows.new_zeros(()))
+        return torch.where((self.index >= 0)[:, None], rows, rows.new_zeros(()))
+
+
+def stored_tensor(x) -> torch.Tensor:
+    """The tensor a quantizer's input is read from: an `ActivatedRows`' h, a `GatheredRows`'
+    source, or x itself (where it lives decides which implementation runs)."""
+    if isinstance(x, ActivatedRows):
+        return x.h
+    return x.source if isinstance(x, GatheredRows) else x
 
 
 class AmaxSlot:
@@ -236,17 +243,22 @@ def row_groups(offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
     return torch.searchsorted(offsets[1:].contiguous(), rows, right=True)
 
 
+def permuted_destinations(row_id_map: RowIdMap) -> torch.Tensor:
+    """Flat [T * K] int64 output rows of the tokens' copies, unused and out-of-range slots sent to a
+    dump row R (device ops, no host sync)."""
+    rows = row_id_map.rows.long()
+    r = row_id_map.num_rows
+    return torch.where((rows >= 0) & (rows < r), rows, r).flatten()
+
+
 def permuted_sources(row_id_map: RowIdMap) -> torch.Tensor:
     """The source token of every permuted row, [R] int32, -1 for padding rows (device ops, no host
     sync): the index of the `GatheredRows` that stand for `moe_permute`'s output."""
-    rows = row_id_map.rows
-    t, k = rows.shape
+    t, k = row_id_map.rows.shape
     r = row_id_map.num_rows
-    dest = rows.long().flatten()
-    dest = torch.where((dest >= 0) & (dest < r), dest, r)  # unused copies go to a dump slot R
-    tokens = torch.arange(t, dtype=torch.int32, device=rows.device).repeat_interleave(k)
-    out = torch.full((r + 1,), -1, dtype=torch.int32, device=rows.device)
-    return out.scatter(0, dest, tokens)[:r]
+    tokens = torch.arange(t, dtype=torch.int32, device=row_id_map.rows.device).repeat_interleave(k)
+    out = torch.full((r + 1,), -1, dtype=torch.int32, device=row_id_map.rows.device)
+    return out.scatter(0, permuted_destinations(row_id_map), tokens)[:r]
 
 
 def routed_max(per_token: torch.Tensor, row_id_map: RowIdMap) -> torch.Tensor:

@@ -133,20 +133,19 @@ if gluon is not None:
         first_tile, mine = _first_tile(gl.program_id(0), nm * nk, NUM_PROGRAMS, TILE_GROUP)
         for j in gl.static_range(STAGES - 1):
             if GATHERED:
-                t_j = _tile_of(first_tile, j, NUM_PROGRAMS, TILE_GROUP)
-                src = _gathered_sources(probs_ptr, t_j, j < mine, nk, nm, M, gi, starts, sizes, tiles, tile_end, BM,
-                                        BK, GROUPED, TILE_GROUP, VEC, num_warps)
+                src, src_kt = _gathered_sources(probs_ptr, _tile_of(first_tile, j, NUM_PROGRAMS, TILE_GROUP),
+                                                j < mine, nk, nm, M, gi, starts, sizes, tiles, tile_end, BM, BK,
+                                                GROUPED, TILE_GROUP, VEC, num_warps)
                 if j < mine:
-                    _issue_gathered(x_ptr, src, stride_x, bufs, t_j, j, nk, nm, M, K, gi, starts, sizes, tiles,
-                                    tile_end, BM, BK, GROUPED, TILE_GROUP, VEC, num_warps)
+                    _issue_gathered(x_ptr, src, src_kt, stride_x, bufs, j, K, BK, VEC, num_warps)
                 async_copy.commit_group()
             elif j < mine:
                 _issue(x_desc, bufs, ready, _tile_of(first_tile, j, NUM_PROGRAMS, TILE_GROUP), j, nk, nm, M, K,
                        gi, starts, sizes, tiles, tile_end, BM, BK, GROUPED, TILE_GROUP, GLU, GLU_BLOCK)
         if GATHERED:  # the sources of the next tile to copy, a trip ahead
-            src = _gathered_sources(probs_ptr, _tile_of(first_tile, STAGES - 1, NUM_PROGRAMS, TILE_GROUP),
-                                    STAGES - 1 < mine, nk, nm, M, gi, starts, sizes, tiles, tile_end, BM, BK, GROUPED,
-                                    TILE_GROUP, VEC, num_warps)
+            src, src_kt = _gathered_sources(probs_ptr, _tile_of(first_tile, STAGES - 1, NUM_PROGRAMS, TILE_GROUP),
+                                            STAGES - 1 < mine, nk, nm, M, gi, starts, sizes, tiles, tile_end, BM,
+                                            BK, GROUPED, TILE_GROUP, VEC, num_warps)
 
         prev_row0 = -1  # the last tile's first row and column tile (column strips: the carried lines)
         prev_kt = -1
@@ -155,12 +154,10 @@ if gluon is not None:
             nxt = i + STAGES - 1
             if GATHERED:
                 if nxt < mine:
-                    _issue_gathered(x_ptr, src, stride_x, bufs, _tile_of(first_tile, nxt, NUM_PROGRAMS, TILE_GROUP),
-                                    nxt % STAGES, nk, nm, M, K, gi, starts, sizes, tiles, tile_end, BM, BK, GROUPED,
-                                    TILE_GROUP, VEC, num_warps)
-                src = _gathered_sources(probs_ptr, _tile_of(first_tile, nxt + 1, NUM_PROGRAMS, TILE_GROUP),
-                                        nxt + 1 < mine, nk, nm, M, gi, starts, sizes, tiles, tile_end, BM, BK, GROUPED,
-                                        TILE_GROUP, VEC, num_warps)
+                    _issue_gathered(x_ptr, src, src_kt, stride_x, bufs, nxt % STAGES, K, BK, VEC, num_warps)
+                src, src_kt = _gathered_sources(probs_ptr, _tile_of(first_tile, nxt + 1, NUM_PROGRAMS, TILE_GROUP),
+                                                nxt + 1 < mine, nk, nm, M, gi, starts, sizes, tiles, tile_end, BM, BK,
+                                                GROUPED, TILE_GROUP, VEC, num_warps)
             elif nxt < mine:
                 _issue(x_desc, bufs, ready, _tile_of(first_tile, nxt, NUM_PROGRAMS, TILE_GROUP), nxt % STAGES,
                        nk, nm, M, K, gi, starts, sizes, tiles, tile_end, BM, BK, GROUPED, TILE_GROUP, GLU,

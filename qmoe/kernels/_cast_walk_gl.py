@@ -14,6 +14,8 @@ blocks start afresh at every group, as `tiles.tile_rows` lays them out for the T
 """
 from __future__ import annotations
 
+import triton
+
 from qmoe.kernels import _gluon_sm90 as sm90
 from qmoe.kernels._gluon_sm90 import gluon
 
@@ -120,27 +122,30 @@ if gluon is not None:
             mbarrier.expect(ready.index(slot), desc.block_type.nbytes)
             sm90.tma_load(desc, [row0, kt * BK], ready.index(slot), bufs.index(slot))
 
+    @triton.constexpr_function
+    def _gather_layout(BK, VEC, num_warps):
+        """Each thread's 16-byte pieces of a tile's rows, a warp's threads along one or two rows."""
+        tk = min(BK // VEC, 32)
+        return gl.BlockedLayout([1, VEC], [32 // tk, tk], [num_warps, 1], [1, 0])
+
     @gluon.jit
     def _gathered_sources(index_ptr, t, live, nk, nm, M, gi, starts, sizes, tiles, tile_end, BM: gl.constexpr,
                           BK: gl.constexpr, GROUPED: gl.constexpr, TILE_GROUP: gl.constexpr, VEC: gl.constexpr,
                           num_warps: gl.constexpr):
-        """The source rows of tile t's rows (-1: none; all -1 unless `live`), loaded a tile ahead of
-        their copy so that the load's latency passes while the tile before is cast."""
-        TK: gl.constexpr = BK // VEC if BK // VEC < 32 else 32  # a warp's threads along one or two rows
-        layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // TK, TK], [num_warps, 1], [1, 0])
-        row0, _, _, _ = _locate(t, nk, nm, M, gi, starts, sizes, tiles, tile_end, tiles, BM, BM, GROUPED, TILE_GROUP)
+        """(the source rows of tile t's rows, -1: none, all -1 unless `live`; its column tile), loaded a
+        tile ahead of their copy so that the load's latency passes while the tile before is cast."""
+        layout: gl.constexpr = _gather_layout(BK, VEC, num_warps)
+        row0, _, _, kt = _locate(t, nk, nm, M, gi, starts, sizes, tiles, tile_end, tiles, BM, BM, GROUPED, TILE_GROUP)
         rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
-        return gl.load(index_ptr + rows, mask=(rows < M) & live, other=-1)
+        return gl.load(index_ptr + rows, mask=(rows < M) & live, other=-1), kt
 
     @gluon.jit
-    def _issue_gathered(x_ptr, src, stride_x, bufs, t, slot, nk, nm, M, K, gi, starts, sizes, tiles, tile_end,
-                        BM: gl.constexpr, BK: gl.constexpr, GROUPED: gl.constexpr, TILE_GROUP: gl.constexpr,
-                        VEC: gl.constexpr, num_warps: gl.constexpr):
-        """Copy tile t's rows, row r being x's row src[r] (`_gathered_sources`; none where negative:
-        zeros), into ring slot `slot` by cp.async (the caller commits the group and waits for it)."""
-        TK: gl.constexpr = BK // VEC if BK // VEC < 32 else 32  # as _gathered_sources's
-        layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // TK, TK], [num_warps, 1], [1, 0])
-        _, _, _, kt = _locate(t, nk, nm, M, gi, starts, sizes, tiles, tile_end, tiles, BM, BM, GROUPED, TILE_GROUP)
+    def _issue_gathered(x_ptr, src, kt, stride_x, bufs, slot, K, BK: gl.constexpr, VEC: gl.constexpr,
+                        num_warps: gl.constexpr):
+        """Copy a tile's rows, row r being x's row src[r] (`_gathered_sources`; none where negative:
+        zeros), columns of column tile kt, into ring slot `slot` by cp.async (the caller commits the
+        group and waits for it)."""
+        layout: gl.constexpr = _gather_layout(BK, VEC, num_warps)
         cols = kt * BK + gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
         ptrs = x_ptr + gl.expand_dims(src.to(gl.int64) * stride_x, 1) + gl.expand_dims(cols, 0)
         mask = gl.expand_dims(src >= 0, 1) & gl.expand_dims(cols < K, 0)

@@ -275,8 +275,8 @@ class GroupedLinear(nn.Module):
                                   path, sink, quantized_input, input_activation, recompute_activation, **amaxes, **keep)
 
     def _check_inputs(self, x, split_sizes, scales, input_activation=None):
-        rows = x.shape[0] if isinstance(x, GatheredRows) else None
-        if rows is not None:
+        rows = x.shape[0]  # a GatheredRows' count of permuted rows, not of its tokens
+        if isinstance(x, GatheredRows):
             if input_activation is not None:
                 raise ValueError("a GatheredRows input is FC1's (permuted tokens); input_activation is FC2's")
             x = x.source
@@ -291,7 +291,6 @@ class GroupedLinear(nn.Module):
         if x.dim() != 2 or x.shape[1] != width:
             what = f" (the {input_activation[0]} activation's input)" if input_activation is not None else ""
             raise ValueError(f"GroupedLinear expects x [R, {width}]{what}, got {tuple(x.shape)}")
-        rows = x.shape[0] if rows is None else rows
         # values are checked by the op where they can be read without a host sync
         check_split_sizes(split_sizes, device=x.device, num_groups=self.num_groups, read="never", on_device=True)
         if self.scale_bias:

@@ -164,10 +164,7 @@ def moe_permute(x, routing_map, probs=None, align_size=1, *, top_k=None, row_sca
     if not use_kernels(x, routing_map, probs, row_scales):
         return reference.moe_permute(x, routing_map, probs, align_size, top_k=top_k,
                                      row_scales=row_scales, num_rows=num_rows, with_amax=with_amax)
-    if top_k is None:  # host read, documented above
-        top_k = max(int(routing_map.sum(dim=1).max()), 1) if routing_map.numel() else 1
-    row_id_map, split_sizes = PERMUTE.kernel("permute_index")(routing_map, top_k, align_size)
-    row_id_map = reference.with_num_rows(row_id_map, num_rows)
+    row_id_map, split_sizes = _permute_map(routing_map, top_k, align_size, num_rows)
     if x.is_floating_point() and x.element_size() >= 2:
         out = _PermuteRows.apply(x, row_id_map, with_amax)
         out = RowsWithAmax(*out) if with_amax else out
@@ -179,20 +176,24 @@ def moe_permute(x, routing_map, probs=None, align_size=1, *, top_k=None, row_sca
     return out, out_probs, row_id_map, split_sizes, PERMUTE.kernel("permute_rows")(row_scales, row_id_map)
 
 
-def _gathered(x, routing_map, probs, align_size, top_k, num_rows, with_amax):
-    """moe_permute(..., gather=True): the map and the probs as usual, the rows left where they are."""
-    kernels = use_kernels(x, routing_map, probs)
+def _permute_map(routing_map, top_k, align_size, num_rows):
+    """(row_id_map with num_rows, split_sizes) of a permute, from the kernel or its twin."""
     if top_k is None:  # host read, documented in moe_permute
         top_k = max(int(routing_map.sum(dim=1).max()), 1) if routing_map.numel() else 1
     row_id_map, split_sizes = PERMUTE.pick("permute_index", routing_map)(routing_map, top_k, align_size)
-    row_id_map = reference.with_num_rows(row_id_map, num_rows)
+    return reference.with_num_rows(row_id_map, num_rows), split_sizes
+
+
+def _gathered(x, routing_map, probs, align_size, top_k, num_rows, with_amax):
+    """moe_permute(..., gather=True): the map and the probs as usual, the rows left where they are."""
+    row_id_map, split_sizes = _permute_map(routing_map, top_k, align_size, num_rows)
     out = GatheredRows(x, permuted_sources(row_id_map), row_id_map)
     if with_amax:  # each expert's rows are copies of its tokens' rows: the max of their amaxes
         with torch.no_grad():
             out = RowsWithAmax(out, routed_max(PERMUTE.pick("row_amax", x)(x.detach()), row_id_map))
     if probs is None:
         out_probs = None
-    elif kernels:
+    elif use_kernels(x, routing_map, probs):
         out_probs = _PermuteProbs.apply(probs, row_id_map)
     else:
         out_probs = reference.permute_probs(probs, row_id_map)

@@ -11,7 +11,7 @@ import copy
 import torch
 
 from qmoe.backend import use_kernels
-from qmoe.contracts.carriers import ActivatedRows, GatheredRows, RowsWithAmax, row_groups
+from qmoe.contracts.carriers import ActivatedRows, GatheredRows, RowsWithAmax, row_groups, stored_tensor
 from qmoe.contracts.formats import pack_e2m1, unpack_e2m1
 from qmoe.contracts.scales import ScaleSlot, gemm_scale, tensor_factor
 from qmoe.contracts.validate import (check_dequantize_dtype, check_flag, check_gather_index, check_group_amax,
@@ -124,13 +124,11 @@ class GroupedTensor:
         amax = None
         if isinstance(x, RowsWithAmax):
             x, amax = x.rows, x.amax
+        check_float_input(stored_tensor(x), "GroupedTensor.quantize")
         if isinstance(x, GatheredRows):
-            check_float_input(x.source, "GroupedTensor.quantize")
             check_gather_index(x.index, x.source)
             if not use_kernels(x.source):  # the gather lives in the kernels: copy the rows first
                 x = x.materialize()
-        check_float_input(x.source if isinstance(x, GatheredRows) else x.h if isinstance(x, ActivatedRows) else x,
-                          "GroupedTensor.quantize")
         if not isinstance(quantizer, Quantizer):
             raise TypeError(f"quantizer must be a qmoe Quantizer (recipe.quantizer(role)), got {quantizer!r}")
         if x.dim() != 2:

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from qmoe.contracts.carriers import ActivatedRows, GatheredRows, RowsWithAmax
+from qmoe.contracts.carriers import RowsWithAmax, stored_tensor
 from qmoe.contracts.errors import refuse_compile
 from qmoe.contracts.scales import gemm_scale
 from qmoe.contracts.validate import check_flag, cuda_index
@@ -139,10 +139,8 @@ class Quantizer:
         return (qt.columnwise_data if columnwise else qt.rowwise_data), gemm_scale(qt, columnwise)
 
     def _impl(self, family: Dispatch, name: str, *tensors):
-        # an ActivatedRows input (GroupedTensor.quantize on the kernels' device) runs where its h is,
-        # a GatheredRows where its source is
-        return family.pick(name, *(t.h if isinstance(t, ActivatedRows) else t.source if isinstance(t, GatheredRows)
-                                   else t for t in tensors))
+        # a carrier (GroupedTensor.quantize on the kernels' device) runs where its stored tensor is
+        return family.pick(name, *(stored_tensor(t) for t in tensors))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(role={self.role!r}, fmt={self.fmt})"

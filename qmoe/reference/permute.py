@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from qmoe.contracts.carriers import RowIdMap, RowsWithAmax, num_permuted_rows
+from qmoe.contracts.carriers import RowIdMap, RowsWithAmax, num_permuted_rows, permuted_destinations
 from qmoe.contracts.validate import check_amax_rows, check_merging_probs, check_permute_index_args, check_rows
-from qmoe.reference.quantize import group_amax
+from qmoe.reference.quantize import finite_row_amax, group_amax
 
 
 def _byte_movable(t: torch.Tensor) -> torch.Tensor:
@@ -56,13 +56,6 @@ def permute_index(routing_map, top_k, align_size):
     return row_id_map, split_sizes
 
 
-def _destinations(row_id_map):
-    """Flat [T * K] int64 output rows, unused and out-of-range slots sent to a dump row R."""
-    rows = row_id_map.rows.long()
-    r = row_id_map.num_rows
-    return torch.where((rows >= 0) & (rows < r), rows, r).flatten()
-
-
 def permute_rows(x, row_id_map, with_amax=False):
     """Copy token rows to their permuted places: x [T, N] any dtype -> [R, N], padding zero.
 
@@ -79,16 +72,15 @@ def permute_rows(x, row_id_map, with_amax=False):
     k = row_id_map.rows.shape[1]
     copies = flat.unsqueeze(1).expand(-1, k, -1).reshape(-1, flat.shape[1])          # [T*K, N]
     out = flat.new_zeros(row_id_map.num_rows + 1, flat.shape[1])
-    out = out.index_copy(0, _destinations(row_id_map), copies)[:-1]
+    out = out.index_copy(0, permuted_destinations(row_id_map), copies)[:-1]
     out = out if x.dim() == 2 else out.squeeze(1)
     return out if data is x else out.view(x.dtype)
 
 
 def row_amax(x):
-    """max|x[t]| over each row's finite values, [T] fp32 (0 for a row with none)."""
-    a = x.abs().float()
-    a = torch.where(torch.isfinite(a), a, torch.zeros_like(a))
-    return a.amax(dim=1) if x.shape[1] else a.new_zeros(x.shape[0])
+    """max|x[t]| over each row's finite values, [T] fp32: what `permute_rows(with_amax)` reduces per
+    expert, from the tokens themselves."""
+    return finite_row_amax(x)
 
 
 def permute_probs(probs, row_id_map):
@@ -96,7 +88,7 @@ def permute_probs(probs, row_id_map):
     experts = row_id_map.experts.long().clamp(min=0)
     copies = probs.gather(1, experts).flatten()                                       # [T*K]
     out = probs.new_zeros(row_id_map.num_rows + 1)
-    return out.index_copy(0, _destinations(row_id_map), copies)[:-1]
+    return out.index_copy(0, permuted_destinations(row_id_map), copies)[:-1]
 
 
 def unpermute_rows(y, row_id_map, merging_probs=None):
@@ -111,7 +103,7 @@ def unpermute_rows(y, row_id_map, merging_probs=None):
     t, k = row_id_map.rows.shape
     padded = torch.cat([y, y.new_zeros(1, y.shape[1])])                                # dump row R
     acc = torch.float64 if y.dtype == torch.float64 else torch.float32  # fp64: for gradcheck
-    gathered = padded.index_select(0, _destinations(row_id_map)).view(t, k, y.shape[1]).to(acc)
+    gathered = padded.index_select(0, permuted_destinations(row_id_map)).view(t, k, y.shape[1]).to(acc)
     used = row_id_map.rows >= 0
     if merging_probs is not None:
         weights = merging_probs.gather(1, row_id_map.experts.long().clamp(min=0)).to(acc) * used
@@ -132,7 +124,7 @@ def permute_probs_backward(grad_out_probs, row_id_map, probs_dtype=torch.float32
     t, k = row_id_map.rows.shape
     e = row_id_map.counts.shape[0]
     padded = torch.cat([grad_out_probs, grad_out_probs.new_zeros(1)])
-    picked = padded.index_select(0, _destinations(row_id_map)).view(t, k)
+    picked = padded.index_select(0, permuted_destinations(row_id_map)).view(t, k)
     picked = picked * (row_id_map.rows >= 0)
     grad = torch.zeros(t, e + 1, dtype=probs_dtype, device=grad_out_probs.device)
     experts = torch.where(row_id_map.experts >= 0, row_id_map.experts, e).long()      # dump column

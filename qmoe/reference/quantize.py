@@ -55,6 +55,13 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
 
 
 
+def finite_row_amax(x: torch.Tensor) -> torch.Tensor:
+    """max|x[t]| over each row's finite values, [T] fp32 (0 for a row with none)."""
+    a = x.abs().float()
+    a = torch.where(torch.isfinite(a), a, torch.zeros_like(a))
+    return a.amax(dim=1) if x.shape[1] else a.new_zeros(x.shape[0])
+
+
 def group_amax(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """`tensor_amax` of each group of rows at once: [G] fp32 (0 for an empty group).
 
@@ -63,11 +70,8 @@ def group_amax(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     producer's reference twin can hand it over (`qmoe.contracts.carriers.RowsWithAmax`).
     """
     g = offsets.numel() - 1
-    a = x.abs().float()
-    a = torch.where(torch.isfinite(a), a, torch.zeros_like(a))
-    per_row = a.amax(dim=1) if x.shape[1] else a.new_zeros(x.shape[0])
     out = torch.zeros(g + 1, dtype=torch.float32, device=x.device)  # slot g: the rows of no group
-    return out.scatter_reduce(0, row_groups(offsets, x.shape[0]), per_row, "amax")[:g]
+    return out.scatter_reduce(0, row_groups(offsets, x.shape[0]), finite_row_amax(x), "amax")[:g]
 
 
 def observed_amax(x: torch.Tensor) -> torch.Tensor:
