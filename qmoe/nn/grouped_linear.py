@@ -13,7 +13,7 @@ from qmoe.ops.amp import cast_for_autocast, torch_autocast_off
 from qmoe.contracts.enums import GroupedPath
 from qmoe.ops.grouped_gemm import select_grouped_path
 from qmoe.ops.grouped_linear import grouped_linear
-from qmoe.ops.permute import gathered_rows
+from qmoe.ops.permute import gathered_rows, moe_unpermute
 from qmoe.quant.weight_cache import WeightCache
 from qmoe.contracts.carriers import GatheredRows, is_glu
 from qmoe.contracts.validate import (PARAMS_DTYPES, check_activation, check_device, check_flag, check_layer_input,
@@ -213,7 +213,7 @@ class GroupedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, split_sizes: torch.Tensor, scales: torch.Tensor | None = None,
                 quantized_input=None, *, input_activation: tuple | None = None, recompute_activation: bool = False,
-                input_amax: torch.Tensor | None = None, grad_output_amax=None, grad_input_amax=None):
+                input_amax: torch.Tensor | None = None, grad_output_amax=None, grad_input_amax=None, unpermute=None):
         """quantized_input: optional QuantizedTensor, x's rows already quantized rowwise by the recipe's
         input format (expert-parallel quantized dispatch); the forward GEMM uses it as it is and x
         (its dequantized values) takes the gradient and gives wgrad's columnwise copy.
@@ -231,7 +231,12 @@ class GroupedLinear(nn.Module):
         current-scaling quantizers only cast (`qmoe.ops.grouped_linear`; ask `takes_amax`).
 
         x may be the `GatheredRows` of `qmoe.ops.moe_permute(..., gather=True)` (the permuted rows,
-        read from the tokens by the input's quantize kernels; `qmoe.ops.grouped_linear`)."""
+        read from the tokens by the input's quantize kernels; `qmoe.ops.grouped_linear`).
+
+        unpermute: the `RowIdMap` of the permute that made x's rows: the output is their
+        `moe_unpermute` (no merging probs), [T, out_features], summed inside the op under a recipe
+        so the backward reads the output gradient's rows from the tokens' gradient
+        (`qmoe.ops.grouped_linear`)."""
         self._check_inputs(x, split_sizes, scales, input_activation)
         gather = None
         if isinstance(x, GatheredRows):
@@ -256,7 +261,8 @@ class GroupedLinear(nn.Module):
             if x.dtype == torch.float64:
                 x = gathered_rows(x)
         bias = self.stacked_bias()
-        amaxes = dict(input_amax=input_amax, grad_output_amax=grad_output_amax, grad_input_amax=grad_input_amax)
+        amaxes = dict(input_amax=input_amax, grad_output_amax=grad_output_amax, grad_input_amax=grad_input_amax,
+                      unpermute=unpermute)
         keep = dict(recompute_weight_columnwise=self.recompute_weight_columnwise,
                     weight_cache=self.weight_cache.bind(self.weights())
                     if self.cache_quantized_weights and quantizers is not None and not torch.compiler.is_compiling()
@@ -266,10 +272,10 @@ class GroupedLinear(nn.Module):
                 path = "split"  # plain fp64 matmuls per group; the grouped GEMMs stop at fp32
             else:  # quantizers read at most fp32, and every recipe's format is far coarser than that
                 with torch_autocast_off():
-                    return grouped_linear(x.float(), split_sizes, weight.float(),
-                                          None if bias is None else bias.float(),
-                                          scales if self.scale_bias else None, quantizers, path, sink,
-                                          quantized_input, input_activation, recompute_activation, **keep).double()
+                    y = grouped_linear(x.float(), split_sizes, weight.float(), None if bias is None else bias.float(),
+                                       scales if self.scale_bias else None, quantizers, path, sink,
+                                       quantized_input, input_activation, recompute_activation, **keep).double()
+                return y if unpermute is None else moe_unpermute(y, unpermute)  # summed in fp64
         with torch_autocast_off():
             return grouped_linear(x, split_sizes, weight, bias, scales if self.scale_bias else None, quantizers,
                                   path, sink, quantized_input, input_activation, recompute_activation, **amaxes, **keep)

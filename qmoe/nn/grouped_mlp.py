@@ -117,14 +117,18 @@ class GroupedMLP(nn.Module):
     # ---- compute
     def forward(self, x: torch.Tensor, split_sizes: torch.Tensor, probs: torch.Tensor | None = None,
                 quantized_input=None, *, input_amax: torch.Tensor | None = None,
-                grad_output_amax=None) -> torch.Tensor:
+                grad_output_amax=None, unpermute=None) -> torch.Tensor:
         """quantized_input: optional QuantizedTensor of x's rows quantized before an expert-parallel
         dispatch; FC1 multiplies it as it is (see `GroupedLinear.forward`).
 
         input_amax: x's per-expert amax [E] fp32 from the kernel that wrote x (FC1's input_amax);
         grad_output_amax: the `AmaxSlot` the output gradient's producer fills (FC2's). FC2's
         backward hands FC1 the amax of FC1's output gradient itself (the activation backward
-        reduces it). All for the current-scaling quantizers, which then only cast."""
+        reduces it). All for the current-scaling quantizers, which then only cast.
+
+        unpermute: the `RowIdMap` of the permute that made x: the output is then each token's rows
+        summed, [T, H] (`qmoe.ops.moe_unpermute` without merging probs, run inside FC2 under a
+        recipe so its backward reads the output gradient's rows from the tokens' gradient)."""
         if probs is not None and (probs.shape != (x.shape[0],) or not probs.is_floating_point()):
             raise ValueError(f"probs must be a float tensor [R] = [{x.shape[0]}], got {tuple(probs.shape)}")
         # FC1's output gradient comes from FC2's backward (its fused activation's backward)
@@ -137,7 +141,7 @@ class GroupedMLP(nn.Module):
         # the activation runs inside FC2: fused into the quantization of FC2's input under a recipe
         return self.fc2(h, split_sizes, scales, input_activation=(self.activation, probs, self.glu_interleave_size),
                         recompute_activation=self.recompute_activation, grad_output_amax=grad_output_amax,
-                        grad_input_amax=inner)
+                        grad_input_amax=inner, unpermute=unpermute)
 
     def takes_amax(self, operand: str, x: torch.Tensor) -> bool:
         """Whether a forward on x [R, H] would use a producer's per-group amax of `operand`: "input"

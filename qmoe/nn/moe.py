@@ -31,6 +31,9 @@ _expert_parallel_dispatcher = None
 # "0" turns off the permute fused into FC1's input quantization (`moe_permute(..., gather=True)`):
 # the permuted rows are then written and read back, with the same results
 GATHER_SWITCH = "QMOE_PERMUTE_GATHER"
+# "0" turns off the unpermute run inside FC2 (`GroupedMLP(..., unpermute=)`): FC2's output rows
+# are then written and the unpermute's backward writes their gradient's [R, H] copy, same results
+UNPERMUTE_SWITCH = "QMOE_UNPERMUTE_INSIDE"
 
 
 def register_expert_parallel_dispatcher(factory) -> None:
@@ -183,17 +186,24 @@ class MoELayer(nn.Module):
         # under current scaling the permute and the unpermute backward also reduce the amaxes of the
         # experts' input and output gradient, so those quantizers only cast
         with_amax = self.experts.takes_amax("input", tokens)
-        grad_slot = AmaxSlot() if self.experts.takes_amax("grad_output", tokens) else None
-        # under a recipe FC1's quantize kernels read the permuted rows straight from the tokens
+        # under a recipe FC1's quantize kernels read the permuted rows straight from the tokens, and
+        # FC2 sums its rows back to the tokens itself, so its output gradient's quantize kernels read
+        # them from the tokens' gradient
         gather = (recipe is not None and tokens.dtype in (torch.bfloat16, torch.float16, torch.float32)
                   and os.environ.get(GATHER_SWITCH, "") != "0")
+        inside = os.environ.get(UNPERMUTE_SWITCH, "") != "0"
+        grad_slot = AmaxSlot() if not inside and self.experts.takes_amax("grad_output", tokens) else None
         permuted, row_probs, row_id_map, split_sizes = ops.moe_permute(
             tokens, routing_map, probs, align_size=align, top_k=self.top_k, num_rows=rows, with_amax=with_amax,
             gather=gather)
         permuted, input_amax = permuted if with_amax else (permuted, None)
-        y = self.experts(permuted, split_sizes.to(torch.int64), row_probs, input_amax=input_amax,
-                         grad_output_amax=grad_slot)
-        out = ops.moe_unpermute(y, row_id_map, grad_amax=grad_slot)
+        if inside:
+            out = self.experts(permuted, split_sizes.to(torch.int64), row_probs, input_amax=input_amax,
+                               unpermute=row_id_map)
+        else:
+            y = self.experts(permuted, split_sizes.to(torch.int64), row_probs, input_amax=input_amax,
+                             grad_output_amax=grad_slot)
+            out = ops.moe_unpermute(y, row_id_map, grad_amax=grad_slot)
         self._set_aux_loss()
         return self._add_shared(out, shared, side).reshape(shape)
 

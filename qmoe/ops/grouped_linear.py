@@ -33,14 +33,15 @@ from dataclasses import dataclass
 
 import torch
 
-from qmoe.contracts.carriers import ActivatedRows, AmaxSlot, GatheredRows, RowsWithAmax
+from qmoe.contracts.carriers import (ActivatedRows, AmaxSlot, GatheredRows, RowIdMap, RowsWithAmax, permuted_sources,
+                                     routed_max)
 from qmoe.contracts.enums import Activation, GroupedPath, Scaling, parse_activation, parse_grouped_path
 from qmoe.contracts.validate import check_flag, check_group_amax, check_scaled_activation_args, check_split_sizes
 from qmoe.dispatch import BIAS, GROUPED_GEMM, PERMUTE
 from qmoe.ops.activation import activation_backward, activation_forward, expert_activation
 from qmoe.ops.amp import autocast_off
 from qmoe.ops.grouped_linear_paths import PATHS, Groups, LinearPath, drop_rowwise
-from qmoe.ops.permute import gathered_rows
+from qmoe.ops.permute import gathered_rows, moe_unpermute
 from qmoe.quant import QuantizedTensor
 from qmoe.quant.quantizer import MXFP8Quantizer, NVFP4Quantizer
 from qmoe.quant.replay import ForwardLog, active_log, using_log
@@ -94,6 +95,10 @@ class GroupedLinearPlan:
     instead of its quantized columnwise copy, which the backward makes again (`rebuild_weight`).
     gather: the `GatheredRows` (index and row_id_map; its source is the Function's x) that the
     input stands for, or None: quantized as gathered, its gradient sent back to the tokens.
+    unpermute: a `GatheredRows` (index and row_id_map, no source) when the output's rows are summed
+    back to their tokens inside the op (`moe_unpermute` without merging probs), or None: the
+    output is then [T, N], and the backward quantizes its gradient's rows gathered from the
+    tokens' gradient, the rows the unpermute's backward would have copied.
     """
 
     path: LinearPath
@@ -110,6 +115,7 @@ class GroupedLinearPlan:
     recompute_weight_columnwise: bool = False
     grad_enabled: bool = True  # torch.is_grad_enabled() at the call: the backward's copies are made only then
     gather: GatheredRows | None = None  # its source dropped: the Function's x, which autograd holds
+    unpermute: GatheredRows | None = None
 
     def rows_of(self, x: torch.Tensor):
         """The input the Function's x stands for: x, or the rows gathered from it."""
@@ -215,13 +221,24 @@ class GroupedLinearPlan:
         quantizer = self.quantizers["grad_output"]
         # a deferred wgrad (wgrad_sink) holds its copy until later: codes there, half the bytes
         copies = ("rowwise",) * dgrad + ("columnwise",) * (wgrad and self.wgrad_sink is None)
-        values = _values_only(quantizer, dy.shape[0], groups.split_sizes.shape[0], dy, *copies)
+        values = _values_only(quantizer, dy.shape[0], groups.split_sizes.shape[0], groups.split_sizes, *copies)
         if amax is not None:
             dy = RowsWithAmax(dy, amax)
         out = self.path.quantize_grad(dy, groups, quantizer, dgrad, wgrad, values=values)
         if _observer is not None:
             _observer(self, "quantize_grad", (dy, groups), out)
         return out
+
+    def output_grad(self, dy: torch.Tensor, amax: torch.Tensor | None):
+        """(the GEMMs' dy [R, N], its per-group amax or None): dy itself, or with an unpermute the
+        rows gathered from the tokens' gradient dy [T, N], their amax (where the gradient's
+        quantizer takes one) the max of the tokens' row amaxes."""
+        if self.unpermute is None:
+            return dy, amax
+        rows = self.unpermute._replace(source=dy)
+        if self.quantizers["grad_output"].takes_amax:
+            amax = routed_max(PERMUTE.pick("row_amax", dy)(dy), rows.row_id_map)
+        return rows, amax
 
     # ---- GEMM steps: the one place where (quantized) operands reach the GEMMs
     def fprop(self, x, w, groups: Groups, out_dtype: torch.dtype) -> torch.Tensor:
@@ -345,6 +362,9 @@ class GroupedLinearFunction(torch.autograd.Function):
         y = plan.fprop(x_op, w_op, groups, out_dtype=x.dtype)
         if bias is not None:
             y = BIAS.pick("grouped_bias_forward", y)(y, bias, groups.offsets, scales)
+        if plan.unpermute is not None:  # each token's rows summed: y [T, N]
+            row_id_map = plan.unpermute.row_id_map
+            y = PERMUTE.pick("unpermute_rows", y, row_id_map.rows)(y, row_id_map)
         activated = plan.activation is not None  # x is h; the GEMM's input is [R, K] = act(h) * probs
         _Saved(groups=groups,
                x_operand=drop_rowwise(x_op) if keep_input else None,
@@ -368,7 +388,7 @@ class GroupedLinearFunction(torch.autograd.Function):
             ctx.saved = None
         groups = saved.groups
         dy_amax = plan.grad_output_amax.take(dy) if plan.grad_output_amax is not None else None
-        dy = dy.contiguous()
+        dy, dy_amax = plan.output_grad(dy.contiguous(), dy_amax)
         dx = dw = dbias = dscales = dprobs = None
         g_op = plan.quantize_grad(dy, groups, saved.x_dtype, dgrad=needs.dgrad, wgrad=needs.weight, amax=dy_amax)
         if needs.dgrad:
@@ -393,6 +413,8 @@ class GroupedLinearFunction(torch.autograd.Function):
             else:
                 dw = wgrad().to(saved.w_dtype)
         if saved.bias is not None and (needs.bias or needs.scales):
+            if isinstance(dy, GatheredRows):  # the bias reads the rows themselves
+                dy = PERMUTE.pick("permute_rows", dy.source)(dy.source, dy.row_id_map)
             dbias, dscales = BIAS.pick("grouped_bias_backward", dy)(dy, saved.bias, groups.offsets, saved.scales,
                                                                     needs.scales)
             dbias = dbias.to(saved.bias.dtype) if needs.bias else None
@@ -418,13 +440,21 @@ def grouped_linear(x: torch.Tensor, split_sizes: torch.Tensor, weight: torch.Ten
                    input_activation: tuple | None = None, recompute_activation: bool = False, *,
                    input_amax: torch.Tensor | None = None, grad_output_amax: AmaxSlot | None = None,
                    grad_input_amax: AmaxSlot | None = None, weight_cache: BoundWeightCache | None = None,
-                   recompute_weight_columnwise: bool = False) -> torch.Tensor:
+                   recompute_weight_columnwise: bool = False, unpermute: RowIdMap | None = None) -> torch.Tensor:
     """y [R, N] = grouped x [R, K] @ weight[g]^T (+ bias[g] (* scales[row])).
 
     x may be the `GatheredRows` of `moe_permute(..., gather=True)`: under quantizers on the grouped
     path (without quantized_input or input_activation) the input's quantize kernels read each row
     from its token, and x's gradient goes to the tokens through the permute's backward; elsewhere
     the rows are copied first (`gathered_rows`). The same results and gradients bit for bit.
+
+    unpermute: the `RowIdMap` of the permute that made x's rows: the output is
+    `moe_unpermute(y, unpermute)` [T, N] (each token's rows summed, no merging probs; the
+    combine of an MoE layer whose probs scale the experts' activations). Under quantizers on the
+    grouped path it runs inside the op, whose backward quantizes the output gradient's rows
+    gathered from the tokens' gradient (the [R, N] copy the unpermute's backward writes is never
+    made; a current-scaling quantizer's amax comes from the tokens' rows); elsewhere
+    `moe_unpermute` runs after the op. The same results and gradients bit for bit.
 
     split_sizes: [E] int on x's device; rows past their sum join the last group (absorb_tail).
     weight: [E, N, K]; bias: [E, N] or None; scales: [R] per-row bias scale or None.
@@ -467,6 +497,12 @@ def grouped_linear(x: torch.Tensor, split_sizes: torch.Tensor, weight: torch.Ten
         raise TypeError(f"weight_cache must come from WeightCache.bind(parameters), got {type(weight_cache).__name__}")
     if recompute_activation and input_activation is None:
         raise ValueError("recompute_activation=True needs input_activation: it recomputes the input's activation")
+    if unpermute is not None:
+        if not isinstance(unpermute, RowIdMap):
+            raise TypeError(f"unpermute must be the RowIdMap moe_permute returned, got {type(unpermute).__name__}")
+        if grad_output_amax is not None:
+            raise ValueError("unpermute and grad_output_amax exclude each other: the output gradient comes from "
+                             "the unpermute inside the op, which reduces its amax itself")
     path = parse_grouped_path(path)
     if path not in PATHS:
         raise ValueError(f"path must be 'grouped' or 'split' (resolve 'auto' with select_grouped_path), "
@@ -483,6 +519,9 @@ def grouped_linear(x: torch.Tensor, split_sizes: torch.Tensor, weight: torch.Ten
         else:  # the rows themselves: nothing here reads them as gathered
             x = gathered_rows(x)
     rows = x if gather is None else gather._replace(source=x)
+    if unpermute is not None and (unpermute.num_rows != rows.shape[0] or unpermute.rows.device != x.device):
+        raise ValueError(f"unpermute's RowIdMap holds {unpermute.num_rows} permuted rows on {unpermute.rows.device}, "
+                         f"x {rows.shape[0]} rows on {x.device}: pass the RowIdMap of the permute that made x")
     # the split path reads the sizes anyway; device sizes on the grouped path stay unread (no host
     # sync) and are trusted
     check_split_sizes(split_sizes, device=x.device, num_rows=rows.shape[0],
@@ -505,15 +544,21 @@ def grouped_linear(x: torch.Tensor, split_sizes: torch.Tensor, weight: torch.Ten
             x, probs, activation, glu = expert_activation(x, probs, activation, glu), None, None, None
         else:
             activation = parse_activation(activation)
+    scatter = None
+    if unpermute is not None and quantizers is not None and strategy.kind is GroupedPath.GROUPED:
+        # the index of the rows the output gradient's quantize kernels gather
+        index = gather.index if gather is not None and gather.row_id_map is unpermute else permuted_sources(unpermute)
+        scatter = GatheredRows(None, index, unpermute)
     plan = GroupedLinearPlan(strategy, quantizers, quantized_input=quantized_input, activation=activation,
                              glu_interleave_size=glu, wgrad_sink=wgrad_sink, recompute_activation=recompute_activation,
                              input_amax=input_amax, grad_output_amax=grad_output_amax,
                              grad_input_amax=grad_input_amax if activation is not None else None,
                              weight_cache=weight_cache, recompute_weight_columnwise=recompute_weight_columnwise,
-                             grad_enabled=torch.is_grad_enabled(), gather=gather)
+                             grad_enabled=torch.is_grad_enabled(), gather=gather, unpermute=scatter)
     if scales is not None and scales is probs:  # FC2's bias scaled by the probs it activates with
         scales = scales.view_as(scales)  # torch.compile refuses one tensor as two Function inputs
-    return GroupedLinearFunction.apply(plan, x, split_sizes, weight, bias, scales, probs)
+    y = GroupedLinearFunction.apply(plan, x, split_sizes, weight, bias, scales, probs)
+    return moe_unpermute(y, unpermute) if unpermute is not None and scatter is None else y
 
 
 def _check_amax_args(x, split_sizes, input_amax, grad_output_amax, grad_input_amax, input_activation) -> None:

@@ -1,8 +1,10 @@
 """The permute fused into FC1's input quantization (`moe_permute(..., gather=True)`, which MoELayer
-uses under a recipe) gives the unfused layer's outputs and gradients bit for bit, for every recipe,
-through a few steps (delayed scaling's history included); on the GPU the quantize kernels then
-read the tokens themselves (no permuted copy is written) and the Gluon casts gather as they load.
-`QMOE_PERMUTE_GATHER=0` is the unfused layer.
+uses under a recipe) and the unpermute run inside FC2 (`grouped_linear(..., unpermute=)`, whose
+backward quantizes the output gradient's rows gathered from the tokens' gradient) give the unfused
+layer's outputs and gradients bit for bit, for every recipe, through a few steps (delayed
+scaling's history included); on the GPU the quantize kernels then read the tokens and their
+gradient themselves (no permuted copy of either is written) and the Gluon casts gather as they
+load. `QMOE_PERMUTE_GATHER=0` / `QMOE_UNPERMUTE_INSIDE=0` are the unfused layer.
 """
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import pytest
 import torch
 
 import qmoe
-from qmoe.contracts.carriers import GatheredRows, permuted_sources
+from qmoe.contracts.carriers import AmaxSlot, GatheredRows, RowsWithAmax, permuted_sources
+from qmoe.ops.grouped_linear import observe_steps
 from qmoe.recipes import recipe_from_config
 from tests.kernels.interpret import INTERPRETING
 
@@ -20,8 +23,9 @@ RECIPES = ("delayed", "current", "block", "mxfp8", "nvfp4")
 on_gpu = pytest.mark.skipif(INTERPRETING or not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _steps(layer, x0, recipe_name, gather: bool, monkeypatch, steps: int = 2):
+def _steps(layer, x0, recipe_name, gather: bool, monkeypatch, steps: int = 2, inside: bool = True):
     monkeypatch.setenv("QMOE_PERMUTE_GATHER", "1" if gather else "0")
+    monkeypatch.setenv("QMOE_UNPERMUTE_INSIDE", "1" if inside else "0")
     layer = copy.deepcopy(layer)
     x = x0.clone().requires_grad_()
     torch.manual_seed(1)  # NVFP4's stochastic rounding draws from it
@@ -42,10 +46,10 @@ def _same_bits(a, b, what):
     assert torch.equal(a.view(raw), b.view(raw)), what
 
 
-def _layer(device, hidden=256, ffn=128, experts=4, top_k=2):
+def _layer(device, hidden=256, ffn=128, experts=4, top_k=2, bias=False):
     torch.manual_seed(0)
     return qmoe.nn.MoELayer(hidden_size=hidden, ffn_hidden_size=ffn, num_experts=experts, top_k=top_k,
-                            aux_loss_coeff=1e-2, device=device)
+                            aux_loss_coeff=1e-2, device=device, bias=bias)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -56,6 +60,82 @@ def test_fused_permute_gives_the_unfused_bits(recipe, monkeypatch):
     unfused = _steps(layer, x, recipe, False, monkeypatch)
     for i, (a, b) in enumerate(zip(fused, unfused)):
         _same_bits(a, b, f"output / gradient {i}")
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_unpermute_inside_fc2_gives_the_unfused_bits(recipe, bias, monkeypatch):
+    """FC2 summing its rows back to the tokens itself, its backward quantizing dy's rows gathered from
+    the tokens' gradient (the bias gradient from those rows copied), against moe_unpermute after it;
+    and the gradient's quantize step really is handed the gathered rows."""
+    layer = _layer("cpu", bias=bias)
+    x = torch.randn(2, 24, 256)
+    seen = []
+
+    def watch(plan, step, inputs, out):
+        if step == "quantize_grad":  # current scaling's dy comes with its amax
+            dy = inputs[0]
+            seen.append(type(dy.rows if isinstance(dy, RowsWithAmax) else dy))
+
+    with observe_steps(watch):
+        inside = _steps(layer, x, recipe, True, monkeypatch, inside=True)
+    assert seen == [GatheredRows, torch.Tensor] * 2  # FC2's dy gathered, then FC1's (from FC2's dgrad); 2 steps
+    apart = _steps(layer, x, recipe, True, monkeypatch, inside=False)
+    for i, (a, b) in enumerate(zip(inside, apart)):
+        _same_bits(a, b, f"output / gradient {i}")
+
+
+@pytest.mark.parametrize("recipe", ["current", "block"])
+def test_unpermute_inside_with_non_finite_gradients(recipe):
+    """grouped_linear(..., unpermute=) against grouped_linear then moe_unpermute (current scaling's
+    grad amax from the unpermute's backward, handed by an AmaxSlot) when the tokens' gradient holds
+    NaN and inf: the same dx and dW bits (the amax counts finite values only, NUMERICS.md)."""
+    gen = torch.Generator().manual_seed(4)
+    t, e, h, n = 40, 4, 128, 64
+    x = torch.randn(t, h, generator=gen)
+    probs, routing_map = qmoe.ops.topk_route(torch.randn(t, e, generator=gen), 2)
+    w0 = torch.randn(e, n, h, generator=gen)
+    dout = torch.randn(t, n, generator=gen)
+    dout[3, 5], dout[7, 0], dout[11, 9] = float("nan"), float("inf"), -float("inf")
+    rec = recipe_from_config({"name": recipe})
+    quantizers = {r: rec.quantizer(r) for r in ("input", "weight", "grad_output")}
+    results = []
+    for inside in (True, False):
+        xi, w = x.clone().requires_grad_(), w0.clone().requires_grad_()
+        rows, _, row_id_map, splits = qmoe.ops.moe_permute(xi, routing_map, probs, align_size=rec.align_size,
+                                                           top_k=2, gather=True)
+        if inside:
+            out = qmoe.ops.grouped_linear(rows, splits.long(), w, quantizers=quantizers, unpermute=row_id_map)
+        else:
+            slot = AmaxSlot() if quantizers["grad_output"].takes_amax else None
+            y = qmoe.ops.grouped_linear(rows, splits.long(), w, quantizers=quantizers, grad_output_amax=slot)
+            out = qmoe.ops.moe_unpermute(y, row_id_map, grad_amax=slot)
+        out.backward(dout)
+        results.append((out.detach(), xi.grad, w.grad))
+    for i, (a, b) in enumerate(zip(*results)):
+        _same_bits(a, b, f"output / gradient {i}")
+
+
+def test_unpermute_argument_errors():
+    x = torch.randn(8, 16)
+    probs, routing_map = qmoe.ops.topk_route(torch.randn(8, 4), 2)
+    rows, _, row_id_map, splits = qmoe.ops.moe_permute(x, routing_map, probs, top_k=2)
+    w = torch.randn(4, 8, 16)
+    with pytest.raises(TypeError, match="unpermute must be the RowIdMap"):
+        qmoe.ops.grouped_linear(rows, splits.long(), w, unpermute=row_id_map.rows)
+    with pytest.raises(ValueError, match="exclude each other"):
+        qmoe.ops.grouped_linear(rows, splits.long(), w, unpermute=row_id_map, grad_output_amax=AmaxSlot())
+    with pytest.raises(ValueError, match="permuted rows"):
+        qmoe.ops.grouped_linear(rows[:-1], splits.long(), w, unpermute=row_id_map)
+    # without a recipe the unpermute runs after the op: moe_unpermute's result and gradients
+    xr = rows.detach().requires_grad_()
+    got = qmoe.ops.grouped_linear(xr, splits.long(), w, unpermute=row_id_map)
+    got.square().sum().backward()
+    want_x = xr.grad.clone()
+    xr.grad = None
+    want = qmoe.ops.moe_unpermute(qmoe.ops.grouped_linear(xr, splits.long(), w), row_id_map)
+    want.square().sum().backward()
+    assert got.shape == (8, 8) and torch.equal(got, want) and torch.equal(want_x, xr.grad)
 
 
 def test_gathered_rows_stand_for_the_permuted_rows():
@@ -109,6 +189,27 @@ def test_fused_permute_on_the_gpu(recipe, monkeypatch):
         torch.cuda.synchronize()
     names = {e.name for e in prof.events()}
     assert not any("_scatter_rows_kernel" in n for n in names), sorted(names)
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_unpermute_inside_on_the_gpu(recipe, monkeypatch):
+    """FC2's unpermute inside the op on the kernels: bit for bit the unfused layer (with biases, so the
+    bias gradient's copy of the rows runs too), and the unpermute's backward, the kernel that wrote
+    the [R, H] copy of the output gradient, does not run."""
+    layer = _layer("cuda", hidden=512, ffn=256, experts=8, top_k=3, bias=True).to(torch.bfloat16)
+    x = torch.randn(4, 100, 512, device="cuda", dtype=torch.bfloat16)
+    inside = _steps(layer, x, recipe, True, monkeypatch, steps=3, inside=True)
+    apart = _steps(layer, x, recipe, True, monkeypatch, steps=3, inside=False)
+    for i, (a, b) in enumerate(zip(inside, apart)):
+        _same_bits(a, b, f"output / gradient {i}")
+    layer = _layer("cuda", hidden=512, ffn=256, experts=8, top_k=3).to(torch.bfloat16)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        _steps(layer, x, recipe, True, monkeypatch, steps=1)
+        torch.cuda.synchronize()
+    names = {e.name for e in prof.events()}
+    assert not any("_scatter_grad_rows_kernel" in n for n in names), sorted(names)
 
 
 @on_gpu
