@@ -183,8 +183,9 @@ class MoELayer(nn.Module):
         # R rounded up to whole blocks: the zero tail joins the last expert's group (absorb_tail)
         # without breaking any block a recipe needs (NVFP4's 16-row Hadamard runs, say)
         rows = -(-num_permuted_rows(tokens.shape[0], self.top_k, self.num_experts, align) // align) * align
-        # under current scaling the permute and the unpermute backward also reduce the amaxes of the
-        # experts' input and output gradient, so those quantizers only cast
+        # under current scaling the permute (and the unpermute's backward, or FC2 where the unpermute
+        # runs inside it) also reduce the amaxes of the experts' input and output gradient, so those
+        # quantizers only cast
         with_amax = self.experts.takes_amax("input", tokens)
         # under a recipe FC1's quantize kernels read the permuted rows straight from the tokens, and
         # FC2 sums its rows back to the tokens itself, so its output gradient's quantize kernels read

@@ -96,9 +96,9 @@ class GroupedLinearPlan:
     gather: the `GatheredRows` (index and row_id_map; its source is the Function's x) that the
     input stands for, or None: quantized as gathered, its gradient sent back to the tokens.
     unpermute: a `GatheredRows` (index and row_id_map, no source) when the output's rows are summed
-    back to their tokens inside the op (`moe_unpermute` without merging probs), or None: the
-    output is then [T, N], and the backward quantizes its gradient's rows gathered from the
-    tokens' gradient, the rows the unpermute's backward would have copied.
+    back to their tokens inside the op (`moe_unpermute` without merging probs; the output is then
+    [T, N], and the backward quantizes its gradient's rows gathered from the tokens' gradient, the
+    rows the unpermute's backward would have copied), or None.
     """
 
     path: LinearPath
@@ -544,21 +544,20 @@ def grouped_linear(x: torch.Tensor, split_sizes: torch.Tensor, weight: torch.Ten
             x, probs, activation, glu = expert_activation(x, probs, activation, glu), None, None, None
         else:
             activation = parse_activation(activation)
-    scatter = None
+    grad_rows = None  # the output gradient's rows as the backward's quantize kernels gather them
     if unpermute is not None and quantizers is not None and strategy.kind is GroupedPath.GROUPED:
-        # the index of the rows the output gradient's quantize kernels gather
         index = gather.index if gather is not None and gather.row_id_map is unpermute else permuted_sources(unpermute)
-        scatter = GatheredRows(None, index, unpermute)
+        grad_rows = GatheredRows(None, index, unpermute)
     plan = GroupedLinearPlan(strategy, quantizers, quantized_input=quantized_input, activation=activation,
                              glu_interleave_size=glu, wgrad_sink=wgrad_sink, recompute_activation=recompute_activation,
                              input_amax=input_amax, grad_output_amax=grad_output_amax,
                              grad_input_amax=grad_input_amax if activation is not None else None,
                              weight_cache=weight_cache, recompute_weight_columnwise=recompute_weight_columnwise,
-                             grad_enabled=torch.is_grad_enabled(), gather=gather, unpermute=scatter)
+                             grad_enabled=torch.is_grad_enabled(), gather=gather, unpermute=grad_rows)
     if scales is not None and scales is probs:  # FC2's bias scaled by the probs it activates with
         scales = scales.view_as(scales)  # torch.compile refuses one tensor as two Function inputs
     y = GroupedLinearFunction.apply(plan, x, split_sizes, weight, bias, scales, probs)
-    return moe_unpermute(y, unpermute) if unpermute is not None and scatter is None else y
+    return moe_unpermute(y, unpermute) if unpermute is not None and grad_rows is None else y
 
 
 def _check_amax_args(x, split_sizes, input_amax, grad_output_amax, grad_input_amax, input_activation) -> None:
