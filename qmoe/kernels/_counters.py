@@ -8,10 +8,10 @@ reduction the last program runs.
 from __future__ import annotations
 
 import torch
-
-from qmoe.contracts.validate import cuda_index
 import triton
 import triton.language as tl
+
+from qmoe.contracts.validate import cuda_index
 
 # Counters handed to graph captures: allocated (zeroed) outside any capture, each captured launch
 # keeps its own slice for the graph's lifetime. Per device index: [buffer, next free slot].

@@ -16,10 +16,10 @@ import functools
 import threading
 
 import torch
-
-from qmoe.contracts.validate import cuda_index
 import triton
 from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from qmoe.contracts.validate import cuda_index
 
 # Problems below this many elements run one fixed config: tuning them costs more than it gains,
 # and a tuning run synchronises the host (no CUDA graph capture, no sync-debug mode).

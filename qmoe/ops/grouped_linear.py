@@ -33,15 +33,14 @@ from dataclasses import dataclass
 
 import torch
 
-from qmoe.contracts.carriers import (ActivatedRows, AmaxSlot, GatheredRows, RowIdMap, RowsWithAmax, permuted_sources,
-                                     routed_max)
+from qmoe.contracts.carriers import ActivatedRows, AmaxSlot, GatheredRows, RowIdMap, RowsWithAmax, permuted_sources
 from qmoe.contracts.enums import Activation, GroupedPath, Scaling, parse_activation, parse_grouped_path
 from qmoe.contracts.validate import check_flag, check_group_amax, check_scaled_activation_args, check_split_sizes
 from qmoe.dispatch import BIAS, GROUPED_GEMM, PERMUTE
 from qmoe.ops.activation import activation_backward, activation_forward, expert_activation
 from qmoe.ops.amp import autocast_off
 from qmoe.ops.grouped_linear_paths import PATHS, Groups, LinearPath, drop_rowwise
-from qmoe.ops.permute import gathered_rows, moe_unpermute
+from qmoe.ops.permute import gathered_amax, gathered_rows, moe_unpermute
 from qmoe.quant import QuantizedTensor
 from qmoe.quant.quantizer import MXFP8Quantizer, NVFP4Quantizer
 from qmoe.quant.replay import ForwardLog, active_log, using_log
@@ -236,9 +235,7 @@ class GroupedLinearPlan:
         if self.unpermute is None:
             return dy, amax
         rows = self.unpermute._replace(source=dy)
-        if self.quantizers["grad_output"].takes_amax:
-            amax = routed_max(PERMUTE.pick("row_amax", dy)(dy), rows.row_id_map)
-        return rows, amax
+        return rows, gathered_amax(rows) if self.quantizers["grad_output"].takes_amax else None
 
     # ---- GEMM steps: the one place where (quantized) operands reach the GEMMs
     def fprop(self, x, w, groups: Groups, out_dtype: torch.dtype) -> torch.Tensor:
@@ -414,7 +411,7 @@ class GroupedLinearFunction(torch.autograd.Function):
                 dw = wgrad().to(saved.w_dtype)
         if saved.bias is not None and (needs.bias or needs.scales):
             if isinstance(dy, GatheredRows):  # the bias reads the rows themselves
-                dy = PERMUTE.pick("permute_rows", dy.source)(dy.source, dy.row_id_map)
+                dy = gathered_rows(dy)
             dbias, dscales = BIAS.pick("grouped_bias_backward", dy)(dy, saved.bias, groups.offsets, saved.scales,
                                                                     needs.scales)
             dbias = dbias.to(saved.bias.dtype) if needs.bias else None

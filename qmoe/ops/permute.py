@@ -21,7 +21,7 @@ from qmoe.contracts.validate import (check_amax_rows, check_flag, check_merging_
                                      check_routing_top_k, check_rows)
 from qmoe.dispatch import PERMUTE
 
-__all__ = ["moe_permute", "moe_unpermute", "gathered_rows", "RowIdMap"]
+__all__ = ["moe_permute", "moe_unpermute", "gathered_rows", "gathered_amax", "RowIdMap"]
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -188,9 +188,8 @@ def _gathered(x, routing_map, probs, align_size, top_k, num_rows, with_amax):
     """moe_permute(..., gather=True): the map and the probs as usual, the rows left where they are."""
     row_id_map, split_sizes = _permute_map(routing_map, top_k, align_size, num_rows)
     out = GatheredRows(x, permuted_sources(row_id_map), row_id_map)
-    if with_amax:  # each expert's rows are copies of its tokens' rows: the max of their amaxes
-        with torch.no_grad():
-            out = RowsWithAmax(out, routed_max(PERMUTE.pick("row_amax", x)(x.detach()), row_id_map))
+    if with_amax:
+        out = RowsWithAmax(out, gathered_amax(out))
     if probs is None:
         out_probs = None
     elif use_kernels(x, routing_map, probs):
@@ -198,6 +197,14 @@ def _gathered(x, routing_map, probs, align_size, top_k, num_rows, with_amax):
     else:
         out_probs = reference.permute_probs(probs, row_id_map)
     return out, out_probs, row_id_map, split_sizes
+
+
+def gathered_amax(rows: GatheredRows) -> torch.Tensor:
+    """[E] fp32 per-expert amax of the rows a `GatheredRows` (with its row_id_map) stands for: each
+    expert's rows are copies of its tokens' rows, so the max of those tokens' row amaxes (finite
+    values; padding rows are zero), the bits `permute_rows(with_amax=True)` reduces."""
+    x = rows.source.detach()
+    return routed_max(PERMUTE.pick("row_amax", x)(x), rows.row_id_map)
 
 
 def gathered_rows(rows: GatheredRows) -> torch.Tensor:
